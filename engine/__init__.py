@@ -1,0 +1,1 @@
+"""Model execution: the engine protocol the workers drive, and its implementations."""

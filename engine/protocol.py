@@ -1,0 +1,101 @@
+"""The engine protocol: what prefill and decode workers need from a model runner.
+
+Lifecycle: `start()` -> any mix of calls below -> `close()` (safe twice, safe after a failed
+start). The engine owns its KV blocks; the worker only names requests.
+
+Prefill side:  `prefill(request)` computes the prompt and returns the first token plus the
+               blocks holding its KV; `release(request_id)` once the KV has been handed off.
+Decode side:   `reserve(request_id, num_tokens)` sets blocks aside for a request whose KV will
+               arrive; `join(request)` adds it to the running batch once the KV is in;
+               `next_step()` waits for the next decode step and returns its tokens.
+Both:          `abort(request_id)` drops the request wherever it is and frees its blocks.
+
+Implementations never block the event loop: model compute runs in a thread of its own (or,
+for the fake engine, is only a sleep).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from shared.messages import FinishReason, SamplingParams
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    first_token_id: int
+    block_ids: list[int]
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """A request whose KV sits in its reserved blocks and whose first token is out."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token_id: int
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """One new token of one request; `index` is its position in the output."""
+
+    request_id: str
+    index: int
+    token_id: int
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    max_batch_size: int
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """A model runner with a paged KV cache. See the module docstring for the lifecycle."""
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    async def start(self) -> None:
+        """Load weights, allocate the KV pool, start the compute thread."""
+
+    async def close(self) -> None:
+        """Stop compute and free everything; idempotent."""
+
+    async def prefill(self, request: PrefillRequest) -> PrefillResult:
+        """Compute the prompt (batched with other waiting prompts) and sample one token."""
+
+    def release(self, request_id: str) -> None:
+        """The prefill KV of `request_id` has been handed off; the engine may reuse it."""
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        """Set aside blocks for `num_tokens` tokens; raises `CapacityExhausted`."""
+
+    def join(self, request: DecodeRequest) -> None:
+        """Add a reserved request to the running decode batch."""
+
+    async def next_step(self) -> list[TokenOutput]:
+        """Wait until something runs, run one decode step, return its tokens. Finished
+        requests leave the batch and their blocks are freed."""
+
+    def abort(self, request_id: str) -> bool:
+        """Drop the request wherever it is; return whether it was known."""
+
+    def stats(self) -> EngineStats: ...

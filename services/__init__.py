@@ -1,0 +1,1 @@
+"""The four halfmoon services and the `halfmoon` command line."""

@@ -1,0 +1,101 @@
+"""The `halfmoon` command line.
+
+    halfmoon up                      embedded NATS + conductor + prefill + decode + gateway
+    halfmoon gateway|conductor|prefill|decode --nats-url URL ...   one service per process
+
+Every service flag is also an environment variable `HALFMOON_<FLAG>` and a key of the TOML
+file given with `--config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+import uvloop
+
+from services.launcher import UpOptions, run_up
+from shared.config import (
+    ConductorConfig,
+    GatewayConfig,
+    ServiceConfig,
+    WorkerConfig,
+    add_config_flags,
+    load_config,
+)
+from shared.errors import ConfigError, ServiceStartFailed
+from shared.logs import configure_logging
+from shared.service import Service
+
+
+def _build_gateway(config: ServiceConfig) -> Service:
+    from services.gateway.service import GatewayService
+
+    return GatewayService(config)  # type: ignore[arg-type]
+
+
+def _build_conductor(config: ServiceConfig) -> Service:
+    from services.conductor.service import ConductorService
+
+    return ConductorService(config)  # type: ignore[arg-type]
+
+
+def _build_prefill(config: ServiceConfig) -> Service:
+    from services.prefill.service import PrefillService
+
+    return PrefillService(config)  # type: ignore[arg-type]
+
+
+def _build_decode(config: ServiceConfig) -> Service:
+    from services.decode.service import DecodeService
+
+    return DecodeService(config)  # type: ignore[arg-type]
+
+
+SERVICES: dict[str, tuple[type[ServiceConfig], Callable[[ServiceConfig], Service]]] = {
+    "gateway": (GatewayConfig, _build_gateway),
+    "conductor": (ConductorConfig, _build_conductor),
+    "prefill": (WorkerConfig, _build_prefill),
+    "decode": (WorkerConfig, _build_decode),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="halfmoon", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="run the whole system on this machine")
+    UpOptions.add_flags(up)
+    for name, (config_type, _) in SERVICES.items():
+        add_config_flags(commands.add_parser(name, help=f"run one {name}"), config_type)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "up":
+            return run_up(UpOptions.from_args(args))
+        return run_service(args.command, vars(args))
+    except ConfigError as exc:
+        print(f"halfmoon: {exc.message}", file=sys.stderr)
+        return 2
+    except ServiceStartFailed as exc:
+        print(f"halfmoon: {exc.message}", file=sys.stderr)
+        return 1
+
+
+def run_service(name: str, flags: dict[str, object]) -> int:
+    config_type, build = SERVICES[name]
+    config = load_config(config_type, flags=flags, env=os.environ,
+                         toml_path=flags.get("config_path"))  # type: ignore[arg-type]
+    configure_logging(config.log_level, config.log_format)
+    service = build(config)
+    uvloop.run(service.run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The conductor: the global scheduler."""

@@ -1,0 +1,196 @@
+"""The conductor: takes requests off the JetStream work queue and places them.
+
+Replicas share one durable pull consumer, so each request is placed once. Per request:
+pick a prefill and a decode worker from live heartbeats, send `PrefillTask` and
+`DecodeReservation` at the same time, and ack the request once both workers accepted. When
+one side refuses or is gone, only that side is placed again (up to `max_placement_attempts`),
+the accepted side is kept; when placement is impossible the gateway gets `RequestFailed`
+(429 for capacity, 503 for no workers) and any accepted side is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import defaultdict
+from typing import Any
+
+import msgspec
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from services.conductor.placement import PendingWork, blocks_needed, pick_decode, pick_prefill
+from shared.config import ConductorConfig
+from shared.errors import HalfmoonError, WorkerUnavailable
+from shared.heartbeats import WorkerDirectory
+from shared.messages import (
+    AbortRequest,
+    DecodeReservation,
+    DispatchReply,
+    GenerateRequest,
+    PrefillTask,
+    RequestFailed,
+    WorkerHeartbeat,
+)
+from shared.nats_client import dispatch, encode, ensure_work_queue
+from shared.service import Service
+
+
+async def _kept() -> None:
+    """The answer for a side accepted in an earlier attempt: nothing to send."""
+    return None
+
+
+_request_decoder = msgspec.json.Decoder(GenerateRequest)
+_heartbeat_decoder = msgspec.json.Decoder(WorkerHeartbeat)
+
+
+class ConductorService(Service):
+    name = "conductor"
+
+    def __init__(self, config: ConductorConfig) -> None:
+        super().__init__(config)
+        self.config: ConductorConfig = config
+        self.workers = WorkerDirectory(config.heartbeat_timeout_s)
+        self._pending: dict[str, PendingWork] = defaultdict(PendingWork)
+        self._num_placing = 0
+        self._is_fetching = False
+
+    async def _setup(self) -> None:
+        await self.nc.subscribe(self.subjects.all_heartbeats, cb=self._on_heartbeat)
+        js = self.nc.jetstream()
+        await ensure_work_queue(js, self.subjects.requests_stream, self.subjects.requests,
+                                max_age_s=self.config.request_max_age_s)
+        consumer = ConsumerConfig(
+            durable_name=self.subjects.conductor_consumer, ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=30.0, max_deliver=5, max_ack_pending=4096,
+        )
+        self._is_fetching = True
+        for i in range(self.config.num_fetchers):
+            subscription = await js.pull_subscribe(
+                self.subjects.requests, durable=self.subjects.conductor_consumer,
+                stream=self.subjects.requests_stream, config=consumer,
+            )
+            self.spawn(self._fetch_loop(subscription), f"fetch.{i}")
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            heartbeat = _heartbeat_decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            self.log.warning("message.invalid", subject=msg.subject, error=str(exc))
+            return
+        self.workers.observe(heartbeat)
+        self._pending.pop(heartbeat.worker_id, None)
+
+    async def _fetch_loop(self, subscription: Any) -> None:
+        # Each fetcher keeps one pull open; several fetchers place requests concurrently.
+        while self._is_fetching:
+            try:
+                messages = await subscription.fetch(1, timeout=1.0)
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            except nats.errors.ConnectionClosedError:
+                return
+            for message in messages:
+                self._num_placing += 1
+                try:
+                    await self._handle(message)
+                finally:
+                    self._num_placing -= 1
+
+    async def _handle(self, msg: Msg) -> None:
+        """Error boundary: decode -> place -> ack; invalid -> term; unexpected -> nak."""
+        try:
+            request = _request_decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            self.log.warning("request.invalid", error=str(exc))
+            await msg.term()
+            return
+        if time.time() - request.created_at_s > self.config.request_max_age_s:
+            self.log.warning("request.expired", request_id=request.request_id)
+            await msg.ack()
+            return
+        try:
+            await self._place(request)
+        except HalfmoonError as exc:
+            await self._reject(request, exc)
+        except Exception as exc:
+            self.log.error("request.place_failed", request_id=request.request_id, exc_info=exc)
+            await msg.nak(delay=0.5)
+            return
+        await msg.ack()
+
+    async def _place(self, request: GenerateRequest) -> None:
+        excluded: set[str] = set()
+        kept: dict[str, str | None] = {"prefill": None, "decode": None}
+        num_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
+        error: HalfmoonError = WorkerUnavailable("no placement attempted")
+        for _ in range(self.config.max_placement_attempts):
+            try:
+                prefill = kept["prefill"] or pick_prefill(
+                    self.workers.healthy("prefill"), excluded, self._pending).worker_id
+                decode = kept["decode"] or pick_decode(
+                    self.workers.healthy("decode"), excluded, self._pending, num_tokens
+                ).worker_id
+            except HalfmoonError as exc:
+                error = exc
+                break
+            # A new prefill worker means decode must learn it too (it re-sends the target).
+            replies = await asyncio.gather(
+                self._dispatch(self.subjects.prefill_task(prefill), PrefillTask(request=request))
+                if kept["prefill"] is None else _kept(),
+                self._dispatch(self.subjects.decode_reserve(decode),
+                               DecodeReservation(request=request, prefill_worker_id=prefill))
+                if kept["prefill"] is None or kept["decode"] is None else _kept(),
+            )
+            for role, worker_id, reply in zip(("prefill", "decode"), (prefill, decode), replies,
+                                              strict=True):
+                if isinstance(reply, DispatchReply) and reply.is_accepted:
+                    kept[role] = worker_id
+                    self._count_pending(worker_id, num_tokens if role == "decode" else 0)
+                elif reply is not None:
+                    excluded.add(worker_id)
+                    error = self._refusal_error(worker_id, reply)
+            if kept["prefill"] and kept["decode"]:
+                return
+        await self._abort(request.request_id, error.message)
+        raise error
+
+    async def _dispatch(self, subject: str, message: Any) -> DispatchReply | HalfmoonError:
+        try:
+            return await dispatch(self.nc, subject, message, self.config.dispatch_timeout_s)
+        except HalfmoonError as exc:
+            return exc
+
+    def _refusal_error(self, worker_id: str, reply: DispatchReply | HalfmoonError) -> HalfmoonError:
+        reason = reply.message if isinstance(reply, HalfmoonError) else reply.reason
+        self.log.info("placement.refused", worker_id=worker_id, reason=reason)
+        return WorkerUnavailable(f"{worker_id} refused: {reason}")
+
+    def _count_pending(self, worker_id: str, num_tokens: int) -> None:
+        entry = self._pending[worker_id]
+        block_size = self.workers.block_size(worker_id)
+        num_blocks = blocks_needed(num_tokens, block_size) if num_tokens else 0
+        self._pending[worker_id] = PendingWork(entry.num_requests + 1,
+                                               entry.num_blocks + num_blocks)
+
+    async def _reject(self, request: GenerateRequest, error: HalfmoonError) -> None:
+        self.log.info("request.rejected", request_id=request.request_id, code=error.code,
+                      reason=error.message)
+        failure = RequestFailed(request_id=request.request_id, code=error.code,
+                                message=error.message, worker_id=self.instance_id)
+        with contextlib.suppress(nats.errors.Error):
+            await self.nc.publish(request.reply_subject, encode(failure))
+
+    async def _abort(self, request_id: str, reason: str) -> None:
+        with contextlib.suppress(nats.errors.Error):
+            await self.nc.publish(self.subjects.abort,
+                                  encode(AbortRequest(request_id=request_id, reason=reason)))
+
+    async def _stop_intake(self) -> None:
+        self._is_fetching = False
+
+    async def _drain(self) -> None:
+        await self.wait_until(lambda: self._num_placing == 0)

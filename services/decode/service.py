@@ -1,0 +1,147 @@
+"""The decode worker: reserves KV blocks, joins committed requests, streams tokens.
+
+A request's life here:
+  1. `DecodeReservation` (request/reply): reserve blocks for prompt + max_tokens, send the
+     `KvTarget` to the named prefill worker, accept. A repeated reservation (the conductor
+     re-placed prefill) keeps the blocks and re-sends the target to the new prefill worker.
+  2. `KvCommitted` (request/reply): the KV is in; join the running batch.
+  3. Each engine step yields one token per running request; they go out as one `TokenBatch`
+     per gateway per step. Finished requests leave the batch and free their blocks.
+A reservation whose commit does not come within `kv_wait_timeout_s` is freed; an abort frees
+the request at whatever step it is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from engine.protocol import DecodeRequest, TokenOutput
+from services.worker import WorkerService
+from shared.errors import RequestAborted
+from shared.messages import (
+    DecodeReservation,
+    DispatchReply,
+    GenerateRequest,
+    KvCommitted,
+    KvTarget,
+    RequestFailed,
+    TokenBatch,
+    TokenDelta,
+)
+from shared.nats_client import encode
+
+
+@dataclass
+class Reservation:
+    request: GenerateRequest
+    prefill_worker_id: str
+    block_ids: list[int]
+    reserved_at_s: float
+
+
+class DecodeService(WorkerService):
+    name = "decode"
+    role = "decode"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._reservations: dict[str, Reservation] = {}
+        self._active: dict[str, GenerateRequest] = {}
+
+    async def _subscribe_work(self) -> list[Any]:
+        subscriptions = [
+            await self.serve(self.subjects.decode_reserve(self.worker_id), DecodeReservation,
+                             self._on_reserve),
+            await self.serve(self.subjects.kv_commit(self.worker_id), KvCommitted,
+                             self._on_commit),
+        ]
+        self.spawn(self._step_loop(), "steps")
+        return subscriptions
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._reservations) + len(self._active)
+
+    def _num_waiting(self) -> int:
+        return len(self._reservations)
+
+    async def _on_reserve(self, message: DecodeReservation) -> DispatchReply:
+        request = message.request
+        if self.is_draining:
+            return self._refusal("worker is draining")
+        reservation = self._reservations.get(request.request_id)
+        if reservation is None:
+            num_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
+            block_ids = self.engine.reserve(request.request_id, num_tokens)
+            reservation = Reservation(request, message.prefill_worker_id, block_ids,
+                                      time.monotonic())
+            self._reservations[request.request_id] = reservation
+        reservation.prefill_worker_id = message.prefill_worker_id
+        target = KvTarget(request_id=request.request_id, decode_worker_id=self.worker_id,
+                          block_ids=reservation.block_ids)
+        await self.nc.publish(self.subjects.kv_target(message.prefill_worker_id), encode(target))
+        return self.accept()
+
+    async def _on_commit(self, message: KvCommitted) -> DispatchReply:
+        reservation = self._reservations.pop(message.request_id, None)
+        if reservation is None:
+            return self._refusal(f"no reservation for {message.request_id}")
+        request = reservation.request
+        self.engine.join(DecodeRequest(
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            first_token_id=message.first_token_id, sampling=request.sampling,
+        ))
+        self._active[request.request_id] = request
+        return self.accept()
+
+    async def _step_loop(self) -> None:
+        while True:
+            outputs = await self.engine.next_step()
+            await self._publish_step(outputs)
+
+    async def _publish_step(self, outputs: list[TokenOutput]) -> None:
+        by_gateway: dict[str, list[TokenDelta]] = defaultdict(list)
+        for output in outputs:
+            request = self._active.get(output.request_id)
+            if request is None:
+                continue  # aborted while the step ran
+            by_gateway[request.reply_subject].append(TokenDelta(
+                request_id=output.request_id, index=output.index, token_ids=[output.token_id],
+                finish_reason=output.finish_reason,
+            ))
+            if output.finish_reason is not None:
+                del self._active[output.request_id]
+        for subject, items in by_gateway.items():
+            await self.nc.publish(subject, encode(TokenBatch(worker_id=self.worker_id,
+                                                             items=items)))
+
+    def _abort(self, request_id: str) -> None:
+        self._reservations.pop(request_id, None)
+        self._active.pop(request_id, None)
+        self.engine.abort(request_id)
+
+    def _on_tick(self) -> None:
+        cutoff = time.monotonic() - self.config.kv_wait_timeout_s
+        for request_id, reservation in list(self._reservations.items()):
+            if reservation.reserved_at_s < cutoff:
+                self.log.warning("decode.reservation_expired", request_id=request_id,
+                                 prefill_worker_id=reservation.prefill_worker_id)
+                self._abort(request_id)
+
+    async def _drain(self) -> None:
+        await self.wait_until(lambda: self.num_open_requests == 0)
+
+    async def _close(self) -> None:
+        # Whatever is still open after the drain is failed loudly, never left hanging.
+        requests = list(self._active.values()) + [r.request for r in self._reservations.values()]
+        error = RequestAborted("decode worker stopped")
+        for request in requests:
+            self._abort(request.request_id)
+            failure = RequestFailed(request_id=request.request_id, code=error.code,
+                                    message=error.message, worker_id=self.worker_id)
+            if self._nc is not None and not self._nc.is_closed:
+                await self.nc.publish(request.reply_subject, encode(failure))
+        await super()._close()

@@ -1,0 +1,185 @@
+"""HTTP routes of the OpenAI API, on aiohttp.
+
+Every error leaves as OpenAI-style JSON, `{"error": {"message", "type", "param", "code"}}`,
+with the status its typed exception carries; never a stack trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import msgspec
+from aiohttp import web
+
+from services.gateway.generation import Generator, TextChunk
+from services.gateway.openai_schema import (
+    ChatCompletionRequest,
+    ChatFormat,
+    CompletionFormat,
+    CompletionRequest,
+    ParsedRequest,
+    decode_body,
+    usage,
+)
+from shared.errors import AuthenticationFailed, HalfmoonError, InvalidRequest
+from shared.logs import get_logger
+
+log = get_logger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ResponseFormat = CompletionFormat | ChatFormat
+
+_json = msgspec.json.Encoder()
+
+
+class GatewayBackend(Protocol):
+    """What the routes need from the gateway service."""
+
+    model: str
+    api_key: str | None
+    generator: Generator
+
+    def parse_completion(self, request: CompletionRequest) -> ParsedRequest: ...
+
+    def parse_chat(self, request: ChatCompletionRequest) -> ParsedRequest: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+    def check_accepting(self) -> None: ...
+
+
+def error_body(exc: HalfmoonError) -> dict[str, Any]:
+    return {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param,
+                      "code": exc.code.value}}
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_json.encode(body), status=status, content_type="application/json")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except HalfmoonError as exc:
+        return json_response(error_body(exc), exc.http_status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error = InvalidRequest(f"{exc.reason}: {request.method} {request.path}")
+        body = error_body(error)
+        body["error"]["code"] = str(exc.status)
+        return json_response(body, exc.status)
+    except Exception as exc:
+        log.error("http.unhandled", path=request.path, exc_info=exc)
+        error = HalfmoonError("internal server error")
+        return json_response(error_body(error), 500)
+
+
+def auth_middleware(api_key: str | None) -> Any:
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if api_key is not None and request.path.startswith("/v1/"):
+            header = request.headers.get("Authorization", "")
+            token = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+            if not secrets.compare_digest(token.encode(), api_key.encode()):
+                raise AuthenticationFailed("Incorrect or missing API key")
+        return await handler(request)
+
+    return check
+
+
+def build_app(backend: GatewayBackend) -> web.Application:
+    app = web.Application(
+        middlewares=[error_middleware, auth_middleware(backend.api_key)],
+        client_max_size=16 * 1024 * 1024,
+    )
+    routes = _Routes(backend)
+    app.router.add_post("/v1/completions", routes.completions)
+    app.router.add_post("/v1/chat/completions", routes.chat_completions)
+    app.router.add_get("/v1/models", routes.models)
+    app.router.add_get("/health", routes.health)
+    return app
+
+
+class _Routes:
+    def __init__(self, backend: GatewayBackend) -> None:
+        self.backend = backend
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.backend.check_accepting()
+        body = decode_body(await request.read(), CompletionRequest)
+        parsed = self.backend.parse_completion(body)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        return await _respond(request, self.backend.generator, request_id, parsed,
+                              CompletionFormat(request_id, parsed.model))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        self.backend.check_accepting()
+        body = decode_body(await request.read(), ChatCompletionRequest)
+        parsed = self.backend.parse_chat(body)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        return await _respond(request, self.backend.generator, request_id, parsed,
+                              ChatFormat(request_id, parsed.model))
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        return json_response({"object": "list", "data": [
+            {"id": self.backend.model, "object": "model", "created": int(time.time()),
+             "owned_by": "halfmoon"},
+        ]})
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        body = self.backend.health()
+        return json_response(body, 200 if body["status"] == "ok" else 503)
+
+
+async def _respond(
+    request: web.Request, generator: Generator, request_id: str, parsed: ParsedRequest,
+    fmt: ResponseFormat,
+) -> web.StreamResponse:
+    num_prompt = len(parsed.prompt_token_ids)
+    async with contextlib.aclosing(generator.stream(request_id, parsed)) as chunks:
+        if not parsed.is_stream:
+            texts, last = [], TextChunk("", None, 0)
+            async for last in chunks:
+                texts.append(last.text)
+            body = fmt.body("".join(texts), last.finish_reason,
+                            usage(num_prompt, last.num_completion_tokens))
+            return json_response(body)
+        # Wait for the first chunk before sending headers, so that a rejection (429/503)
+        # still reaches a streaming client as an HTTP status.
+        first = await anext(chunks)
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+        })
+        await response.prepare(request)
+        await _stream_events(response, chunks, first, fmt, parsed.include_usage, num_prompt)
+        return response
+
+
+async def _stream_events(
+    response: web.StreamResponse, chunks: Any, first: TextChunk, fmt: ResponseFormat,
+    include_usage: bool, num_prompt: int,
+) -> None:
+    extra = {"usage": None} if include_usage else {}
+    last = first
+    try:
+        if (opening := fmt.first_chunk()) is not None:
+            await _send(response, {**opening, **extra})
+        await _send(response, {**fmt.chunk(first.text, first.finish_reason), **extra})
+        async for last in chunks:
+            await _send(response, {**fmt.chunk(last.text, last.finish_reason), **extra})
+        if include_usage:
+            await _send(response, fmt.usage_chunk(usage(num_prompt, last.num_completion_tokens)))
+    except HalfmoonError as exc:
+        await _send(response, error_body(exc))
+    await response.write(b"data: [DONE]\n\n")
+
+
+async def _send(response: web.StreamResponse, body: dict[str, Any]) -> None:
+    await response.write(b"data: " + _json.encode(body) + b"\n\n")

@@ -1,0 +1,102 @@
+"""From a validated request to a stream of text: publish, follow, detokenize, stop.
+
+`Generator.stream` yields `TextChunk`s. Leaving the iteration early for any reason (client
+gone, stop string, error) publishes an `AbortRequest`, so every block downstream is freed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+
+from services.gateway.openai_schema import ParsedRequest
+from services.gateway.request_stream import StreamTable
+from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.tokenizer import Tokenizer
+from shared.errors import WorkerUnavailable
+from shared.logs import get_logger
+from shared.messages import AbortRequest, FinishReason, GenerateRequest
+from shared.nats_client import encode
+from shared.subjects import Subjects
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    text: str
+    finish_reason: FinishReason | None
+    num_completion_tokens: int
+
+
+@dataclass(frozen=True)
+class GeneratorContext:
+    nc: NatsClient
+    js: JetStreamContext
+    subjects: Subjects
+    reply_subject: str
+    table: StreamTable
+    tokenizer: Tokenizer
+    timeout_s: float
+
+
+class Generator:
+    def __init__(self, context: GeneratorContext) -> None:
+        self._ctx = context
+
+    async def stream(self, request_id: str, parsed: ParsedRequest) -> AsyncIterator[TextChunk]:
+        ctx = self._ctx
+        stream = ctx.table.open(request_id)
+        is_done = False
+        try:
+            await self._publish(request_id, parsed)
+            detokenizer = ctx.tokenizer.detokenizer()
+            matcher = StopStringMatcher(parsed.stop)
+            num_tokens = 0
+            while not is_done:
+                delta = await stream.next(ctx.timeout_s)
+                num_tokens += len(delta.token_ids)
+                text = matcher.push(detokenizer.push(delta.token_ids))
+                finish = delta.finish_reason
+                if finish is not None and not matcher.is_stopped:
+                    text += matcher.push(detokenizer.flush())
+                    text += matcher.flush()
+                if matcher.is_stopped:
+                    finish = "stop"
+                is_done = finish is not None and delta.finish_reason is not None
+                if text or finish is not None:
+                    yield TextChunk(text, finish, num_tokens)
+                if finish is not None:
+                    return
+        finally:
+            ctx.table.close(request_id)
+            if not is_done:
+                await self._abort(request_id)
+
+    async def _publish(self, request_id: str, parsed: ParsedRequest) -> None:
+        ctx = self._ctx
+        message = GenerateRequest(
+            request_id=request_id, model=parsed.model,
+            prompt_token_ids=parsed.prompt_token_ids, sampling=parsed.sampling,
+            reply_subject=ctx.reply_subject, created_at_s=time.time(),
+        )
+        try:
+            await ctx.js.publish(ctx.subjects.requests, encode(message),
+                                 headers={"Nats-Msg-Id": request_id})
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            raise WorkerUnavailable(f"cannot queue the request: {exc!r}") from exc
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await self._ctx.nc.publish(
+                self._ctx.subjects.abort,
+                encode(AbortRequest(request_id=request_id, reason="gateway")),
+            )
+        except nats.errors.Error as exc:
+            log.warning("abort.publish_failed", request_id=request_id, error=repr(exc))

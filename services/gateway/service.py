@@ -1,0 +1,166 @@
+"""The gateway service: OpenAI HTTP in front, NATS behind.
+
+Lifecycle: start() declares the request stream, subscribes to its own reply subject and to
+worker heartbeats (for /health), then opens the HTTP port. stop() refuses new requests (503),
+lets streams in flight finish up to `drain_timeout_s`, then closes the HTTP server; requests
+still open at that point get an error event and their downstream work is aborted.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from nats.aio.msg import Msg
+
+from services.gateway.api import build_app
+from services.gateway.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from services.gateway.generation import Generator, GeneratorContext
+from services.gateway.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Limits,
+    ParsedRequest,
+    chat_messages,
+    completion_prompt,
+    validate,
+)
+from services.gateway.request_stream import StreamTable
+from services.gateway.tokenizer import ByteTokenizer, Tokenizer
+from shared.config import GatewayConfig
+from shared.errors import ConfigError, RequestAborted, WorkerUnavailable
+from shared.heartbeats import WorkerDirectory
+from shared.messages import GatewayEvent, WorkerHeartbeat
+from shared.nats_client import ensure_work_queue
+from shared.service import Service
+
+# OpenAI's legacy completions endpoint defaults to 16 new tokens; chat fills the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class GatewayService(Service):
+    name = "gateway"
+
+    def __init__(self, config: GatewayConfig, tokenizer: Tokenizer | None = None) -> None:
+        super().__init__(config)
+        self.config: GatewayConfig = config
+        self.gateway_id = config.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
+        self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
+        self.model = config.model
+        self.api_key = config.api_key
+        self.limits = Limits(config.model, config.max_model_len, self.tokenizer.vocab_size)
+        self.table = StreamTable()
+        self.workers = WorkerDirectory(timeout_s=2.0)
+        self.port: int | None = None
+        self._template: ChatTemplate | None = None
+        self._generator: Generator | None = None
+        self._runner: web.AppRunner | None = None
+        self._is_accepting = False
+
+    @property
+    def instance_id(self) -> str:
+        return self.gateway_id
+
+    @property
+    def generator(self) -> Generator:
+        if self._generator is None:
+            raise WorkerUnavailable("gateway is not started")
+        return self._generator
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    async def _setup(self) -> None:
+        self._template = ChatTemplate(self._read_template())
+        js = self.nc.jetstream()
+        await ensure_work_queue(js, self.subjects.requests_stream, self.subjects.requests,
+                                max_age_s=self.config.request_timeout_s)
+        reply_subject = self.subjects.gateway(self.gateway_id)
+        await self.nc.subscribe(reply_subject, cb=self._on_event)
+        await self.nc.subscribe(self.subjects.all_heartbeats, cb=self._on_heartbeat)
+        self._generator = Generator(GeneratorContext(
+            nc=self.nc, js=js, subjects=self.subjects, reply_subject=reply_subject,
+            table=self.table, tokenizer=self.tokenizer, timeout_s=self.config.request_timeout_s,
+        ))
+        await self._serve_http()
+        self._is_accepting = True
+
+    def _read_template(self) -> str:
+        path = self.config.chat_template_path
+        if path is None:
+            return DEFAULT_CHAT_TEMPLATE
+        try:
+            return Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read chat template {path}: {exc}") from exc
+
+    async def _serve_http(self) -> None:
+        self._runner = web.AppRunner(build_app(self), handler_cancellation=True,
+                                     access_log=None)
+        await self._runner.setup()
+        sock = socket.create_server((self.config.host, self.config.port), reuse_port=False)
+        self.port = sock.getsockname()[1]
+        await web.SockSite(self._runner, sock).start()
+
+    async def _stop_intake(self) -> None:
+        self._is_accepting = False
+
+    async def _drain(self) -> None:
+        await self.wait_until(lambda: len(self.table) == 0)
+
+    async def _close(self) -> None:
+        self.table.fail_all(RequestAborted("gateway is shutting down"))
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _on_event(self, msg: Msg) -> None:
+        try:
+            event = _event_decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            self.log.warning("message.invalid", subject=msg.subject, error=str(exc))
+            return
+        self.table.dispatch(event)
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            self.workers.observe(_heartbeat_decoder.decode(msg.data))
+        except msgspec.DecodeError as exc:
+            self.log.warning("message.invalid", subject=msg.subject, error=str(exc))
+
+    # GatewayBackend.
+    def check_accepting(self) -> None:
+        if not self._is_accepting:
+            raise WorkerUnavailable("gateway is shutting down")
+
+    def parse_completion(self, request: CompletionRequest) -> ParsedRequest:
+        prompt = completion_prompt(request)
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return validate(request, token_ids, self.limits,
+                        default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
+                        max_tokens=request.max_tokens)
+
+    def parse_chat(self, request: ChatCompletionRequest) -> ParsedRequest:
+        if self._template is None:
+            raise WorkerUnavailable("gateway is not started")
+        text = self._template.render(chat_messages(request), bos_token=self.tokenizer.bos_token,
+                                     eos_token=self.tokenizer.eos_token)
+        return validate(request, self.tokenizer.encode(text), self.limits,
+                        default_max_tokens=None,
+                        max_tokens=request.max_completion_tokens or request.max_tokens)
+
+    def health(self) -> dict[str, Any]:
+        num_prefill = len(self.workers.healthy("prefill"))
+        num_decode = len(self.workers.healthy("decode"))
+        is_ok = self._is_accepting and num_prefill > 0 and num_decode > 0
+        return {"status": "ok" if is_ok else "unavailable", "gateway_id": self.gateway_id,
+                "num_prefill_workers": num_prefill, "num_decode_workers": num_decode,
+                "num_open_requests": len(self.table)}
+
+
+_event_decoder = msgspec.json.Decoder(GatewayEvent)
+_heartbeat_decoder = msgspec.json.Decoder(WorkerHeartbeat)

@@ -1,0 +1,179 @@
+"""`halfmoon up`: the whole system on one machine, each service its own OS process.
+
+Order: NATS (embedded, unless `--nats` names a server) -> conductor -> prefill and decode
+workers -> gateway; ready once the gateway's /health sees every worker. Ctrl-C or SIGTERM
+stops the gateway first (no new requests), then workers and conductor, then NATS; children
+that do not stop in time are killed, and children die with the launcher (PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from types import FrameType
+
+from shared.errors import ServiceStartFailed
+from shared.nats_server import EmbeddedNatsServer
+
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    host: str
+    port: int
+    nats_url: str | None
+    nats_port: int | None
+    num_prefill: int
+    num_decode: int
+    cluster: str
+    service_flags: tuple[tuple[str, str], ...]  # (flag, value) passed on to services
+
+    @staticmethod
+    def add_flags(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=8000)
+        parser.add_argument("--nats", dest="nats_url", default=None,
+                            help="use this NATS server instead of an embedded one")
+        parser.add_argument("--nats-port", type=int, default=None,
+                            help="port of the embedded NATS server (default: a free one)")
+        parser.add_argument("--prefill", dest="num_prefill", type=int, default=1)
+        parser.add_argument("--decode", dest="num_decode", type=int, default=1)
+        parser.add_argument("--cluster", default="default")
+        parser.add_argument("--engine", default=None)
+        parser.add_argument("--api-key", default=None)
+        parser.add_argument("--log-level", default=None)
+        parser.add_argument("--fake-token-delay-s", default=None)
+        parser.add_argument("--fake-prefill-delay-s", default=None)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> UpOptions:
+        passthrough = ("engine", "api_key", "log_level", "fake_token_delay_s",
+                       "fake_prefill_delay_s")
+        flags = [("--" + name.replace("_", "-"), str(getattr(args, name)))
+                 for name in passthrough if getattr(args, name) is not None]
+        return cls(host=args.host, port=args.port, nats_url=args.nats_url,
+                   nats_port=args.nats_port, num_prefill=args.num_prefill,
+                   num_decode=args.num_decode, cluster=args.cluster,
+                   service_flags=tuple(flags))
+
+
+# Flags each service understands, out of UpOptions.service_flags.
+_ACCEPTS = {
+    "gateway": {"--api-key", "--log-level"},
+    "conductor": {"--log-level"},
+    "prefill": {"--engine", "--log-level", "--fake-token-delay-s", "--fake-prefill-delay-s"},
+    "decode": {"--engine", "--log-level", "--fake-token-delay-s", "--fake-prefill-delay-s"},
+}
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM if the launcher dies (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class Cluster:
+    """The child processes of `halfmoon up`."""
+
+    def __init__(self, options: UpOptions, nats_url: str) -> None:
+        self.options = options
+        self.nats_url = nats_url
+        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def spawn(self, role: str, *extra: str) -> None:
+        own = [part for flag, value in self.options.service_flags
+               if flag in _ACCEPTS[role] for part in (flag, value)]
+        command = [sys.executable, "-m", "services.cli", role, "--nats-url", self.nats_url,
+                   "--cluster", self.options.cluster, *own, *extra]
+        process = subprocess.Popen(command, preexec_fn=_die_with_parent)
+        self.children.append((role, process))
+
+    def start(self) -> None:
+        self.spawn("conductor")
+        for _ in range(self.options.num_prefill):
+            self.spawn("prefill")
+        for _ in range(self.options.num_decode):
+            self.spawn("decode")
+        self.spawn("gateway", "--host", self.options.host, "--port", str(self.options.port))
+
+    def failed_child(self) -> str | None:
+        for role, process in self.children:
+            if process.poll() is not None:
+                return f"{role} (pid {process.pid}) exited with {process.returncode}"
+        return None
+
+    def wait_ready(self, url: str) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if (failure := self.failed_child()) is not None:
+                raise ServiceStartFailed(f"{failure} during start-up")
+            if self._is_healthy(url):
+                return
+            time.sleep(0.1)
+        raise ServiceStartFailed(f"not ready within {READY_TIMEOUT_S}s")
+
+    def _is_healthy(self, url: str) -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
+                body = json.loads(response.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+        return (body.get("num_prefill_workers", 0) >= self.options.num_prefill
+                and body.get("num_decode_workers", 0) >= self.options.num_decode)
+
+    def stop(self) -> None:
+        """Gateway first, then the rest; kill what outlives STOP_TIMEOUT_S."""
+        for group in (("gateway",), ("prefill", "decode", "conductor")):
+            members = [p for role, p in self.children if role in group and p.poll() is None]
+            for process in members:
+                process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            for process in members:
+                try:
+                    process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+def run_up(options: UpOptions) -> int:
+    stop_signal: list[int] = []
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        stop_signal.append(signum)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    server = None if options.nats_url else EmbeddedNatsServer(port=options.nats_port)
+    nats_url = options.nats_url or server.start()  # type: ignore[union-attr]
+    cluster = Cluster(options, nats_url)
+    url = f"http://{options.host}:{options.port}"
+    try:
+        cluster.start()
+        cluster.wait_ready(url)
+        print(f"halfmoon is up: OpenAI API at {url}/v1 (NATS {nats_url}); Ctrl-C stops it",
+              flush=True)
+        while not stop_signal:
+            if (failure := cluster.failed_child()) is not None:
+                print(f"halfmoon: {failure}; stopping", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        cluster.stop()
+        if server is not None:
+            server.stop()

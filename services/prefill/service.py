@@ -1,0 +1,200 @@
+"""The prefill worker: computes prompts, sends first tokens, hands KV to decode.
+
+A request's life here:
+  1. `PrefillTask` arrives (request/reply): accepted at once unless the queue is full.
+  2. The engine prefills it (batched with whatever else waits) -> first token, KV blocks.
+  3. The first token goes straight to the gateway (this is TTFT).
+  4. The decode worker's `KvTarget` (sent by decode while we computed) names the blocks to
+     fill; the KV handoff moves the KV there.
+  5. `KvCommitted` (request/reply) tells decode to join the request to its batch.
+  6. The engine releases the request's KV.
+Any failure sends `RequestFailed` to the gateway and an `AbortRequest` so decode frees its
+reservation. An abort cancels the request at whatever step it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from engine.protocol import Engine, PrefillRequest, PrefillResult
+from services.worker import WorkerService
+from shared.config import WorkerConfig
+from shared.errors import (
+    EngineFailure,
+    HalfmoonError,
+    RequestAborted,
+    TransferTimeout,
+    WorkerUnavailable,
+)
+from shared.messages import (
+    AbortRequest,
+    DispatchReply,
+    GenerateRequest,
+    KvCommitted,
+    KvTarget,
+    PrefillTask,
+    RequestFailed,
+    TokenBatch,
+    TokenDelta,
+)
+from shared.nats_client import dispatch, encode
+from transfer_engine.handoff import KvHandoff, NoKvHandoff
+
+COMMIT_TIMEOUT_S = 5.0
+
+
+class PrefillService(WorkerService):
+    name = "prefill"
+    role = "prefill"
+
+    def __init__(
+        self, config: WorkerConfig, engine: Engine | None = None,
+        handoff: KvHandoff | None = None,
+    ) -> None:
+        super().__init__(config, engine)
+        self.handoff: KvHandoff = handoff or NoKvHandoff()
+        self._in_flight: dict[str, asyncio.Task[None]] = {}
+        self._targets: dict[str, asyncio.Future[KvTarget]] = {}
+        self._target_seen_at: dict[str, float] = {}
+
+    async def _subscribe_work(self) -> list[Any]:
+        return [
+            await self.serve(self.subjects.prefill_task(self.worker_id), PrefillTask,
+                             self._on_task),
+            await self.serve(self.subjects.kv_target(self.worker_id), KvTarget,
+                             self._on_target),
+        ]
+
+    def _num_waiting(self) -> int:
+        return len(self._in_flight)
+
+    async def _on_task(self, task: PrefillTask) -> DispatchReply:
+        request = task.request
+        if self.is_draining:
+            return self._refusal("worker is draining")
+        if request.request_id in self._in_flight:
+            return self.accept()  # a redelivery of a task we already run
+        if len(self._in_flight) >= self.config.max_queue:
+            return self._refusal(f"prefill queue full ({self.config.max_queue})")
+        self._in_flight[request.request_id] = self.spawn(
+            self._run(request), f"request.{request.request_id}"
+        )
+        return self.accept()
+
+    async def _on_target(self, target: KvTarget) -> DispatchReply | None:
+        future = self._target_future(target.request_id)
+        if future.done():  # decode was re-placed: the newest target wins
+            future = self._targets[target.request_id] = (
+                asyncio.get_running_loop().create_future()
+            )
+        future.set_result(target)
+        return None
+
+    def _target_future(self, request_id: str) -> asyncio.Future[KvTarget]:
+        if request_id not in self._targets:
+            self._targets[request_id] = asyncio.get_running_loop().create_future()
+            self._target_seen_at[request_id] = time.monotonic()
+        return self._targets[request_id]
+
+    def _abort(self, request_id: str) -> None:
+        task = self._in_flight.pop(request_id, None)
+        if task is not None:
+            task.cancel()
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._targets.pop(request_id, None)
+        self._target_seen_at.pop(request_id, None)
+        self.engine.release(request_id)
+
+    def _on_tick(self) -> None:
+        # Targets for requests that never came here (the conductor placed them elsewhere).
+        cutoff = time.monotonic() - self.config.kv_wait_timeout_s
+        for request_id, seen_at in list(self._target_seen_at.items()):
+            if seen_at < cutoff and request_id not in self._in_flight:
+                self._forget(request_id)
+
+    async def _run(self, request: GenerateRequest) -> None:
+        error: HalfmoonError | None = None
+        try:
+            await self._prefill_and_hand_off(request)
+        except asyncio.CancelledError:
+            if request.request_id in self._in_flight:  # shutdown, not an abort
+                await self._fail(request, RequestAborted("prefill worker stopped"))
+            raise
+        except HalfmoonError as exc:
+            error = exc
+        except Exception as exc:
+            self.log.error("prefill.failed", request_id=request.request_id, exc_info=exc)
+            error = EngineFailure(f"prefill failed: {exc!r}")
+        finally:
+            self._in_flight.pop(request.request_id, None)
+            self._forget(request.request_id)
+        if error is not None:
+            await self._fail(request, error)
+
+    async def _prefill_and_hand_off(self, request: GenerateRequest) -> None:
+        result = await self.engine.prefill(PrefillRequest(
+            request.request_id, request.prompt_token_ids, request.sampling,
+        ))
+        await self._send_first_token(request, result)
+        if result.finish_reason is not None:
+            # Done already: free decode's reservation. Leave the in-flight table first so
+            # that our own abort, echoed back to us, cannot cancel this task.
+            self._in_flight.pop(request.request_id, None)
+            await self._publish_abort(request.request_id, "finished at prefill")
+            return
+        target = await self._wait_for_target(request.request_id)
+        report = await self.handoff.send(result, target)
+        reply = await dispatch(
+            self.nc, self.subjects.kv_commit(target.decode_worker_id),
+            KvCommitted(
+                request_id=request.request_id, prefill_worker_id=self.worker_id,
+                first_token_id=result.first_token_id,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_kv_bytes=report.num_bytes, transport=report.transport,
+            ),
+            COMMIT_TIMEOUT_S,
+        )
+        if not reply.is_accepted:
+            raise WorkerUnavailable(f"decode worker refused the commit: {reply.reason}")
+        self.log.debug("prefill.committed", request_id=request.request_id,
+                       decode_worker_id=target.decode_worker_id, kv_bytes=report.num_bytes,
+                       transport=report.transport)
+
+    async def _send_first_token(self, request: GenerateRequest, result: PrefillResult) -> None:
+        delta = TokenDelta(request_id=request.request_id, index=0,
+                           token_ids=[result.first_token_id],
+                           finish_reason=result.finish_reason)
+        batch = TokenBatch(worker_id=self.worker_id, items=[delta])
+        await self.nc.publish(request.reply_subject, encode(batch))
+
+    async def _wait_for_target(self, request_id: str) -> KvTarget:
+        timeout_s = self.config.kv_wait_timeout_s
+        try:
+            return await asyncio.wait_for(
+                asyncio.shield(self._target_future(request_id)), timeout_s
+            )
+        except TimeoutError as exc:
+            raise TransferTimeout(
+                f"no KV target from a decode worker within {timeout_s}s"
+            ) from exc
+
+    async def _fail(self, request: GenerateRequest, error: HalfmoonError) -> None:
+        failure = RequestFailed(request_id=request.request_id, code=error.code,
+                                message=error.message, worker_id=self.worker_id)
+        await self.nc.publish(request.reply_subject, encode(failure))
+        await self._publish_abort(request.request_id, error.message)
+
+    async def _publish_abort(self, request_id: str, reason: str) -> None:
+        await self.nc.publish(self.subjects.abort,
+                              encode(AbortRequest(request_id=request_id, reason=reason)))
+
+    async def _drain(self) -> None:
+        await self.wait_until(lambda: not self._in_flight)
+
+    async def _close(self) -> None:
+        await self.handoff.close()
+        await super()._close()

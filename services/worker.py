@@ -1,0 +1,116 @@
+"""What prefill and decode workers share: an engine, heartbeats, registration, aborts.
+
+Lifecycle additions to `Service`: start() starts the engine, registers the worker in the
+registry bucket, subscribes to its work subjects and to aborts, and starts heartbeating.
+stop() first heartbeats `is_draining` (the conductor sends no more work) and unsubscribes
+from work, drains, closes the engine and removes the registry entry.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import socket
+import time
+import uuid
+from typing import Any
+
+from nats.js.kv import KeyValue
+
+from engine.factory import build_engine
+from engine.protocol import Engine
+from shared.config import WorkerConfig
+from shared.messages import AbortRequest, DispatchReply, WorkerHeartbeat, WorkerRole
+from shared.nats_client import encode, ensure_bucket
+from shared.service import Service
+
+REGISTRY_EVERY_N_HEARTBEATS = 10
+
+
+class WorkerService(Service):
+    role: WorkerRole
+
+    def __init__(self, config: WorkerConfig, engine: Engine | None = None) -> None:
+        super().__init__(config)
+        self.config: WorkerConfig = config
+        self.worker_id = config.worker_id or f"{self.role}-{uuid.uuid4().hex[:12]}"
+        self.engine: Engine = engine if engine is not None else build_engine(config)
+        self.is_draining = False
+        self._registry: KeyValue | None = None
+        self._work_subscriptions: list[Any] = []
+        self._is_engine_started = False
+
+    @property
+    def instance_id(self) -> str:
+        return self.worker_id
+
+    async def _setup(self) -> None:
+        await self.engine.start()
+        self._is_engine_started = True
+        self._registry = await ensure_bucket(
+            self.nc.jetstream(), self.subjects.workers_bucket,
+            ttl_s=REGISTRY_EVERY_N_HEARTBEATS * self.config.heartbeat_interval_s * 3,
+        )
+        self._work_subscriptions = await self._subscribe_work()
+        await self.serve(self.subjects.abort, AbortRequest, self._on_abort)
+        await self._heartbeat(registry=True)
+        self.spawn(self._heartbeat_loop(), "heartbeat")
+
+    @abc.abstractmethod
+    async def _subscribe_work(self) -> list[Any]:
+        """Subscribe to this role's work subjects; return the subscriptions."""
+
+    @abc.abstractmethod
+    def _abort(self, request_id: str) -> None:
+        """Drop the request wherever it is and free its blocks."""
+
+    def _on_tick(self) -> None:
+        """Called on every heartbeat: expire stale per-request state."""
+
+    def _num_waiting(self) -> int:
+        return self.engine.stats().num_waiting
+
+    async def _on_abort(self, message: AbortRequest) -> DispatchReply | None:
+        self._abort(message.request_id)
+        return None
+
+    async def _heartbeat_loop(self) -> None:
+        count = 0
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            count += 1
+            self._on_tick()
+            await self._heartbeat(registry=count % REGISTRY_EVERY_N_HEARTBEATS == 0)
+
+    async def _heartbeat(self, *, registry: bool = False) -> None:
+        payload = encode(self.heartbeat())
+        await self.nc.publish(self.subjects.heartbeat(self.role, self.worker_id), payload)
+        if registry and self._registry is not None:
+            await self._registry.put(self.worker_id, payload)
+
+    def heartbeat(self) -> WorkerHeartbeat:
+        stats = self.engine.stats()
+        return WorkerHeartbeat(
+            worker_id=self.worker_id, role=self.role, model=self.config.model,
+            host=self.config.host_name or socket.gethostname(),
+            num_running=stats.num_running, num_waiting=self._num_waiting(),
+            max_batch_size=stats.max_batch_size, num_free_blocks=stats.num_free_blocks,
+            num_total_blocks=stats.num_total_blocks, block_size=self.config.block_size,
+            heartbeat_interval_s=self.config.heartbeat_interval_s, sent_at_s=time.time(),
+            is_draining=self.is_draining,
+        )
+
+    async def _stop_intake(self) -> None:
+        self.is_draining = True
+        for subscription in self._work_subscriptions:
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
+        await self._heartbeat()
+
+    async def _close(self) -> None:
+        if self._is_engine_started:
+            await self.engine.close()
+        if self._registry is not None:
+            with contextlib.suppress(Exception):
+                await self._registry.delete(self.worker_id)

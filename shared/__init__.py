@@ -1,0 +1,1 @@
+"""Cross-service code: wire messages, subjects, config, errors, the service base class."""

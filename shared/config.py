@@ -1,0 +1,123 @@
+"""One frozen config struct per service, read once and passed down.
+
+Precedence, lowest first: field defaults, an optional TOML file (`--config`), environment
+variables `HALFMOON_<FIELD>` (e.g. `HALFMOON_NATS_URL`), command-line flags (`--nats-url`).
+Modules never read the environment themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+from shared.errors import ConfigError
+
+ENV_PREFIX = "HALFMOON_"
+
+EngineKind = Literal["fake"]
+
+
+class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Settings every service shares."""
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    cluster: str = "default"
+    log_level: str = "info"
+    log_format: Literal["auto", "json", "console"] = "auto"
+    drain_timeout_s: float = 10.0
+
+
+class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    gateway_id: str | None = None
+    model: str = "halfmoon-tiny"
+    max_model_len: int = 2048
+    api_key: str | None = None
+    request_timeout_s: float = 60.0
+    chat_template_path: str | None = None
+
+
+class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):
+    heartbeat_timeout_s: float = 2.0
+    dispatch_timeout_s: float = 2.0
+    max_placement_attempts: int = 3
+    num_fetchers: int = 4
+    request_max_age_s: float = 60.0
+
+
+class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
+    """Settings of a prefill or decode worker."""
+
+    worker_id: str | None = None
+    model: str = "halfmoon-tiny"
+    host_name: str | None = None
+    engine: EngineKind = "fake"
+    max_model_len: int = 2048
+    num_blocks: int = 4096
+    block_size: int = 16
+    max_batch_size: int = 64
+    max_queue: int = 256
+    heartbeat_interval_s: float = 0.5
+    kv_wait_timeout_s: float = 10.0
+    fake_prefill_delay_s: float = 0.0
+    fake_token_delay_s: float = 0.0
+
+
+C = TypeVar("C", bound="ServiceConfig")
+
+
+def config_fields(cls: type[ServiceConfig]) -> tuple[msgspec.structs.FieldInfo, ...]:
+    return msgspec.structs.fields(cls)
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type[ServiceConfig]) -> None:
+    """One `--field-name` flag per config field; unset flags do not override anything."""
+    parser.add_argument("--config", dest="config_path", default=None, help="TOML config file")
+    for field in config_fields(cls):
+        flag = "--" + field.name.replace("_", "-")
+        default = field.default if field.default is not msgspec.NODEFAULT else None
+        if field.type is bool:
+            parser.add_argument(flag, dest=field.name, default=None,
+                                action=argparse.BooleanOptionalAction)
+        else:
+            parser.add_argument(flag, dest=field.name, default=None, help=f"default: {default}")
+
+
+def load_config(
+    cls: type[C],
+    *,
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    toml_path: str | Path | None = None,
+) -> C:
+    """Merge file, environment and flags over the defaults and validate the result."""
+    names = {field.name for field in config_fields(cls)}
+    merged: dict[str, Any] = {}
+    if toml_path is not None:
+        merged.update(_read_toml(Path(toml_path), names))
+    for key, value in (env or {}).items():
+        name = key.removeprefix(ENV_PREFIX).lower()
+        if key.startswith(ENV_PREFIX) and name in names:
+            merged[name] = value
+    merged.update({k: v for k, v in (flags or {}).items() if k in names and v is not None})
+    try:
+        return msgspec.convert(merged, cls, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid {cls.__name__}: {exc}") from exc
+
+
+def _read_toml(path: Path, names: set[str]) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    unknown = set(data) - names
+    if unknown:
+        raise ConfigError(f"unknown keys in {path}: {sorted(unknown)}")
+    return data

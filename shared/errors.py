@@ -1,0 +1,128 @@
+"""Typed errors shared by every service.
+
+Each error knows its wire code (sent in `RequestFailed`) and how the gateway shows it to an
+OpenAI client (HTTP status, error type). Wrap foreign exceptions with `raise ... from`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.StrEnum):
+    """Stable error codes on the wire (part of the public message contract)."""
+
+    INVALID_REQUEST = "invalid_request"
+    CAPACITY_EXHAUSTED = "capacity_exhausted"
+    WORKER_UNAVAILABLE = "worker_unavailable"
+    ENGINE_FAILURE = "engine_failure"
+    TRANSFER_FAILED = "transfer_failed"
+    TRANSFER_TIMEOUT = "transfer_timeout"
+    TIMEOUT = "timeout"
+    ABORTED = "aborted"
+
+
+class HalfmoonError(Exception):
+    """Base of every error halfmoon raises on purpose."""
+
+    code: ErrorCode = ErrorCode.ENGINE_FAILURE
+    http_status: int = 500
+    error_type: str = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(HalfmoonError):
+    """The request is malformed or breaks a limit; the client must change it."""
+
+    code = ErrorCode.INVALID_REQUEST
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """Prompt plus requested tokens do not fit the model's context window."""
+
+
+class AuthenticationFailed(HalfmoonError):
+    code = ErrorCode.INVALID_REQUEST
+    http_status = 401
+    error_type = "authentication_error"
+
+
+class ModelNotFound(HalfmoonError):
+    code = ErrorCode.INVALID_REQUEST
+    http_status = 404
+    error_type = "invalid_request_error"
+
+
+class CapacityExhausted(HalfmoonError):
+    """No worker can take the request now (queues full, KV blocks exhausted)."""
+
+    code = ErrorCode.CAPACITY_EXHAUSTED
+    http_status = 429
+    error_type = "rate_limit_error"
+
+
+class WorkerUnavailable(HalfmoonError):
+    """No healthy worker of a needed role is alive."""
+
+    code = ErrorCode.WORKER_UNAVAILABLE
+    http_status = 503
+    error_type = "service_unavailable"
+
+
+class EngineFailure(HalfmoonError):
+    code = ErrorCode.ENGINE_FAILURE
+
+
+class TransferFailed(HalfmoonError):
+    code = ErrorCode.TRANSFER_FAILED
+
+
+class TransferTimeout(HalfmoonError):
+    code = ErrorCode.TRANSFER_TIMEOUT
+    http_status = 504
+    error_type = "timeout"
+
+
+class RequestTimeout(HalfmoonError):
+    """A request made no progress within its deadline."""
+
+    code = ErrorCode.TIMEOUT
+    http_status = 504
+    error_type = "timeout"
+
+
+class RequestAborted(HalfmoonError):
+    code = ErrorCode.ABORTED
+    http_status = 499
+    error_type = "aborted"
+
+
+class ServiceStartFailed(HalfmoonError):
+    """A service could not start; it has been stopped again and holds no resources."""
+
+
+class ConfigError(HalfmoonError):
+    """A flag, environment variable or config file holds a bad value."""
+
+
+_BY_CODE: dict[ErrorCode, type[HalfmoonError]] = {
+    ErrorCode.INVALID_REQUEST: InvalidRequest,
+    ErrorCode.CAPACITY_EXHAUSTED: CapacityExhausted,
+    ErrorCode.WORKER_UNAVAILABLE: WorkerUnavailable,
+    ErrorCode.ENGINE_FAILURE: EngineFailure,
+    ErrorCode.TRANSFER_FAILED: TransferFailed,
+    ErrorCode.TRANSFER_TIMEOUT: TransferTimeout,
+    ErrorCode.TIMEOUT: RequestTimeout,
+    ErrorCode.ABORTED: RequestAborted,
+}
+
+
+def error_from_code(code: ErrorCode, message: str) -> HalfmoonError:
+    """Rebuild the typed error a peer reported in a `RequestFailed` message."""
+    return _BY_CODE.get(code, EngineFailure)(message)

@@ -1,0 +1,63 @@
+"""A live view of workers, built from their heartbeats (conductor placement, gateway health)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from shared.messages import WorkerHeartbeat, WorkerRole
+
+
+@dataclass
+class WorkerEntry:
+    heartbeat: WorkerHeartbeat
+    received_at_s: float  # monotonic clock of the receiver
+
+
+class WorkerDirectory:
+    """Latest heartbeat per worker. A worker is healthy while its last heartbeat is younger
+    than `timeout_s` (and never younger than three of its own intervals) and it is not
+    draining. Stale entries are forgotten after ten timeouts."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._entries: dict[str, WorkerEntry] = {}
+
+    def observe(self, heartbeat: WorkerHeartbeat, now_s: float | None = None) -> None:
+        now_s = time.monotonic() if now_s is None else now_s
+        self._entries[heartbeat.worker_id] = WorkerEntry(heartbeat, now_s)
+
+    def forget(self, worker_id: str) -> None:
+        self._entries.pop(worker_id, None)
+
+    def block_size(self, worker_id: str, default: int = 16) -> int:
+        entry = self._entries.get(worker_id)
+        return entry.heartbeat.block_size if entry is not None else default
+
+    def is_healthy(self, worker_id: str, now_s: float | None = None) -> bool:
+        entry = self._entries.get(worker_id)
+        now_s = time.monotonic() if now_s is None else now_s
+        return entry is not None and self._is_fresh(entry, now_s) and (
+            not entry.heartbeat.is_draining
+        )
+
+    def healthy(self, role: WorkerRole, now_s: float | None = None) -> list[WorkerHeartbeat]:
+        """Healthy workers of `role`, ordered by worker id (a stable order for placement)."""
+        now_s = time.monotonic() if now_s is None else now_s
+        self._expire(now_s)
+        return sorted(
+            (e.heartbeat for e in self._entries.values()
+             if e.heartbeat.role == role and not e.heartbeat.is_draining
+             and self._is_fresh(e, now_s)),
+            key=lambda hb: hb.worker_id,
+        )
+
+    def _is_fresh(self, entry: WorkerEntry, now_s: float) -> bool:
+        limit = max(self.timeout_s, 3 * entry.heartbeat.heartbeat_interval_s)
+        return now_s - entry.received_at_s <= limit
+
+    def _expire(self, now_s: float) -> None:
+        stale = [wid for wid, e in self._entries.items()
+                 if now_s - e.received_at_s > 10 * self.timeout_s]
+        for worker_id in stale:
+            del self._entries[worker_id]

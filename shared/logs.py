@@ -1,0 +1,48 @@
+"""structlog set-up: JSON lines when not on a TTY, readable console output on one.
+
+Bind `request_id` with `structlog.contextvars.bind_contextvars` (or pass it as a field) so
+every line about a request carries it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal
+
+import structlog
+
+
+def configure_logging(
+    level: str = "info", log_format: Literal["auto", "json", "console"] = "auto"
+) -> None:
+    """Configure structlog and the stdlib root logger once per process."""
+    numeric_level = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
+    is_json = log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
+    renderer: structlog.typing.Processor = (
+        structlog.processors.JSONRenderer() if is_json else structlog.dev.ConsoleRenderer()
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info if is_json else _keep_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    logging.basicConfig(level=max(numeric_level, logging.WARNING), stream=sys.stderr)
+
+
+def _keep_exc_info(
+    _logger: object, _name: str, event: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    return event
+
+
+def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
+    return structlog.get_logger(name)

@@ -1,0 +1,165 @@
+"""The wire contract: every message that crosses a process (schema version 1).
+
+All messages are JSON-encoded msgspec Structs, tagged by class name in the field `type`, so a
+custom NATS subscriber can decode them with any JSON library. Evolution rules: new fields get
+defaults and go last; a field never changes type; golden payloads in `tests/golden/` pin the
+encoding. Subjects come from `shared.subjects.Subjects`.
+
+A request's life on the wire:
+    gateway   --GenerateRequest (JetStream)-->        conductor
+    conductor --PrefillTask (request/reply)-->       prefill      (replies DispatchReply)
+    conductor --DecodeReservation (request/reply)--> decode       (replies DispatchReply)
+    decode    --KvTarget-->                          prefill      (where the KV goes)
+    prefill   --TokenBatch (first token)-->          gateway
+    prefill   --KvCommitted (request/reply)-->       decode       (replies DispatchReply)
+    decode    --TokenBatch (one per gateway per step)--> gateway
+    anyone    --RequestFailed-->                     gateway
+    gateway/conductor --AbortRequest-->              every worker
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from shared.errors import ErrorCode
+
+FinishReason = Literal["stop", "length"]
+WorkerRole = Literal["prefill", "decode"]
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, tag=True, tag_field="type"):
+    """Base of every wire message; the tag is the class name."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How to pick tokens. `temperature == 0` means greedy."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+class GenerateRequest(Message, frozen=True, kw_only=True):
+    """A tokenized request. Published by the gateway on `Subjects.requests` (JetStream, with
+    `Nats-Msg-Id = request_id`); consumed by the conductor's durable pull consumer.
+    Tokens and errors for it go to `reply_subject` (the gateway's own subject)."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    reply_subject: str
+    created_at_s: float
+
+
+class PrefillTask(Message, frozen=True, kw_only=True):
+    """Command from the conductor to one prefill worker (`Subjects.prefill_task`), sent as a
+    request; the worker answers `DispatchReply` at once and computes later. The decode side is
+    learnt from the `KvTarget` that the decode worker sends."""
+
+    request: GenerateRequest
+
+
+class DecodeReservation(Message, frozen=True, kw_only=True):
+    """Command from the conductor to one decode worker (`Subjects.decode_reserve`): reserve KV
+    blocks for the request and tell `prefill_worker_id` where to write. Sent again with another
+    prefill worker id if the first prefill worker refused; the decode worker then keeps its
+    blocks and re-sends the `KvTarget`."""
+
+    request: GenerateRequest
+    prefill_worker_id: str
+
+
+class DispatchReply(Message, frozen=True, kw_only=True):
+    """A worker's immediate answer to `PrefillTask`, `DecodeReservation` or `KvCommitted`."""
+
+    is_accepted: bool
+    worker_id: str
+    reason: str = ""
+
+
+class KvTarget(Message, frozen=True, kw_only=True):
+    """Fact from a decode worker to a prefill worker (`Subjects.kv_target`): the blocks
+    reserved for the request, where prefill must write its KV."""
+
+    request_id: str
+    decode_worker_id: str
+    block_ids: list[int]
+
+
+class KvCommitted(Message, frozen=True, kw_only=True):
+    """Command from a prefill worker to the decode worker (`Subjects.kv_commit`), sent as a
+    request: the request's KV is in the target blocks and its first token is out; join the
+    running batch."""
+
+    request_id: str
+    prefill_worker_id: str
+    first_token_id: int
+    num_prompt_tokens: int
+    num_kv_bytes: int = 0
+    transport: str = "none"
+
+
+class TokenDelta(msgspec.Struct, frozen=True, kw_only=True):
+    """New tokens of one request. `index` is the position in the output of the first token
+    here, so the gateway can order deltas that reach it from different workers."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+
+
+class TokenBatch(Message, frozen=True, kw_only=True):
+    """Fact: new tokens for one gateway (`Subjects.gateway`). Prefill sends the first token of
+    a request; decode sends one batch per gateway per step."""
+
+    worker_id: str
+    items: list[TokenDelta]
+
+
+class RequestFailed(Message, frozen=True, kw_only=True):
+    """Fact: the request ended in an error. Sent to the gateway (`Subjects.gateway`) by the
+    conductor (rejection) or a worker (failure)."""
+
+    request_id: str
+    code: ErrorCode
+    message: str
+    worker_id: str = ""
+
+
+class AbortRequest(Message, frozen=True, kw_only=True):
+    """Command on `Subjects.abort` (every worker listens): stop the request, free its blocks.
+    Published by the gateway (client gone, stop string hit) or the conductor (placement
+    failed)."""
+
+    request_id: str
+    reason: str = ""
+
+
+class WorkerHeartbeat(Message, frozen=True, kw_only=True):
+    """Fact from each worker on `Subjects.heartbeat` every `heartbeat_interval_s`; also its
+    entry in the worker registry bucket. `is_draining` means: send no new work."""
+
+    worker_id: str
+    role: WorkerRole
+    model: str
+    host: str
+    num_running: int
+    num_waiting: int
+    max_batch_size: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    heartbeat_interval_s: float
+    sent_at_s: float
+    is_draining: bool = False
+
+
+GatewayEvent = TokenBatch | RequestFailed

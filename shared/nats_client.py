@@ -1,0 +1,91 @@
+"""NATS helpers: connecting, declaring streams and buckets, request/reply with typed errors."""
+
+from __future__ import annotations
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.js.kv import KeyValue
+
+from shared.errors import WorkerUnavailable
+from shared.logs import get_logger
+from shared.messages import DispatchReply, Message
+
+log = get_logger(__name__)
+
+_encoder = msgspec.json.Encoder()
+_reply_decoder = msgspec.json.Decoder(DispatchReply)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+async def connect(url: str, name: str) -> NatsClient:
+    """Connect with unbounded reconnects; connection events go to the log."""
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats.error", client=name, error=str(exc))
+
+    async def on_disconnected() -> None:
+        log.warning("nats.disconnected", client=name)
+
+    async def on_reconnected() -> None:
+        log.info("nats.reconnected", client=name)
+
+    return await nats.connect(
+        servers=[url],
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=5,
+        allow_reconnect=True,
+        error_cb=on_error,
+        disconnected_cb=on_disconnected,
+        reconnected_cb=on_reconnected,
+    )
+
+
+async def ensure_work_queue(
+    js: JetStreamContext, name: str, subject: str, max_age_s: float
+) -> None:
+    """Create the work-queue stream, or bring an existing one to this config."""
+    config = StreamConfig(
+        name=name,
+        subjects=[subject],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        max_age=max_age_s,
+        duplicate_window=min(max_age_s, 120.0),
+    )
+    try:
+        await js.add_stream(config)
+    except nats.js.errors.BadRequestError:
+        await js.update_stream(config)
+
+
+async def ensure_bucket(js: JetStreamContext, bucket: str, ttl_s: float) -> KeyValue:
+    try:
+        return await js.key_value(bucket)
+    except nats.js.errors.BucketNotFoundError:
+        return await js.create_key_value(bucket=bucket, ttl=ttl_s, history=1)
+
+
+async def dispatch(
+    nc: NatsClient, subject: str, message: Message, timeout_s: float
+) -> DispatchReply:
+    """Send a command to one worker and wait for its `DispatchReply`.
+
+    Raises `WorkerUnavailable` when nobody listens or nobody answers in time.
+    """
+    try:
+        reply = await nc.request(subject, encode(message), timeout=timeout_s)
+    except nats.errors.NoRespondersError as exc:
+        raise WorkerUnavailable(f"no worker listens on {subject}") from exc
+    except nats.errors.TimeoutError as exc:
+        raise WorkerUnavailable(f"no answer on {subject} within {timeout_s}s") from exc
+    return _reply_decoder.decode(reply.data)

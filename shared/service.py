@@ -1,0 +1,209 @@
+"""The `Service` base class: one subclass per process, one lifecycle for all.
+
+Lifecycle contract:
+    __init__  stores config; no I/O.
+    start()   connects to NATS, runs `_setup()` (declare streams, subscribe, start loops) and
+              returns when the service takes work. If anything fails it calls `stop()` itself
+              and raises `ServiceStartFailed`: nothing is left open.
+    run()     start(), then serve until SIGINT/SIGTERM or until an owned task crashes; then
+              stop(). A crashed task makes run() raise after stopping: loud, never silent.
+    stop()    idempotent, safe after a failed or partial start, ordered:
+              `_stop_intake()` (take no new work) -> `_drain()` (finish in-flight work, up to
+              `drain_timeout_s`) -> cancel and await owned tasks -> `_close()` (engines,
+              transfer engines) -> drain the NATS connection.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import enum
+import signal
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import msgspec
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from shared.config import ServiceConfig
+from shared.errors import HalfmoonError, ServiceStartFailed
+from shared.logs import get_logger
+from shared.messages import DispatchReply, Message
+from shared.nats_client import connect, encode
+from shared.subjects import Subjects
+
+M = TypeVar("M", bound=Message)
+
+
+class ServiceState(enum.Enum):
+    NEW = "new"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class Service(abc.ABC):
+    """Base of the gateway, conductor, prefill and decode services."""
+
+    name: str = "service"
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.subjects = Subjects(config.cluster)
+        self.state = ServiceState.NEW
+        self.log = get_logger(f"halfmoon.{self.name}")
+        self._nc: NatsClient | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stop_requested = asyncio.Event()
+        self._crash: BaseException | None = None
+
+    @property
+    def nc(self) -> NatsClient:
+        if self._nc is None:
+            raise RuntimeError(f"{self.name} is not connected")
+        return self._nc
+
+    @property
+    def instance_id(self) -> str:
+        """The id this instance is known by on the wire."""
+        return self.name
+
+    async def start(self) -> None:
+        if self.state is not ServiceState.NEW:
+            raise ServiceStartFailed(f"{self.name} cannot start from state {self.state.value}")
+        self.state = ServiceState.STARTING
+        try:
+            self._nc = await connect(self.config.nats_url, f"{self.name}:{self.instance_id}")
+            await self._setup()
+        except Exception as exc:
+            self.log.error("service.start_failed", service=self.name, error=repr(exc))
+            await self.stop()
+            raise ServiceStartFailed(f"{self.name} failed to start: {exc}") from exc
+        self.state = ServiceState.RUNNING
+        self.log.info("service.started", service=self.name, id=self.instance_id)
+
+    async def stop(self) -> None:
+        if self.state in (ServiceState.STOPPING, ServiceState.STOPPED):
+            return
+        was_running = self.state is ServiceState.RUNNING
+        self.state = ServiceState.STOPPING
+        self._stop_requested.set()
+        if was_running:
+            await self._guarded(self._stop_intake())
+            try:
+                await asyncio.wait_for(self._drain(), self.config.drain_timeout_s)
+            except TimeoutError:
+                self.log.warning("service.drain_timeout", service=self.name)
+        await self._cancel_tasks()
+        await self._guarded(self._close())
+        if self._nc is not None and not self._nc.is_closed:
+            await self._guarded(self._nc.drain())
+        self.state = ServiceState.STOPPED
+        self.log.info("service.stopped", service=self.name, id=self.instance_id)
+
+    async def run(self) -> None:
+        """Serve until SIGINT/SIGTERM or a crashed task, then stop."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stop_requested.set)
+        await self.start()
+        await self._stop_requested.wait()
+        await self.stop()
+        if self._crash is not None:
+            raise self._crash
+
+    @staticmethod
+    async def wait_until(is_done: Callable[[], bool], interval_s: float = 0.02) -> None:
+        """Poll `is_done`; drains use it (bounded by `drain_timeout_s` around them)."""
+        while not is_done():  # noqa: ASYNC110 - cheap poll, only while stopping
+            await asyncio.sleep(interval_s)
+
+    def request_stop(self) -> None:
+        self._stop_requested.set()
+
+    # Hooks for subclasses.
+    @abc.abstractmethod
+    async def _setup(self) -> None:
+        """Declare streams, subscribe, start loops."""
+
+    async def _stop_intake(self) -> None:
+        """Stop taking new work (unsubscribe, tell the cluster we are draining)."""
+
+    async def _drain(self) -> None:
+        """Return when in-flight work is done; cut short at `drain_timeout_s`."""
+
+    async def _close(self) -> None:
+        """Release engines and other resources; called once, also after a failed start."""
+
+    # Owned tasks.
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Run `coro` as a task this service owns; if it crashes, the service stops."""
+        task = asyncio.create_task(coro, name=f"{self.name}.{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._on_task_done)
+        return task
+
+    def _on_task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        self.log.error("service.task_crashed", task=task.get_name(), error=repr(exc),
+                       exc_info=exc)
+        if self._crash is None:
+            self._crash = exc
+        self._stop_requested.set()
+
+    async def _cancel_tasks(self) -> None:
+        tasks = [t for t in self._tasks if not t.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _guarded(self, step: Awaitable[Any]) -> None:
+        try:
+            await step
+        except Exception as exc:
+            self.log.error("service.stop_step_failed", service=self.name, error=repr(exc),
+                           exc_info=exc)
+
+    # One error boundary per subscription.
+    async def serve(
+        self,
+        subject: str,
+        message_type: type[M],
+        handler: Callable[[M], Awaitable[DispatchReply | None]],
+    ) -> Any:
+        """Subscribe `handler` behind one error boundary.
+
+        Decode -> handle -> reply (when the sender asked for one). Invalid payloads and
+        `HalfmoonError`s are answered with a refusal; anything else is logged with its stack
+        and refused, and the subscription goes on.
+        """
+        decoder = msgspec.json.Decoder(message_type)
+
+        async def callback(msg: Msg) -> None:
+            try:
+                reply = await handler(decoder.decode(msg.data))
+            except msgspec.DecodeError as exc:
+                self.log.warning("message.invalid", subject=msg.subject, error=str(exc))
+                reply = self._refusal(f"invalid {message_type.__name__}: {exc}")
+            except HalfmoonError as exc:
+                reply = self._refusal(exc.message)
+            except Exception as exc:
+                self.log.error("message.handler_failed", subject=msg.subject, exc_info=exc)
+                reply = self._refusal(f"internal error: {exc!r}")
+            if msg.reply and reply is not None:
+                with contextlib.suppress(Exception):
+                    await msg.respond(encode(reply))
+
+        return await self.nc.subscribe(subject, cb=callback)
+
+    def _refusal(self, reason: str) -> DispatchReply:
+        return DispatchReply(is_accepted=False, worker_id=self.instance_id, reason=reason)
+
+    def accept(self) -> DispatchReply:
+        return DispatchReply(is_accepted=True, worker_id=self.instance_id)

@@ -1,0 +1,78 @@
+"""Every NATS subject, stream, consumer and bucket name. No literals elsewhere.
+
+All names live under one cluster name, so several halfmoon clusters (or test runs) can share
+one NATS server without seeing each other's traffic.
+"""
+
+from __future__ import annotations
+
+import re
+
+from shared.errors import ConfigError
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+SCHEMA_VERSION = "v1"
+
+
+def check_token(value: str, what: str) -> str:
+    """A subject token must be non-empty and free of `.`, `*`, `>` and whitespace."""
+    if not _TOKEN.match(value):
+        raise ConfigError(f"{what} {value!r} must match {_TOKEN.pattern}")
+    return value
+
+
+class Subjects:
+    """Names for one cluster. Subjects look like `halfmoon.<cluster>.v1.<...>`."""
+
+    def __init__(self, cluster: str) -> None:
+        self.cluster = check_token(cluster, "cluster name")
+        self._root = f"halfmoon.{cluster}.{SCHEMA_VERSION}"
+
+    # JetStream request stream (work queue) and its durable conductor consumer.
+    @property
+    def requests(self) -> str:
+        return f"{self._root}.requests"
+
+    @property
+    def requests_stream(self) -> str:
+        return f"HALFMOON_{self.cluster.upper().replace('-', '_')}_REQUESTS"
+
+    @property
+    def conductor_consumer(self) -> str:
+        return "conductor"
+
+    # Core NATS.
+    def gateway(self, gateway_id: str) -> str:
+        return f"{self._root}.gateway.{check_token(gateway_id, 'gateway id')}"
+
+    def heartbeat(self, role: str, worker_id: str) -> str:
+        return f"{self._root}.heartbeat.{role}.{check_token(worker_id, 'worker id')}"
+
+    @property
+    def all_heartbeats(self) -> str:
+        return f"{self._root}.heartbeat.>"
+
+    @property
+    def abort(self) -> str:
+        return f"{self._root}.abort"
+
+    def prefill_task(self, worker_id: str) -> str:
+        return self._worker(worker_id, "prefill")
+
+    def decode_reserve(self, worker_id: str) -> str:
+        return self._worker(worker_id, "reserve")
+
+    def kv_target(self, worker_id: str) -> str:
+        return self._worker(worker_id, "kv_target")
+
+    def kv_commit(self, worker_id: str) -> str:
+        return self._worker(worker_id, "kv_commit")
+
+    def _worker(self, worker_id: str, verb: str) -> str:
+        return f"{self._root}.worker.{check_token(worker_id, 'worker id')}.{verb}"
+
+    # NATS KV bucket: worker registry (latest heartbeat of each live worker).
+    @property
+    def workers_bucket(self) -> str:
+        return f"halfmoon_{self.cluster.replace('-', '_')}_workers"

@@ -1,0 +1,95 @@
+"""A whole halfmoon stack in this process, on a real NATS server, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from services.conductor.service import ConductorService
+from services.decode.service import DecodeService
+from services.gateway.service import GatewayService
+from services.prefill.service import PrefillService
+from shared.config import ConductorConfig, GatewayConfig, WorkerConfig
+from shared.service import Service
+
+
+async def eventually(is_true: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait until `is_true()` holds; TimeoutError after `timeout_s`."""
+    async with asyncio.timeout(timeout_s):
+        while not is_true():  # noqa: ASYNC110 - polls state owned by other tasks
+            await asyncio.sleep(0.01)
+
+
+@dataclass
+class Stack:
+    nats_url: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    worker: dict[str, Any] = field(default_factory=dict)
+    gateway_options: dict[str, Any] = field(default_factory=dict)
+    cluster: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:10]}")
+
+    def __post_init__(self) -> None:
+        common = {"nats_url": self.nats_url, "cluster": self.cluster, "log_level": "warning",
+                  "drain_timeout_s": 5.0}
+        worker = WorkerConfig(**common, **{"heartbeat_interval_s": 0.2, **self.worker})
+        self.conductor = ConductorService(ConductorConfig(**common, heartbeat_timeout_s=1.0))
+        self.prefills = [PrefillService(worker) for _ in range(self.num_prefill)]
+        self.decodes = [DecodeService(worker) for _ in range(self.num_decode)]
+        self.gateway = GatewayService(GatewayConfig(**common, port=0, **self.gateway_options))
+
+    @property
+    def services(self) -> list[Service]:
+        return [self.conductor, *self.prefills, *self.decodes, self.gateway]
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.gateway.url}/v1"
+
+    async def start(self) -> Stack:
+        for service in self.services:
+            await service.start()
+        await self.wait_healthy()
+        return self
+
+    async def wait_healthy(self, timeout_s: float = 10.0) -> None:
+        def ready() -> bool:
+            live_p = self.conductor.workers.healthy("prefill")
+            live_d = self.conductor.workers.healthy("decode")
+            health = self.gateway.health()
+            return (len(live_p) >= self.num_prefill and len(live_d) >= self.num_decode
+                    and health["status"] == "ok")
+
+        await eventually(ready, timeout_s)
+
+    async def stop(self) -> None:
+        for service in reversed(self.services):
+            await service.stop()
+
+    async def __aenter__(self) -> Stack:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def num_free_decode_blocks(self) -> int:
+        return sum(d.engine.stats().num_free_blocks for d in self.decodes)
+
+    async def wait_blocks_free(self, timeout_s: float = 5.0) -> None:
+        """Wait until every decode block is free again (or fail)."""
+        workers = [*self.prefills, *self.decodes]
+        await eventually(lambda: all(
+            w.engine.stats().num_free_blocks == w.engine.stats().num_total_blocks
+            for w in workers), timeout_s)
+
+    async def post(self, path: str, body: Any, headers: dict[str, str] | None = None
+                   ) -> tuple[int, Any]:
+        async with aiohttp.ClientSession() as session, session.post(
+            f"{self.gateway.url}{path}", json=body, headers=headers
+        ) as response:
+            return response.status, await response.json(content_type=None)

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from shared.config import GatewayConfig, WorkerConfig, add_config_flags, load_config
+from shared.errors import ConfigError
+
+
+def test_defaults_apply_without_any_source() -> None:
+    config = load_config(GatewayConfig)
+    assert (config.host, config.port, config.model) == ("127.0.0.1", 8000, "halfmoon-tiny")
+
+
+def test_flags_beat_environment_which_beats_file(tmp_path: Path) -> None:
+    path = tmp_path / "gw.toml"
+    path.write_text('port = 7000\nmodel = "from-file"\nmax_model_len = 512\n')
+    env = {"HALFMOON_PORT": "7100", "HALFMOON_MODEL": "from-env", "OTHER": "x"}
+    config = load_config(GatewayConfig, flags={"port": "7200", "model": None}, env=env,
+                         toml_path=path)
+    assert (config.port, config.model, config.max_model_len) == (7200, "from-env", 512)
+
+
+def test_environment_strings_are_converted_to_field_types() -> None:
+    config = load_config(WorkerConfig, env={"HALFMOON_FAKE_TOKEN_DELAY_S": "0.25",
+                                            "HALFMOON_NUM_BLOCKS": "64"})
+    assert (config.fake_token_delay_s, config.num_blocks) == (0.25, 64)
+
+
+def test_bad_value_raises_config_error_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match="port"):
+        load_config(GatewayConfig, flags={"port": "eighty"})
+
+
+def test_unknown_engine_is_refused() -> None:
+    with pytest.raises(ConfigError, match="engine"):
+        load_config(WorkerConfig, flags={"engine": "gpt"})
+
+
+def test_unknown_key_in_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("prot = 1\n")
+    with pytest.raises(ConfigError, match="prot"):
+        load_config(GatewayConfig, toml_path=path)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(GatewayConfig, toml_path=tmp_path / "nope.toml")
+
+
+def test_every_field_gets_a_flag() -> None:
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, WorkerConfig)
+    args = parser.parse_args(["--nats-url", "nats://h:1", "--fake-token-delay-s", "0.1"])
+    config = load_config(WorkerConfig, flags=vars(args))
+    assert (config.nats_url, config.fake_token_delay_s) == ("nats://h:1", 0.1)

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import msgspec
+
+from shared.heartbeats import WorkerDirectory
+from tests.unit.test_placement import worker
+
+
+def test_worker_is_healthy_while_heartbeats_are_fresh() -> None:
+    directory = WorkerDirectory(timeout_s=2.0)
+    directory.observe(worker("a"), now_s=100.0)
+    assert [w.worker_id for w in directory.healthy("prefill", now_s=101.0)] == ["a"]
+
+
+def test_worker_whose_heartbeats_stop_gets_no_work() -> None:
+    directory = WorkerDirectory(timeout_s=2.0)
+    directory.observe(worker("a"), now_s=100.0)
+    assert directory.healthy("prefill", now_s=102.5) == []
+    assert not directory.is_healthy("a", now_s=102.5)
+
+
+def test_draining_worker_is_not_healthy() -> None:
+    directory = WorkerDirectory(timeout_s=2.0)
+    directory.observe(msgspec.structs.replace(worker("a"), is_draining=True), now_s=0.0)
+    assert directory.healthy("prefill", now_s=0.0) == []
+
+
+def test_roles_are_kept_apart() -> None:
+    directory = WorkerDirectory(timeout_s=2.0)
+    directory.observe(worker("p"), now_s=0.0)
+    directory.observe(worker("d", "decode"), now_s=0.0)
+    assert [w.worker_id for w in directory.healthy("decode", now_s=0.0)] == ["d"]

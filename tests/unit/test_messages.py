@@ -1,0 +1,110 @@
+"""The wire contract: every message round-trips and matches its checked-in golden payload.
+
+A golden mismatch means the public contract changed. If that is deliberate (a new field with
+a default, added last), regenerate with `HALFMOON_REGENERATE_GOLDEN=1 pytest tests/unit`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from shared.errors import ErrorCode
+from shared.messages import (
+    AbortRequest,
+    DecodeReservation,
+    DispatchReply,
+    GatewayEvent,
+    GenerateRequest,
+    KvCommitted,
+    KvTarget,
+    Message,
+    PrefillTask,
+    RequestFailed,
+    SamplingParams,
+    TokenBatch,
+    TokenDelta,
+    WorkerHeartbeat,
+)
+
+GOLDEN = Path(__file__).parent.parent / "golden"
+
+REQUEST = GenerateRequest(
+    request_id="cmpl-1", model="halfmoon-tiny", prompt_token_ids=[104, 105],
+    sampling=SamplingParams(max_tokens=8, temperature=0.0, seed=7, stop_token_ids=(257,)),
+    reply_subject="halfmoon.default.v1.gateway.gw-1", created_at_s=1700000000.5,
+)
+
+SAMPLES: dict[str, Message] = {
+    "generate_request": REQUEST,
+    "prefill_task": PrefillTask(request=REQUEST),
+    "decode_reservation": DecodeReservation(request=REQUEST, prefill_worker_id="prefill-a"),
+    "dispatch_reply": DispatchReply(is_accepted=False, worker_id="decode-b", reason="full"),
+    "kv_target": KvTarget(request_id="cmpl-1", decode_worker_id="decode-b", block_ids=[3, 4]),
+    "kv_committed": KvCommitted(request_id="cmpl-1", prefill_worker_id="prefill-a",
+                                first_token_id=97, num_prompt_tokens=2),
+    "token_batch": TokenBatch(worker_id="decode-b", items=[
+        TokenDelta(request_id="cmpl-1", index=1, token_ids=[98]),
+        TokenDelta(request_id="cmpl-2", index=4, token_ids=[99], finish_reason="length"),
+    ]),
+    "request_failed": RequestFailed(request_id="cmpl-1", code=ErrorCode.CAPACITY_EXHAUSTED,
+                                    message="no room", worker_id="conductor"),
+    "abort_request": AbortRequest(request_id="cmpl-1", reason="client gone"),
+    "worker_heartbeat": WorkerHeartbeat(
+        worker_id="decode-b", role="decode", model="halfmoon-tiny", host="h1", num_running=2,
+        num_waiting=1, max_batch_size=64, num_free_blocks=100, num_total_blocks=128,
+        block_size=16, heartbeat_interval_s=0.5, sent_at_s=1700000000.25,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_message_round_trips(name: str) -> None:
+    message = SAMPLES[name]
+    assert msgspec.json.decode(msgspec.json.encode(message), type=type(message)) == message
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_message_matches_golden_payload(name: str) -> None:
+    message = SAMPLES[name]
+    path = GOLDEN / f"{name}.json"
+    encoded = msgspec.json.format(msgspec.json.encode(message), indent=2) + b"\n"
+    if os.environ.get("HALFMOON_REGENERATE_GOLDEN") == "1":
+        path.write_bytes(encoded)
+    assert path.read_bytes() == encoded
+    assert msgspec.json.decode(path.read_bytes(), type=type(message)) == message
+
+
+def test_messages_are_tagged_by_class_name() -> None:
+    payload = json.loads(msgspec.json.encode(SAMPLES["abort_request"]))
+    assert payload["type"] == "AbortRequest"
+
+
+def test_gateway_event_union_decodes_each_member() -> None:
+    decoder = msgspec.json.Decoder(GatewayEvent)
+    for name in ("token_batch", "request_failed"):
+        assert decoder.decode(msgspec.json.encode(SAMPLES[name])) == SAMPLES[name]
+
+
+def test_old_payload_without_newer_defaulted_fields_still_decodes() -> None:
+    payload = json.loads(msgspec.json.encode(SAMPLES["kv_committed"]))
+    del payload["num_kv_bytes"], payload["transport"]
+    decoded = msgspec.json.decode(json.dumps(payload), type=KvCommitted)
+    assert (decoded.num_kv_bytes, decoded.transport) == (0, "none")
+
+
+def test_unknown_fields_from_newer_peers_are_ignored() -> None:
+    payload = json.loads(msgspec.json.encode(SAMPLES["abort_request"]))
+    payload["added_in_v2"] = 1
+    assert msgspec.json.decode(json.dumps(payload), type=AbortRequest) == SAMPLES["abort_request"]
+
+
+def test_wrong_field_type_is_rejected() -> None:
+    payload = json.loads(msgspec.json.encode(SAMPLES["kv_target"]))
+    payload["block_ids"] = "3,4"
+    with pytest.raises(msgspec.ValidationError, match=r"block_ids"):
+        msgspec.json.decode(json.dumps(payload), type=KvTarget)

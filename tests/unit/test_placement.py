@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import pytest
+
+from services.conductor.placement import PendingWork, blocks_needed, pick_decode, pick_prefill
+from shared.errors import CapacityExhausted, WorkerUnavailable
+from shared.messages import WorkerHeartbeat
+
+
+def worker(worker_id: str, role: str = "prefill", *, running: int = 0, waiting: int = 0,
+           free: int = 100) -> WorkerHeartbeat:
+    return WorkerHeartbeat(
+        worker_id=worker_id, role=role, model="m", host="h", num_running=running,  # type: ignore[arg-type]
+        num_waiting=waiting, max_batch_size=8, num_free_blocks=free, num_total_blocks=100,
+        block_size=16, heartbeat_interval_s=0.5, sent_at_s=0.0,
+    )
+
+
+def test_prefill_goes_to_the_least_loaded_worker() -> None:
+    workers = [worker("a", waiting=3), worker("b", waiting=1), worker("c", running=2)]
+    assert pick_prefill(workers, (), {}).worker_id == "b"
+
+
+def test_ties_go_to_the_lowest_worker_id_so_replicas_agree() -> None:
+    workers = [worker("z"), worker("a"), worker("m")]
+    assert pick_prefill(workers, (), {}).worker_id == "a"
+
+
+def test_pending_work_spreads_a_burst_between_heartbeats() -> None:
+    workers = [worker("a"), worker("b")]
+    assert pick_prefill(workers, (), {"a": PendingWork(num_requests=1)}).worker_id == "b"
+
+
+def test_excluded_workers_are_skipped() -> None:
+    assert pick_prefill([worker("a"), worker("b")], {"a"}, {}).worker_id == "b"
+
+
+def test_no_prefill_worker_is_unavailable() -> None:
+    with pytest.raises(WorkerUnavailable, match="no healthy prefill worker"):
+        pick_prefill([worker("a")], {"a"}, {})
+
+
+def test_decode_needs_room_for_prompt_and_max_tokens() -> None:
+    workers = [worker("a", "decode", free=2), worker("b", "decode", free=10, running=5)]
+    assert pick_decode(workers, (), {}, num_tokens=100).worker_id == "b"
+
+
+def test_decode_counts_blocks_promised_since_the_last_heartbeat() -> None:
+    workers = [worker("a", "decode", free=10)]
+    with pytest.raises(CapacityExhausted, match="KV room"):
+        pick_decode(workers, (), {"a": PendingWork(1, 5)}, num_tokens=16 * 6)
+
+
+def test_decode_without_room_anywhere_is_capacity_exhausted() -> None:
+    with pytest.raises(CapacityExhausted):
+        pick_decode([worker("a", "decode", free=1)], (), {}, num_tokens=1000)
+
+
+def test_blocks_needed_rounds_up() -> None:
+    assert [blocks_needed(n, 16) for n in (1, 16, 17, 32)] == [1, 1, 2, 2]

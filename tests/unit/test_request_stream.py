@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import pytest
+
+from services.gateway.request_stream import RequestStream, StreamTable
+from shared.errors import CapacityExhausted, ErrorCode, RequestTimeout
+from shared.messages import RequestFailed, TokenBatch, TokenDelta
+
+
+def delta(index: int, token: int, finish: str | None = None) -> TokenDelta:
+    return TokenDelta(request_id="r", index=index, token_ids=[token],
+                      finish_reason=finish)  # type: ignore[arg-type]
+
+
+async def test_deltas_come_out_in_index_order_whatever_order_they_arrive() -> None:
+    stream = RequestStream("r")
+    for d in (delta(2, 12), delta(1, 11), delta(0, 10, None)):
+        stream.deliver(d)
+    assert [(await stream.next(1.0)).token_ids[0] for _ in range(3)] == [10, 11, 12]
+
+
+async def test_duplicates_are_dropped() -> None:
+    stream = RequestStream("r")
+    stream.deliver(delta(0, 10))
+    stream.deliver(delta(0, 10))
+    stream.deliver(delta(1, 11, "length"))
+    assert (await stream.next(1.0)).index == 0
+    assert (await stream.next(1.0)).finish_reason == "length"
+    with pytest.raises(RequestTimeout):
+        await stream.next(0.01)
+
+
+async def test_failure_reaches_the_reader_as_a_typed_error() -> None:
+    table = StreamTable()
+    stream = table.open("r")
+    table.dispatch(RequestFailed(request_id="r", code=ErrorCode.CAPACITY_EXHAUSTED,
+                                 message="full"))
+    with pytest.raises(CapacityExhausted, match="full"):
+        await stream.next(1.0)
+
+
+async def test_table_routes_batches_by_request_and_ignores_unknown_ids() -> None:
+    table = StreamTable()
+    stream = table.open("r")
+    table.dispatch(TokenBatch(worker_id="w", items=[
+        delta(0, 10), TokenDelta(request_id="other", index=0, token_ids=[1]),
+    ]))
+    assert (await stream.next(1.0)).token_ids == [10]
+    table.close("r")
+    assert len(table) == 0
