@@ -25,7 +25,8 @@ from shared.messages import AbortRequest, DispatchReply, WorkerHeartbeat, Worker
 from shared.nats_client import encode, ensure_bucket
 from shared.service import Service
 
-REGISTRY_EVERY_N_HEARTBEATS = 10
+# Registry entries outlive a few missed heartbeats, then the bucket drops them.
+REGISTRY_TTL_HEARTBEATS = 10
 
 
 class WorkerService(Service):
@@ -50,11 +51,11 @@ class WorkerService(Service):
         self._is_engine_started = True
         self._registry = await ensure_bucket(
             self.nc.jetstream(), self.subjects.workers_bucket,
-            ttl_s=REGISTRY_EVERY_N_HEARTBEATS * self.config.heartbeat_interval_s * 3,
+            ttl_s=max(5.0, REGISTRY_TTL_HEARTBEATS * self.config.heartbeat_interval_s),
         )
         self._work_subscriptions = await self._subscribe_work()
         await self.serve(self.subjects.abort, AbortRequest, self._on_abort)
-        await self._heartbeat(registry=True)
+        await self._heartbeat()
         self.spawn(self._heartbeat_loop(), "heartbeat")
 
     @abc.abstractmethod
@@ -76,17 +77,17 @@ class WorkerService(Service):
         return None
 
     async def _heartbeat_loop(self) -> None:
-        count = 0
         while True:
             await asyncio.sleep(self.config.heartbeat_interval_s)
-            count += 1
             self._on_tick()
-            await self._heartbeat(registry=count % REGISTRY_EVERY_N_HEARTBEATS == 0)
+            await self._heartbeat()
 
-    async def _heartbeat(self, *, registry: bool = False) -> None:
+    async def _heartbeat(self) -> None:
+        """Publish the heartbeat and keep it as this worker's registry entry, from which a
+        new conductor or gateway builds its view before the next heartbeat arrives."""
         payload = encode(self.heartbeat())
         await self.nc.publish(self.subjects.heartbeat(self.role, self.worker_id), payload)
-        if registry and self._registry is not None:
+        if self._registry is not None:
             await self._registry.put(self.worker_id, payload)
 
     def heartbeat(self) -> WorkerHeartbeat:

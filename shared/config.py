@@ -30,6 +30,7 @@ class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     log_level: str = "info"
     log_format: Literal["auto", "json", "console"] = "auto"
     drain_timeout_s: float = 10.0
+    connect_timeout_s: float = 10.0
 
 
 class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):

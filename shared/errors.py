@@ -28,6 +28,7 @@ class HalfmoonError(Exception):
     code: ErrorCode = ErrorCode.ENGINE_FAILURE
     http_status: int = 500
     error_type: str = "server_error"
+    openai_code: str | None = None  # the `code` OpenAI clients know, where one exists
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -46,17 +47,21 @@ class InvalidRequest(HalfmoonError):
 class ContextLengthExceeded(InvalidRequest):
     """Prompt plus requested tokens do not fit the model's context window."""
 
+    openai_code = "context_length_exceeded"
+
 
 class AuthenticationFailed(HalfmoonError):
     code = ErrorCode.INVALID_REQUEST
     http_status = 401
     error_type = "authentication_error"
+    openai_code = "invalid_api_key"
 
 
 class ModelNotFound(HalfmoonError):
     code = ErrorCode.INVALID_REQUEST
     http_status = 404
     error_type = "invalid_request_error"
+    openai_code = "model_not_found"
 
 
 class CapacityExhausted(HalfmoonError):

@@ -27,6 +27,11 @@ class WorkerDirectory:
         now_s = time.monotonic() if now_s is None else now_s
         self._entries[heartbeat.worker_id] = WorkerEntry(heartbeat, now_s)
 
+    def observe_entry(self, heartbeat: WorkerHeartbeat) -> None:
+        """A heartbeat read back from the registry: date it by its own send time."""
+        age_s = max(0.0, time.time() - heartbeat.sent_at_s)
+        self.observe(heartbeat, now_s=time.monotonic() - age_s)
+
     def forget(self, worker_id: str) -> None:
         self._entries.pop(worker_id, None)
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
-import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
@@ -13,41 +14,53 @@ from nats.js.kv import KeyValue
 
 from shared.errors import WorkerUnavailable
 from shared.logs import get_logger
-from shared.messages import DispatchReply, Message
+from shared.messages import DispatchReply, Message, WorkerHeartbeat
 
 log = get_logger(__name__)
 
 _encoder = msgspec.json.Encoder()
 _reply_decoder = msgspec.json.Decoder(DispatchReply)
+_heartbeat_decoder = msgspec.json.Decoder(WorkerHeartbeat)
 
 
 def encode(message: Message) -> bytes:
     return _encoder.encode(message)
 
 
-async def connect(url: str, name: str) -> NatsClient:
-    """Connect with unbounded reconnects; connection events go to the log."""
+async def connect(url: str, name: str, timeout_s: float = 10.0) -> NatsClient:
+    """Connect, waiting up to `timeout_s` for the server; once connected, reconnect without
+    limit. Connection events go to the log. Raises `WorkerUnavailable` on time-out."""
 
     async def on_error(exc: Exception) -> None:
         log.warning("nats.error", client=name, error=str(exc))
 
+    nc = NatsClient()
+
     async def on_disconnected() -> None:
-        log.warning("nats.disconnected", client=name)
+        if not (nc.is_closed or nc.is_draining):
+            log.warning("nats.disconnected", client=name)
 
     async def on_reconnected() -> None:
         log.info("nats.reconnected", client=name)
 
-    return await nats.connect(
+    connecting = nc.connect(
         servers=[url],
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
         connect_timeout=5,
+        drain_timeout=5,
         allow_reconnect=True,
         error_cb=on_error,
         disconnected_cb=on_disconnected,
         reconnected_cb=on_reconnected,
     )
+    try:
+        await asyncio.wait_for(connecting, timeout_s)
+    except TimeoutError as exc:
+        await nc.close()
+        raise WorkerUnavailable(f"cannot reach NATS at {url} within {timeout_s}s") from exc
+    return nc
 
 
 async def ensure_work_queue(
@@ -73,6 +86,27 @@ async def ensure_bucket(js: JetStreamContext, bucket: str, ttl_s: float) -> KeyV
         return await js.key_value(bucket)
     except nats.js.errors.BucketNotFoundError:
         return await js.create_key_value(bucket=bucket, ttl=ttl_s, history=1)
+
+
+async def read_registry(js: JetStreamContext, bucket: str) -> list[WorkerHeartbeat]:
+    """Every live worker's latest heartbeat from the registry bucket (empty if none)."""
+    try:
+        kv = await js.key_value(bucket)
+        keys = await kv.keys()
+    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError):
+        return []
+    heartbeats = []
+    for key in keys:
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            continue
+        if entry.value:
+            try:
+                heartbeats.append(_heartbeat_decoder.decode(entry.value))
+            except msgspec.DecodeError:
+                log.warning("registry.invalid_entry", bucket=bucket, key=key)
+    return heartbeats
 
 
 async def dispatch(

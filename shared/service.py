@@ -76,7 +76,8 @@ class Service(abc.ABC):
             raise ServiceStartFailed(f"{self.name} cannot start from state {self.state.value}")
         self.state = ServiceState.STARTING
         try:
-            self._nc = await connect(self.config.nats_url, f"{self.name}:{self.instance_id}")
+            self._nc = await connect(self.config.nats_url, f"{self.name}:{self.instance_id}",
+                                     self.config.connect_timeout_s)
             await self._setup()
         except Exception as exc:
             self.log.error("service.start_failed", service=self.name, error=repr(exc))
@@ -109,9 +110,13 @@ class Service(abc.ABC):
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop_requested.set)
-        await self.start()
-        await self._stop_requested.wait()
-        await self.stop()
+        try:
+            await self.start()
+            await self._stop_requested.wait()
+            await self.stop()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
         if self._crash is not None:
             raise self._crash
 

@@ -34,7 +34,7 @@ from shared.messages import (
     RequestFailed,
     WorkerHeartbeat,
 )
-from shared.nats_client import dispatch, encode, ensure_work_queue
+from shared.nats_client import dispatch, encode, ensure_work_queue, read_registry
 from shared.service import Service
 
 
@@ -57,15 +57,18 @@ class ConductorService(Service):
         self._pending: dict[str, PendingWork] = defaultdict(PendingWork)
         self._num_placing = 0
         self._is_fetching = False
+        self._pulls: list[Any] = []
 
     async def _setup(self) -> None:
         await self.nc.subscribe(self.subjects.all_heartbeats, cb=self._on_heartbeat)
+        for heartbeat in await read_registry(self.nc.jetstream(), self.subjects.workers_bucket):
+            self.workers.observe_entry(heartbeat)
         js = self.nc.jetstream()
         await ensure_work_queue(js, self.subjects.requests_stream, self.subjects.requests,
                                 max_age_s=self.config.request_max_age_s)
         consumer = ConsumerConfig(
             durable_name=self.subjects.conductor_consumer, ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=30.0, max_deliver=5, max_ack_pending=4096,
+            ack_wait=10.0, max_deliver=5, max_ack_pending=4096,
         )
         self._is_fetching = True
         for i in range(self.config.num_fetchers):
@@ -73,6 +76,7 @@ class ConductorService(Service):
                 self.subjects.requests, durable=self.subjects.conductor_consumer,
                 stream=self.subjects.requests_stream, config=consumer,
             )
+            self._pulls.append(subscription)
             self.spawn(self._fetch_loop(subscription), f"fetch.{i}")
 
     async def _on_heartbeat(self, msg: Msg) -> None:
@@ -194,3 +198,11 @@ class ConductorService(Service):
 
     async def _drain(self) -> None:
         await self.wait_until(lambda: self._num_placing == 0)
+
+    async def _close(self) -> None:
+        # A pull subscription may hold a message delivered to a fetch that was cancelled;
+        # unsubscribing hands it back to the stream (it is redelivered after ack_wait) and
+        # keeps the NATS drain from waiting on it.
+        for subscription in self._pulls:
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()

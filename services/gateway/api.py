@@ -55,7 +55,7 @@ class GatewayBackend(Protocol):
 
 def error_body(exc: HalfmoonError) -> dict[str, Any]:
     return {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param,
-                      "code": exc.code.value}}
+                      "code": exc.openai_code or exc.code.value}}
 
 
 def json_response(body: Any, status: int = 200) -> web.Response:

@@ -35,7 +35,7 @@ from shared.config import GatewayConfig
 from shared.errors import ConfigError, RequestAborted, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
 from shared.messages import GatewayEvent, WorkerHeartbeat
-from shared.nats_client import ensure_work_queue
+from shared.nats_client import ensure_work_queue, read_registry
 from shared.service import Service
 
 # OpenAI's legacy completions endpoint defaults to 16 new tokens; chat fills the context.
@@ -83,6 +83,8 @@ class GatewayService(Service):
         reply_subject = self.subjects.gateway(self.gateway_id)
         await self.nc.subscribe(reply_subject, cb=self._on_event)
         await self.nc.subscribe(self.subjects.all_heartbeats, cb=self._on_heartbeat)
+        for heartbeat in await read_registry(self.nc.jetstream(), self.subjects.workers_bucket):
+            self.workers.observe_entry(heartbeat)
         self._generator = Generator(GeneratorContext(
             nc=self.nc, js=js, subjects=self.subjects, reply_subject=reply_subject,
             table=self.table, tokenizer=self.tokenizer, timeout_s=self.config.request_timeout_s,

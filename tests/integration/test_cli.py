@@ -1,0 +1,122 @@
+"""The `halfmoon` command: the whole system as separate OS processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "halfmoon-tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def children_of(pid: int) -> set[int]:
+    """All descendants of `pid`, from /proc."""
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        current = frontier.pop()
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            text = (task / "children").read_text() if (task / "children").exists() else ""
+            for child in map(int, text.split()):
+                if child not in found:
+                    found.add(child)
+                    frontier.append(child)
+    return found
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+def wait_for_line(process: subprocess.Popen[str], needle: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    assert process.stdout is not None
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if needle in line:
+            return line
+        if not line and process.poll() is not None:
+            break
+    raise AssertionError(f"no line with {needle!r}; exit code {process.poll()}")
+
+
+def halfmoon(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", *args], stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def test_up_serves_openai_and_sigterm_leaves_no_process(tmp_path: Path) -> None:
+    port = free_port()
+    process = halfmoon("up", "--port", str(port), "--prefill", "2", "--decode", "1")
+    try:
+        line = wait_for_line(process, "halfmoon is up", 60)
+        assert f"http://127.0.0.1:{port}/v1" in line
+        children = children_of(process.pid)
+        assert len(children) >= 5  # nats-server, conductor, 2 prefill, decode, gateway
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=7)
+        assert chat.usage is not None and chat.usage.completion_tokens == 7
+        stream = client.completions.create(model=MODEL, prompt="a", max_tokens=9, stream=True)
+        assert len("".join(c.choices[0].text for c in stream)) == 9
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    deadline = time.monotonic() + 5
+    while any(is_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in children if is_alive(pid)]
+
+
+def test_services_run_one_per_process_against_an_existing_server(nats_url: str) -> None:
+    port = free_port()
+    common = ["--nats-url", nats_url, "--cluster", "cli-split"]
+    processes = [halfmoon(role, *common) for role in ("conductor", "prefill", "decode")]
+    processes.append(halfmoon("gateway", *common, "--port", str(port)))
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                response = client.completions.create(model=MODEL, prompt="a", max_tokens=4)
+                break
+            except (openai.APIConnectionError, openai.InternalServerError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        assert response.usage is not None and response.usage.completion_tokens == 4
+    finally:
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        assert [p.wait(timeout=20) for p in processes] == [0, 0, 0, 0]
+
+
+def test_bad_flag_value_exits_2_with_a_clear_message() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "services.cli", "gateway", "--port", "eighty"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )
+    assert result.returncode == 2
+    assert "invalid GatewayConfig" in result.stderr and "port" in result.stderr

@@ -1,0 +1,99 @@
+"""The request flow over NATS: dedupe, replicas, heartbeats, placement spread, token batching."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import openai
+import pytest
+
+from services.conductor.service import ConductorService
+from shared.messages import GenerateRequest, PrefillTask, SamplingParams, TokenBatch
+from shared.nats_client import encode
+from tests.stack import Stack, eventually
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "halfmoon-tiny"
+
+
+async def test_a_request_published_twice_is_scheduled_once(stack: Stack) -> None:
+    js = stack.gateway.nc.jetstream()
+    request = GenerateRequest(
+        request_id="dup-1", model=MODEL, prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=3), reply_subject="nowhere.listening",
+        created_at_s=time.time(),
+    )
+    acks = [await js.publish(stack.gateway.subjects.requests, encode(request),
+                             headers={"Nats-Msg-Id": request.request_id}) for _ in range(2)]
+    assert [ack.duplicate for ack in acks] == [None, True]
+
+
+async def test_two_conductor_replicas_never_schedule_a_request_twice(nats_url: str) -> None:
+    async with Stack(nats_url) as stack:
+        second = ConductorService(stack.conductor.config)
+        await second.start()
+        try:
+            # An observer on the prefill task subject sees every task sent (it never replies).
+            seen: list[str] = []
+            decoder = msgspec.json.Decoder(PrefillTask)
+            prefill = stack.prefills[0]
+
+            async def observe(msg) -> None:  # type: ignore[no-untyped-def]
+                seen.append(decoder.decode(msg.data).request.request_id)
+
+            await stack.gateway.nc.subscribe(prefill.subjects.prefill_task(prefill.worker_id),
+                                             cb=observe)
+            async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x",
+                                          max_retries=0) as sdk:
+                await asyncio.gather(*(sdk.completions.create(
+                    model=MODEL, prompt=f"r{i}", max_tokens=3) for i in range(40)))
+            await eventually(lambda: len(seen) >= 40)
+            assert len(seen) == 40 == len(set(seen))
+        finally:
+            await second.stop()
+
+
+async def test_work_spreads_over_workers_and_skips_a_silent_one(nats_url: str) -> None:
+    async with Stack(nats_url, num_prefill=2, num_decode=2,
+                     worker={"fake_token_delay_s": 0.01}) as stack:
+        async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x",
+                                      max_retries=0) as sdk:
+            await asyncio.gather(*(sdk.completions.create(
+                model=MODEL, prompt=f"s{i}", max_tokens=20) for i in range(16)))
+            # Silence one decode worker's heartbeats: it must get no new work.
+            silent = stack.decodes[1]
+            for task in list(silent._tasks):
+                if task.get_name().endswith("heartbeat"):
+                    task.cancel()
+            await eventually(lambda: not stack.conductor.workers.is_healthy(silent.worker_id),
+                             timeout_s=5.0)
+            reservations_before = silent.engine.stats().num_free_blocks
+            results = await asyncio.gather(*(sdk.completions.create(
+                model=MODEL, prompt=f"t{i}", max_tokens=5) for i in range(10)))
+        assert all(r.usage is not None and r.usage.completion_tokens == 5 for r in results)
+        assert silent.engine.stats().num_free_blocks == reservations_before
+        await stack.wait_blocks_free()
+
+
+async def test_decode_sends_one_batch_per_gateway_per_step(nats_url: str) -> None:
+    async with Stack(nats_url, worker={"fake_token_delay_s": 0.02}) as stack:
+        batches: list[TokenBatch] = []
+        decoder = msgspec.json.Decoder(TokenBatch)
+
+        async def spy(msg) -> None:  # type: ignore[no-untyped-def]
+            batches.append(decoder.decode(msg.data))
+
+        await stack.gateway.nc.subscribe(
+            stack.gateway.subjects.gateway(stack.gateway.gateway_id), cb=spy)
+        async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x",
+                                      max_retries=0) as sdk:
+            await asyncio.gather(*(sdk.completions.create(
+                model=MODEL, prompt=f"b{i}", max_tokens=30) for i in range(8)))
+        decode_batches = [b for b in batches if b.worker_id == stack.decodes[0].worker_id]
+        tokens = sum(len(b.items) for b in decode_batches)
+        assert tokens == 8 * 29
+        assert max(len(b.items) for b in decode_batches) == 8  # the whole batch, one message
+        assert len(decode_batches) < tokens / 4

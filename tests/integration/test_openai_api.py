@@ -1,0 +1,143 @@
+"""The OpenAI API end to end, through the official `openai` SDK, against a running stack."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import openai
+import pytest
+
+from engine.fake_engine import fake_completion
+from services.gateway.chat_template import ChatTemplate
+from services.gateway.tokenizer import ByteTokenizer
+from tests.stack import Stack, eventually
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "halfmoon-tiny"
+TOKENIZER = ByteTokenizer()
+
+
+def expected_text(prompt: str | list[int], seed: int | None, num_tokens: int) -> str:
+    ids = TOKENIZER.encode(prompt) if isinstance(prompt, str) else prompt
+    return TOKENIZER.decode(fake_completion(ids, seed, num_tokens))
+
+
+def chat_prompt(content: str) -> str:
+    return ChatTemplate().render([{"role": "user", "content": content}],
+                                 bos_token=TOKENIZER.bos_token, eos_token=TOKENIZER.eos_token)
+
+
+@pytest.fixture
+async def client(stack: Stack) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused",
+                                  max_retries=0) as sdk:
+        yield sdk
+
+
+async def test_chat_completion_returns_the_engine_output_with_usage(
+    client: openai.AsyncOpenAI,
+) -> None:
+    response = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=12, seed=5,
+    )
+    choice = response.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected_text(chat_prompt("hello"), 5, 12)
+    assert choice.finish_reason == "length"
+    prompt_len = len(TOKENIZER.encode(chat_prompt("hello")))
+    assert response.usage is not None
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens,
+            response.usage.total_tokens) == (prompt_len, 12, prompt_len + 12)
+
+
+async def test_streamed_chat_equals_the_whole_answer_and_ends_with_usage(
+    client: openai.AsyncOpenAI,
+) -> None:
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=12, seed=5,
+        stream=True, stream_options={"include_usage": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected_text(chat_prompt("hello"), 5, 12)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+
+
+async def test_completion_streamed_and_not_agree(client: openai.AsyncOpenAI) -> None:
+    whole = await client.completions.create(model=MODEL, prompt="abc", max_tokens=20, seed=1)
+    stream = await client.completions.create(model=MODEL, prompt="abc", max_tokens=20, seed=1,
+                                             stream=True)
+    streamed = "".join([c.choices[0].text async for c in stream])
+    assert whole.choices[0].text == streamed == expected_text("abc", 1, 20)
+    assert whole.usage is not None and whole.usage.completion_tokens == 20
+
+
+async def test_completions_default_to_sixteen_tokens(client: openai.AsyncOpenAI) -> None:
+    response = await client.completions.create(model=MODEL, prompt="abc")
+    assert response.usage is not None and response.usage.completion_tokens == 16
+
+
+async def test_prompt_as_token_ids(client: openai.AsyncOpenAI) -> None:
+    response = await client.completions.create(model=MODEL, prompt=[104, 105], max_tokens=5)
+    assert response.choices[0].text == expected_text([104, 105], None, 5)
+
+
+async def test_seed_changes_the_output(client: openai.AsyncOpenAI) -> None:
+    a = await client.completions.create(model=MODEL, prompt="x", max_tokens=16, seed=1)
+    b = await client.completions.create(model=MODEL, prompt="x", max_tokens=16, seed=2)
+    assert a.choices[0].text != b.choices[0].text
+
+
+@pytest.mark.parametrize("is_stream", [False, True])
+async def test_stop_string_cuts_the_output_and_frees_the_request(
+    stack: Stack, client: openai.AsyncOpenAI, is_stream: bool,
+) -> None:
+    full = expected_text("stop me", 9, 64)
+    stop = full[10:12]
+    response = await client.completions.create(
+        model=MODEL, prompt="stop me", max_tokens=64, seed=9, stop=[stop], stream=is_stream,
+    )
+    if is_stream:
+        chunks = [c async for c in response]  # type: ignore[union-attr]
+        text = "".join(c.choices[0].text for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        text, finish = response.choices[0].text, response.choices[0].finish_reason  # type: ignore[union-attr]
+    assert text == full[: full.index(stop)]
+    assert finish == "stop"
+    await stack.wait_blocks_free()
+
+
+async def test_models_lists_the_served_model(client: openai.AsyncOpenAI) -> None:
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_concurrent_requests_each_get_their_own_output(client: openai.AsyncOpenAI) -> None:
+    async def one(i: int) -> str:
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"p{i}", max_tokens=8 + i, seed=i, stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    results = await asyncio.gather(*(one(i) for i in range(24)))
+    assert results == [expected_text(f"p{i}", i, 8 + i) for i in range(24)]
+
+
+async def test_client_disconnect_aborts_the_request_downstream(nats_url: str) -> None:
+    async with Stack(nats_url, worker={"fake_token_delay_s": 0.05}) as stack:
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(
+                f"{stack.base_url}/completions",
+                json={"model": MODEL, "prompt": "long", "max_tokens": 500, "stream": True})
+            await response.content.readline()
+            await eventually(lambda: stack.decodes[0].engine.stats().num_running == 1)
+            response.close()
+        await eventually(lambda: stack.decodes[0].engine.stats().num_running == 0)
+        await stack.wait_blocks_free()
+        await eventually(lambda: len(stack.gateway.table) == 0)

@@ -1,0 +1,133 @@
+"""Bad input and overload at the gateway: OpenAI-style errors, never a 500, never a leak."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import openai
+import pytest
+
+from tests.stack import Stack
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "halfmoon-tiny"
+GOOD = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def assert_openai_error(body: Any, *, type_: str, param: str | None = None,
+                        code: str | None = None) -> None:
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and "Traceback" not in error["message"]
+    assert error["type"] == type_
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+
+
+BAD_REQUESTS = [
+    ("invalid_json", "/v1/completions", b"{not json", 400, None),
+    ("empty_body", "/v1/completions", b"", 400, None),
+    ("wrong_type", "/v1/completions", {**GOOD, "max_tokens": "ten"}, 400, "max_tokens"),
+    ("temperature_type", "/v1/chat/completions", {**CHAT, "temperature": "hot"}, 400,
+     "temperature"),
+    ("missing_prompt", "/v1/completions", {"model": MODEL}, 400, None),
+    ("zero_max_tokens", "/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ("negative_max_tokens", "/v1/chat/completions", {**CHAT, "max_tokens": -1}, 400,
+     "max_tokens"),
+    ("max_tokens_beyond_context", "/v1/completions", {**GOOD, "max_tokens": 5000}, 400,
+     "max_tokens"),
+    ("prompt_beyond_context", "/v1/completions", {**GOOD, "prompt": "x" * 3000}, 400,
+     "prompt"),
+    ("empty_messages", "/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    ("n_two", "/v1/chat/completions", {**CHAT, "n": 2}, 400, "n"),
+    ("empty_prompt", "/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt"),
+    ("unknown_model", "/v1/completions", {**GOOD, "model": "gpt-9"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"),
+                         [case[1:] for case in BAD_REQUESTS],
+                         ids=[case[0] for case in BAD_REQUESTS])
+async def test_bad_input_gets_an_openai_error(
+    stack: Stack, path: str, body: Any, status: int, param: str | None,
+) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
+        async with session.post(f"{stack.gateway.url}{path}", **kwargs) as response:
+            assert response.status == status
+            payload = await response.json()
+    assert_openai_error(payload, type_="invalid_request_error", param=param)
+
+
+async def test_context_errors_carry_openais_code(stack: Stack) -> None:
+    status, body = await stack.post("/v1/completions", {**GOOD, "max_tokens": 5000})
+    assert status == 400
+    assert body["error"]["code"] == "context_length_exceeded"
+
+
+async def test_unknown_route_is_a_json_404(stack: Stack) -> None:
+    status, body = await stack.post("/v1/embeddings", {"model": MODEL})
+    assert status == 404
+    assert_openai_error(body, type_="invalid_request_error")
+
+
+async def test_sdk_raises_typed_errors(stack: Stack) -> None:
+    async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x", max_retries=0) as sdk:
+        with pytest.raises(openai.NotFoundError, match="gpt-9"):
+            await sdk.completions.create(model="gpt-9", prompt="a")
+        with pytest.raises(openai.BadRequestError, match="only n=1"):
+            await sdk.chat.completions.create(model=MODEL, n=3, messages=[
+                {"role": "user", "content": "a"}])
+
+
+async def test_bad_requests_do_not_disturb_requests_in_flight(stack: Stack) -> None:
+    async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x", max_retries=0) as sdk:
+        good = [sdk.completions.create(model=MODEL, prompt=f"g{i}", max_tokens=30, seed=i)
+                for i in range(8)]
+        bad = [stack.post("/v1/completions", {**GOOD, "max_tokens": "x"}) for _ in range(8)]
+        results = await asyncio.gather(*good, *bad)
+    assert all(r.choices[0].finish_reason == "length" for r in results[:8])
+    assert all(status == 400 for status, _ in results[8:])
+    await stack.wait_blocks_free()
+
+
+async def test_api_key_is_required_when_configured(nats_url: str) -> None:
+    async with Stack(nats_url, gateway_options={"api_key": "s3cret"}) as stack:
+        status, body = await stack.post("/v1/completions", GOOD)
+        assert status == 401
+        assert_openai_error(body, type_="authentication_error", code="invalid_api_key")
+        status, _ = await stack.post("/v1/completions", GOOD,
+                                     headers={"Authorization": "Bearer wrong"})
+        assert status == 401
+        status, _ = await stack.post("/v1/completions", GOOD,
+                                     headers={"Authorization": "Bearer s3cret"})
+        assert status == 200
+        async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="s3cret") as sdk:
+            assert (await sdk.models.list()).data[0].id == MODEL
+
+
+async def test_request_beyond_kv_capacity_gets_429(nats_url: str) -> None:
+    async with Stack(nats_url, worker={"num_blocks": 4, "block_size": 4}) as stack:
+        status, body = await stack.post("/v1/completions", {**GOOD, "max_tokens": 100})
+        assert status == 429
+        assert_openai_error(body, type_="rate_limit_error", code="capacity_exhausted")
+        status, _ = await stack.post("/v1/completions", {**GOOD, "max_tokens": 4})
+        assert status == 200
+        await stack.wait_blocks_free()
+
+
+async def test_no_decode_worker_gets_503(nats_url: str) -> None:
+    async with Stack(nats_url) as stack:
+        await stack.decodes[0].stop()
+        status, body = await stack.post("/v1/completions", GOOD)
+        assert status == 503
+        assert_openai_error(body, type_="service_unavailable", code="worker_unavailable")
+        await stack.wait_blocks_free()
