@@ -54,7 +54,7 @@ class Service(abc.ABC):
         self.config = config
         self.subjects = Subjects(config.cluster)
         self.state = ServiceState.NEW
-        self.log = get_logger(f"halfmoon.{self.name}")
+        self.log = get_logger(self.name)
         self._nc: NatsClient | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop_requested = asyncio.Event()
