@@ -78,6 +78,12 @@ async def test_completion_streamed_and_not_agree(client: openai.AsyncOpenAI) -> 
     assert whole.usage is not None and whole.usage.completion_tokens == 20
 
 
+async def test_max_completion_tokens_limits_chat(client: openai.AsyncOpenAI) -> None:
+    response = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_completion_tokens=3)
+    assert response.usage is not None and response.usage.completion_tokens == 3
+
+
 async def test_completions_default_to_sixteen_tokens(client: openai.AsyncOpenAI) -> None:
     response = await client.completions.create(model=MODEL, prompt="abc")
     assert response.usage is not None and response.usage.completion_tokens == 16

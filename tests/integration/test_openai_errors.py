@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
-from tests.stack import Stack
+from tests.stack import Stack, eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -57,8 +58,6 @@ BAD_REQUESTS = [
 async def test_bad_input_gets_an_openai_error(
     stack: Stack, path: str, body: Any, status: int, param: str | None,
 ) -> None:
-    import aiohttp
-
     async with aiohttp.ClientSession() as session:
         kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
         async with session.post(f"{stack.gateway.url}{path}", **kwargs) as response:
@@ -131,3 +130,29 @@ async def test_no_decode_worker_gets_503(nats_url: str) -> None:
         assert status == 503
         assert_openai_error(body, type_="service_unavailable", code="worker_unavailable")
         await stack.wait_blocks_free()
+
+
+async def test_streaming_request_rejected_before_any_token_gets_its_http_status(
+    nats_url: str,
+) -> None:
+    async with Stack(nats_url, worker={"num_blocks": 4, "block_size": 4}) as stack:
+        status, body = await stack.post("/v1/chat/completions",
+                                        {**CHAT, "max_tokens": 100, "stream": True})
+        assert status == 429
+        assert_openai_error(body, type_="rate_limit_error")
+
+
+async def test_a_worker_dying_silently_ends_the_request_with_504_not_a_hang(
+    nats_url: str,
+) -> None:
+    async with Stack(nats_url, worker={"fake_token_delay_s": 0.05},
+                     gateway_options={"request_timeout_s": 1.0}) as stack:
+        decode = stack.decodes[0]
+        request = asyncio.create_task(stack.post("/v1/completions",
+                                                 {**GOOD, "max_tokens": 500}))
+        await eventually(lambda: decode.engine.stats().num_running == 1)
+        await decode._cancel_tasks()  # the process "dies": no more steps, no goodbye
+        await decode.nc.close()
+        status, body = await asyncio.wait_for(request, 5)
+        assert status == 504
+        assert_openai_error(body, type_="timeout", code="timeout")
