@@ -16,17 +16,24 @@ for the fake engine, is only a sleep).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from shared.errors import HalfmoonError
 from shared.messages import FinishReason, SamplingParams
 
 
 @dataclass(frozen=True)
 class PrefillRequest:
+    """`on_layer(i)` is called, from the engine's compute thread, once layer i's K/V of this
+    request is in its blocks (layer-wise KV transfer starts there); it must be quick and
+    thread-safe (hand off to the event loop with `call_soon_threadsafe`)."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    on_layer: Callable[[int], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,8 @@ class PrefillResult:
     first_token_id: int
     block_ids: list[int]
     finish_reason: FinishReason | None = None
+    logprob: float | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -45,16 +54,20 @@ class DecodeRequest:
     prompt_token_ids: list[int]
     first_token_id: int
     sampling: SamplingParams
+    is_kv_ready: bool = True  # False: the engine recomputes the prompt's KV itself
 
 
 @dataclass(frozen=True)
 class TokenOutput:
-    """One new token of one request; `index` is its position in the output."""
+    """One new token of one request; `index` is its position in the output. A request that
+    fails mid-decode yields one output with `error` set and no token."""
 
     request_id: str
     index: int
     token_id: int
     finish_reason: FinishReason | None = None
+    logprob: float | None = None
+    error: HalfmoonError | None = None
 
 
 @dataclass(frozen=True)

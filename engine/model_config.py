@@ -1,0 +1,96 @@
+"""A Llama-family model's shape, read from a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shared.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    has_qkv_bias: bool
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        architecture = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(f"unsupported architecture {architecture!r}; supported: "
+                              f"{sorted(SUPPORTED_ARCHITECTURES)}")
+        family = SUPPORTED_ARCHITECTURES[architecture]
+        num_heads = raw["num_attention_heads"]
+        eos = raw.get("eos_token_id")
+        return cls(
+            architecture=family,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(raw),
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            has_qkv_bias=family == "qwen2" or raw.get("attention_bias", False),
+            rope_scaling=_rope_scaling(raw),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None
+                                                                     else ()),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        config_path = Path(path) / "config.json"
+        try:
+            raw = json.loads(config_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read {config_path}: {exc}") from exc
+        return cls.from_dict(raw)
+
+    def num_parameters(self) -> int:
+        attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attention + mlp + 2 * self.hidden_size) + embeddings
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    parameters = raw.get("rope_parameters") or {}
+    return float(raw.get("rope_theta") or parameters.get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:
+    scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    return None if kind == "default" else {**scaling, "rope_type": kind}

@@ -1,0 +1,37 @@
+"""Tiny random-weight Hugging Face checkpoints for checking our engine against transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def make_checkpoint(path: Path, family: str, **overrides: Any) -> Path:
+    """Save a tiny `family` ("llama" or "qwen2") model with random weights to `path`."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                 eos_token_id=299, bos_token_id=1)
+    torch.manual_seed(1234)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**shape, rope_scaling=LLAMA3_ROPE, **overrides))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True, **overrides))
+    with torch.no_grad():  # scale weights up so that logits are peaked and greedy is stable
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.mul_(4.0)
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def hf_model(path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()

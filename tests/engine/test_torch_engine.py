@@ -1,0 +1,133 @@
+"""TorchEngine behaviour: sampling, stopping, aborts, capacity, block accounting."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.protocol import PrefillRequest, TokenOutput
+from engine.sampler import sample
+from engine.torch_engine import EngineOptions, TorchEngine
+from shared.errors import CapacityExhausted, InvalidRequest
+from shared.messages import SamplingParams
+from tests.stack import eventually
+
+PROMPT = list(range(10, 30))
+
+
+@pytest.fixture
+async def engine(llama_dir: Path) -> AsyncIterator[TorchEngine]:
+    running = TorchEngine(EngineOptions(model_dir=llama_dir, num_blocks=64, block_size=4))
+    await running.start()
+    yield running
+    await running.close()
+
+
+def check_blocks(engine: TorchEngine) -> None:
+    a = engine.allocator
+    assert a.num_free + a.num_used + a.num_cached == a.num_blocks
+
+
+async def run(engine: TorchEngine, request_id: str, params: SamplingParams,
+              prompt: list[int] = PROMPT) -> list[TokenOutput]:
+    engine.generate(PrefillRequest(request_id, prompt, params))
+    outputs: list[TokenOutput] = []
+    async with asyncio.timeout(30):
+        while not outputs or (outputs[-1].finish_reason is None and outputs[-1].error is None):
+            outputs += [o for o in await engine.next_step() if o.request_id == request_id]
+    return outputs
+
+
+async def test_same_seed_same_tokens_other_seed_other_tokens(engine: TorchEngine) -> None:
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=42, ignore_eos=True)
+    first = [o.token_id for o in await run(engine, "a", params)]
+    again = [o.token_id for o in await run(engine, "b", params)]
+    other = [o.token_id for o in await run(engine, "c", SamplingParams(
+        max_tokens=16, temperature=1.0, seed=43, ignore_eos=True))]
+    assert first == again
+    assert first != other
+
+
+async def test_max_tokens_ends_with_length_and_frees_blocks(engine: TorchEngine) -> None:
+    outputs = await run(engine, "a", SamplingParams(max_tokens=5, temperature=0.0,
+                                                    ignore_eos=True))
+    assert [o.index for o in outputs] == [0, 1, 2, 3, 4]
+    assert outputs[-1].finish_reason == "length"
+    check_blocks(engine)
+    assert engine.allocator.num_used == 0
+
+
+async def test_stop_token_ends_with_stop(engine: TorchEngine) -> None:
+    greedy = await run(engine, "a", SamplingParams(max_tokens=8, temperature=0.0,
+                                                   ignore_eos=True))
+    stop_id = greedy[3].token_id
+    outputs = await run(engine, "b", SamplingParams(max_tokens=8, temperature=0.0,
+                                                    stop_token_ids=(stop_id,), ignore_eos=True))
+    first_stop = [o.token_id for o in greedy].index(stop_id)
+    assert len(outputs) == first_stop + 1
+    assert outputs[-1].finish_reason == "stop"
+
+
+async def test_logprobs_are_those_of_the_chosen_tokens(engine: TorchEngine) -> None:
+    outputs = await run(engine, "a", SamplingParams(max_tokens=4, temperature=0.0,
+                                                    ignore_eos=True))
+    assert all(o.logprob is not None and o.logprob <= 0.0 for o in outputs)
+
+
+def test_top_k_one_is_greedy_and_top_p_keeps_the_first_token() -> None:
+    logits = torch.tensor([[0.1, 3.0, 0.2, 2.9]])
+    for params in (SamplingParams(max_tokens=1, top_k=1, seed=1),
+                   SamplingParams(max_tokens=1, top_p=0.01, seed=1)):
+        generator = torch.Generator().manual_seed(0)
+        tokens, logprobs = sample(logits, [params], [generator])
+        assert tokens == [1]
+        assert logprobs[0] == pytest.approx(torch.log_softmax(logits, -1)[0, 1].item())
+
+
+async def test_abort_mid_decode_frees_every_block(engine: TorchEngine) -> None:
+    engine.generate(PrefillRequest("long", PROMPT, SamplingParams(
+        max_tokens=200, temperature=0.0, ignore_eos=True)))
+    await eventually(lambda: engine.stats().num_running == 1)
+    assert engine.abort("long")
+    await eventually(lambda: engine.allocator.num_used == 0)
+    check_blocks(engine)
+
+
+async def test_prefill_holds_kv_until_release_then_caches_it(engine: TorchEngine) -> None:
+    result = await engine.prefill(PrefillRequest("p", PROMPT, SamplingParams(
+        max_tokens=4, temperature=0.0)))
+    assert engine.allocator.num_used == len(result.block_ids) == 5
+    engine.release("p")
+    await eventually(lambda: engine.allocator.num_used == 0)
+    assert engine.allocator.num_cached == 5  # every full prompt block stays reusable
+    again = await engine.prefill(PrefillRequest("q", PROMPT, SamplingParams(
+        max_tokens=4, temperature=0.0)))
+    assert again.num_cached_tokens == 16  # all but the last block: one token must be computed
+    assert again.first_token_id == result.first_token_id
+    engine.release("q")
+    check_blocks(engine)
+
+
+async def test_reserve_beyond_the_pool_raises_capacity_exhausted(engine: TorchEngine) -> None:
+    with pytest.raises(CapacityExhausted, match="need 100 KV blocks"):
+        engine.reserve("big", 400)
+    check_blocks(engine)
+
+
+async def test_prompt_with_unknown_token_ids_is_refused(engine: TorchEngine) -> None:
+    with pytest.raises(InvalidRequest, match="token ids must lie in"):
+        await engine.prefill(PrefillRequest("bad", [1, 5000], SamplingParams(max_tokens=1)))
+
+
+async def test_prompt_larger_than_the_pool_fails_that_request_only(engine: TorchEngine) -> None:
+    with pytest.raises(CapacityExhausted):
+        await engine.prefill(PrefillRequest("huge", list(range(300)), SamplingParams(
+            max_tokens=1)))
+    outputs = await run(engine, "ok", SamplingParams(max_tokens=3, temperature=0.0,
+                                                     ignore_eos=True))
+    assert len(outputs) == 3
+    check_blocks(engine)
