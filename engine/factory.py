@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from engine.fake_engine import FakeEngine
 from engine.protocol import Engine
 from shared.config import WorkerConfig
 from shared.errors import ConfigError
+from shared.model_dir import default_model_dir
 
 
 def build_engine(config: WorkerConfig) -> Engine:
@@ -18,4 +21,19 @@ def build_engine(config: WorkerConfig) -> Engine:
                 prefill_delay_s=config.fake_prefill_delay_s,
                 token_delay_s=config.fake_token_delay_s,
             )
+        case "torch":
+            import torch
+
+            from engine.builtin_model import ensure_builtin_model
+            from engine.torch_engine import EngineOptions, TorchEngine
+
+            model_dir = (Path(config.model_path).expanduser() if config.model_path
+                         else ensure_builtin_model(default_model_dir()))
+            return TorchEngine(EngineOptions(
+                model_dir=model_dir, dtype=getattr(torch, config.dtype), device=config.device,
+                num_blocks=config.num_blocks, block_size=config.block_size,
+                max_batch_size=config.max_batch_size, max_batch_tokens=config.max_batch_tokens,
+                max_wait_s=config.prefill_max_wait_ms / 1000, max_model_len=config.max_model_len,
+                is_prefix_caching=config.enable_prefix_caching,
+            ))
     raise ConfigError(f"unknown engine {config.engine!r}")

@@ -79,8 +79,8 @@ class FakeEngine:
         self._is_closed = False
 
     @property
-    def eos_token_id(self) -> int | None:
-        return None
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return ()
 
     async def start(self) -> None:
         self._prefill_queue = asyncio.Queue()
@@ -128,7 +128,7 @@ class FakeEngine:
             request_id=request.request_id,
             first_token_id=token,
             block_ids=list(self._owned.get(request.request_id, [])),
-            finish_reason=finish_reason(token, 1, request.sampling, self.eos_token_id),
+            finish_reason=finish_reason(token, 1, request.sampling, self.eos_token_ids),
         )
 
     def release(self, request_id: str) -> None:
@@ -157,7 +157,7 @@ class FakeEngine:
         request = state.request
         token = fake_token(state.digest, request.sampling.seed, state.num_generated)
         state.num_generated += 1
-        reason = finish_reason(token, state.num_generated, request.sampling, self.eos_token_id)
+        reason = finish_reason(token, state.num_generated, request.sampling, self.eos_token_ids)
         if reason is not None:
             self.abort(request.request_id)
         return TokenOutput(request.request_id, state.num_generated - 1, token, reason)

@@ -60,8 +60,7 @@ class ModelConfig:
             has_qkv_bias=family == "qwen2" or raw.get("attention_bias", False),
             rope_scaling=_rope_scaling(raw),
             bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None
-                                                                     else ()),
+            eos_token_ids=_as_ids(eos),
         )
 
     @classmethod
@@ -71,6 +70,14 @@ class ModelConfig:
             raw = json.loads(config_path.read_text())
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read {config_path}: {exc}") from exc
+        generation = Path(path) / "generation_config.json"
+        if generation.exists():  # its eos ids (Llama 3 lists several) join config.json's
+            try:
+                eos = json.loads(generation.read_text()).get("eos_token_id")
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"cannot read {generation}: {exc}") from exc
+            raw = {**raw, "eos_token_id": sorted({*_as_ids(raw.get("eos_token_id")),
+                                                  *_as_ids(eos)})}
         return cls.from_dict(raw)
 
     def num_parameters(self) -> int:
@@ -81,6 +88,12 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _as_ids(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)  # type: ignore[arg-type]
 
 
 def _rope_theta(raw: dict[str, Any]) -> float:

@@ -84,7 +84,7 @@ class Engine(Protocol):
     """A model runner with a paged KV cache. See the module docstring for the lifecycle."""
 
     @property
-    def eos_token_id(self) -> int | None: ...
+    def eos_token_ids(self) -> tuple[int, ...]: ...
 
     async def start(self) -> None:
         """Load weights, allocate the KV pool, start the compute thread."""

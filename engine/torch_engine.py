@@ -101,8 +101,8 @@ class TorchEngine:
         self._crash: BaseException | None = None
 
     @property
-    def eos_token_id(self) -> int | None:
-        return self.config.eos_token_ids[0] if self.config.eos_token_ids else None
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
 
     # Lifecycle.
     async def start(self) -> None:
@@ -275,7 +275,7 @@ class TorchEngine:
         seq.token_ids.append(sampled.token_id)
         seq.num_generated += 1
         reason = finish_reason(sampled.token_id, seq.num_generated, seq.sampling,
-                               self.eos_token_id)
+                               self.eos_token_ids)
         if reason is None and seq.num_tokens >= self.max_model_len:
             reason = "length"
         if seq.is_prefill_only:

@@ -27,6 +27,7 @@ from shared.config import (
 )
 from shared.errors import ConfigError, ServiceStartFailed
 from shared.logs import configure_logging
+from shared.model_dir import resolve_model_dir
 from shared.service import Service
 
 
@@ -70,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     UpOptions.add_flags(up)
     for name, (config_type, _) in SERVICES.items():
         add_config_flags(commands.add_parser(name, help=f"run one {name}"), config_type)
+    model = commands.add_parser("model", help="model tools").add_subparsers(
+        dest="model_command", required=True)
+    init = model.add_parser("init", help="write the built-in tiny model to a directory")
+    init.add_argument("directory", nargs="?", default=None,
+                      help="default: the built-in model's cache directory")
+    init.add_argument("--force", action="store_true", help="overwrite an existing model")
     return parser
 
 
@@ -78,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "up":
             return run_up(UpOptions.from_args(args))
+        if args.command == "model":
+            return init_model(args.directory, is_forced=args.force)
         return run_service(args.command, vars(args))
     except ConfigError as exc:
         print(f"halfmoon: {exc.message}", file=sys.stderr)
@@ -85,6 +94,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ServiceStartFailed as exc:
         print(f"halfmoon: {exc.message}", file=sys.stderr)
         return 1
+
+
+def init_model(directory: str | None, *, is_forced: bool) -> int:
+    from engine.builtin_model import write_builtin_model
+
+    path = resolve_model_dir(directory)
+    if (path / "config.json").exists() and not is_forced:
+        print(f"halfmoon: a model already exists at {path} (--force overwrites it)",
+              file=sys.stderr)
+        return 1
+    write_builtin_model(path)
+    print(f"wrote the built-in model to {path}")
+    return 0
 
 
 def run_service(name: str, flags: dict[str, object]) -> int:

@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 
 from shared.errors import ServiceStartFailed
@@ -38,6 +39,11 @@ class UpOptions:
     cluster: str
     service_flags: tuple[tuple[str, str], ...]  # (flag, value) passed on to services
 
+    @property
+    def is_builtin_model(self) -> bool:
+        flags = dict(self.service_flags)
+        return flags.get("--engine", "torch") == "torch" and "--model-path" not in flags
+
     @staticmethod
     def add_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--host", default="127.0.0.1")
@@ -49,7 +55,10 @@ class UpOptions:
         parser.add_argument("--prefill", dest="num_prefill", type=int, default=1)
         parser.add_argument("--decode", dest="num_decode", type=int, default=1)
         parser.add_argument("--cluster", default="default")
-        parser.add_argument("--engine", default=None)
+        parser.add_argument("--engine", default=None, choices=["torch", "fake"])
+        parser.add_argument("--model", dest="model_path", default=None,
+                            help="a Hugging Face model directory (default: the built-in model)")
+        parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
         parser.add_argument("--api-key", default=None)
         parser.add_argument("--log-level", default=None)
         parser.add_argument("--fake-token-delay-s", default=None)
@@ -58,9 +67,13 @@ class UpOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> UpOptions:
         passthrough = ("engine", "api_key", "log_level", "fake_token_delay_s",
-                       "fake_prefill_delay_s")
+                       "fake_prefill_delay_s", "model_path", "dtype")
         flags = [("--" + name.replace("_", "-"), str(getattr(args, name)))
                  for name in passthrough if getattr(args, name) is not None]
+        if args.engine == "fake":
+            flags.append(("--tokenizer", "bytes"))
+        if args.model_path is not None:
+            flags.append(("--model", Path(args.model_path).name))
         return cls(host=args.host, port=args.port, nats_url=args.nats_url,
                    nats_port=args.nats_port, num_prefill=args.num_prefill,
                    num_decode=args.num_decode, cluster=args.cluster,
@@ -68,11 +81,13 @@ class UpOptions:
 
 
 # Flags each service understands, out of UpOptions.service_flags.
+_WORKER_FLAGS = {"--engine", "--log-level", "--fake-token-delay-s", "--fake-prefill-delay-s",
+                 "--model-path", "--model", "--dtype"}
 _ACCEPTS = {
-    "gateway": {"--api-key", "--log-level"},
+    "gateway": {"--api-key", "--log-level", "--model-path", "--model", "--tokenizer"},
     "conductor": {"--log-level"},
-    "prefill": {"--engine", "--log-level", "--fake-token-delay-s", "--fake-prefill-delay-s"},
-    "decode": {"--engine", "--log-level", "--fake-token-delay-s", "--fake-prefill-delay-s"},
+    "prefill": _WORKER_FLAGS,
+    "decode": _WORKER_FLAGS,
 }
 
 
@@ -158,6 +173,10 @@ def run_up(options: UpOptions) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    if options.is_builtin_model:
+        from engine.builtin_model import ensure_builtin_model
+
+        ensure_builtin_model()  # once here, not racing in every worker
     server = None if options.nats_url else EmbeddedNatsServer(port=options.nats_port)
     nats_url = options.nats_url or server.start()  # type: ignore[union-attr]
     cluster = Cluster(options, nats_url)

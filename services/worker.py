@@ -36,7 +36,7 @@ class WorkerService(Service):
         super().__init__(config)
         self.config: WorkerConfig = config
         self.worker_id = config.worker_id or f"{self.role}-{uuid.uuid4().hex[:12]}"
-        self.engine: Engine = engine if engine is not None else build_engine(config)
+        self._engine = engine
         self.is_draining = False
         self._registry: KeyValue | None = None
         self._work_subscriptions: list[Any] = []
@@ -46,7 +46,15 @@ class WorkerService(Service):
     def instance_id(self) -> str:
         return self.worker_id
 
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError(f"{self.name} has no engine before start()")
+        return self._engine
+
     async def _setup(self) -> None:
+        if self._engine is None:  # built here, not in __init__: it reads (or writes) files
+            self._engine = await asyncio.to_thread(build_engine, self.config)
         await self.engine.start()
         self._is_engine_started = True
         self._registry = await ensure_bucket(

@@ -19,7 +19,7 @@ from shared.errors import ConfigError
 
 ENV_PREFIX = "HALFMOON_"
 
-EngineKind = Literal["fake"]
+EngineKind = Literal["torch", "fake"]
 
 
 class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,6 +42,8 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     api_key: str | None = None
     request_timeout_s: float = 60.0
     chat_template_path: str | None = None
+    model_path: str | None = None  # None: the built-in model
+    tokenizer: Literal["model", "bytes"] = "model"  # "bytes" pairs with the fake engine
 
 
 class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):
@@ -58,11 +60,17 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     worker_id: str | None = None
     model: str = "halfmoon-tiny"
     host_name: str | None = None
-    engine: EngineKind = "fake"
+    engine: EngineKind = "torch"
+    model_path: str | None = None  # None: the built-in model
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: str = "cpu"
     max_model_len: int = 2048
     num_blocks: int = 4096
     block_size: int = 16
     max_batch_size: int = 64
+    max_batch_tokens: int = 2048
+    prefill_max_wait_ms: float = 10.0
+    enable_prefix_caching: bool = True
     max_queue: int = 256
     heartbeat_interval_s: float = 0.5
     kv_wait_timeout_s: float = 10.0

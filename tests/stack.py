@@ -37,11 +37,14 @@ class Stack:
     def __post_init__(self) -> None:
         common = {"nats_url": self.nats_url, "cluster": self.cluster, "log_level": "warning",
                   "drain_timeout_s": 5.0}
-        worker = WorkerConfig(**common, **{"heartbeat_interval_s": 0.2, **self.worker})
+        worker = WorkerConfig(**common, **{"heartbeat_interval_s": 0.2, "engine": "fake",
+                                           **self.worker})
         self.conductor = ConductorService(ConductorConfig(**common, heartbeat_timeout_s=1.0))
         self.prefills = [PrefillService(worker) for _ in range(self.num_prefill)]
         self.decodes = [DecodeService(worker) for _ in range(self.num_decode)]
-        self.gateway = GatewayService(GatewayConfig(**common, port=0, **self.gateway_options))
+        tokenizer = "bytes" if worker.engine == "fake" else "model"
+        self.gateway = GatewayService(GatewayConfig(
+            **common, port=0, **{"tokenizer": tokenizer, **self.gateway_options}))
 
     @property
     def services(self) -> list[Service]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from engine.protocol import DecodeRequest, TokenOutput
 from services.worker import WorkerService
-from shared.errors import RequestAborted
+from shared.errors import HalfmoonError, RequestAborted
 from shared.messages import (
     DecodeReservation,
     DispatchReply,
@@ -90,9 +90,11 @@ class DecodeService(WorkerService):
         if reservation is None:
             return self._refusal(f"no reservation for {message.request_id}")
         request = reservation.request
+        # No KV crossed (the handoff had nothing to move it with): recompute the prompt here.
         self.engine.join(DecodeRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             first_token_id=message.first_token_id, sampling=request.sampling,
+            is_kv_ready=message.transport != "none",
         ))
         self._active[request.request_id] = request
         return self.accept()
@@ -108,6 +110,10 @@ class DecodeService(WorkerService):
             request = self._active.get(output.request_id)
             if request is None:
                 continue  # aborted while the step ran
+            if output.error is not None:
+                del self._active[output.request_id]
+                await self._fail(request, output.error)
+                continue
             by_gateway[request.reply_subject].append(TokenDelta(
                 request_id=output.request_id, index=output.index, token_ids=[output.token_id],
                 finish_reason=output.finish_reason,
@@ -117,6 +123,11 @@ class DecodeService(WorkerService):
         for subject, items in by_gateway.items():
             await self.nc.publish(subject, encode(TokenBatch(worker_id=self.worker_id,
                                                              items=items)))
+
+    async def _fail(self, request: GenerateRequest, error: HalfmoonError) -> None:
+        failure = RequestFailed(request_id=request.request_id, code=error.code,
+                                message=error.message, worker_id=self.worker_id)
+        await self.nc.publish(request.reply_subject, encode(failure))
 
     def _abort(self, request_id: str) -> None:
         self._reservations.pop(request_id, None)
@@ -137,11 +148,8 @@ class DecodeService(WorkerService):
     async def _close(self) -> None:
         # Whatever is still open after the drain is failed loudly, never left hanging.
         requests = list(self._active.values()) + [r.request for r in self._reservations.values()]
-        error = RequestAborted("decode worker stopped")
         for request in requests:
             self._abort(request.request_id)
-            failure = RequestFailed(request_id=request.request_id, code=error.code,
-                                    message=error.message, worker_id=self.worker_id)
             if self._nc is not None and not self._nc.is_closed:
-                await self.nc.publish(request.reply_subject, encode(failure))
+                await self._fail(request, RequestAborted("decode worker stopped"))
         await super()._close()

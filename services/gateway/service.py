@@ -8,6 +8,7 @@ still open at that point get an error event and their downstream work is aborted
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import uuid
 from pathlib import Path
@@ -20,6 +21,7 @@ from nats.aio.msg import Msg
 from services.gateway.api import build_app
 from services.gateway.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from services.gateway.generation import Generator, GeneratorContext
+from services.gateway.model_info import read_model_info
 from services.gateway.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,11 +32,12 @@ from services.gateway.openai_schema import (
     validate,
 )
 from services.gateway.request_stream import StreamTable
-from services.gateway.tokenizer import ByteTokenizer, Tokenizer
+from services.gateway.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
 from shared.config import GatewayConfig
 from shared.errors import ConfigError, RequestAborted, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
 from shared.messages import GatewayEvent, WorkerHeartbeat
+from shared.model_dir import resolve_model_dir
 from shared.nats_client import ensure_work_queue, read_registry
 from shared.service import Service
 
@@ -49,10 +52,10 @@ class GatewayService(Service):
         super().__init__(config)
         self.config: GatewayConfig = config
         self.gateway_id = config.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
-        self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
+        self._tokenizer = tokenizer
         self.model = config.model
         self.api_key = config.api_key
-        self.limits = Limits(config.model, config.max_model_len, self.tokenizer.vocab_size)
+        self.limits = Limits(config.model, config.max_model_len, 0)
         self.table = StreamTable()
         self.workers = WorkerDirectory(timeout_s=2.0)
         self.port: int | None = None
@@ -75,8 +78,15 @@ class GatewayService(Service):
     def url(self) -> str:
         return f"http://{self.config.host}:{self.port}"
 
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise WorkerUnavailable("gateway is not started")
+        return self._tokenizer
+
     async def _setup(self) -> None:
-        self._template = ChatTemplate(self._read_template())
+        template_source = await asyncio.to_thread(self._load_tokenizer)
+        self._template = ChatTemplate(self._read_template() or template_source)
         js = self.nc.jetstream()
         await ensure_work_queue(js, self.subjects.requests_stream, self.subjects.requests,
                                 max_age_s=self.config.request_timeout_s)
@@ -92,10 +102,29 @@ class GatewayService(Service):
         await self._serve_http()
         self._is_accepting = True
 
-    def _read_template(self) -> str:
+    def _load_tokenizer(self) -> str:
+        """Load the tokenizer and the model's limits; return the model's chat template."""
+        config = self.config
+        if self._tokenizer is None and config.tokenizer == "bytes":
+            self._tokenizer = ByteTokenizer()
+        if self._tokenizer is not None:
+            self.limits = Limits(config.model, config.max_model_len, self.tokenizer.vocab_size)
+            return DEFAULT_CHAT_TEMPLATE
+        model_dir = resolve_model_dir(config.model_path)
+        if not (model_dir / "config.json").exists():
+            raise ConfigError(f"no model at {model_dir}: pass --model-path, or run "
+                              "`halfmoon model init` for the built-in one")
+        hf = HfTokenizer(model_dir)
+        info = read_model_info(model_dir)
+        self._tokenizer = hf
+        self.limits = Limits(config.model, min(config.max_model_len,
+                                               info.max_position_embeddings), info.vocab_size)
+        return hf.chat_template or DEFAULT_CHAT_TEMPLATE
+
+    def _read_template(self) -> str | None:
         path = self.config.chat_template_path
         if path is None:
-            return DEFAULT_CHAT_TEMPLATE
+            return None
         try:
             return Path(path).read_text()
         except OSError as exc:

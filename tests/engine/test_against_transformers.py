@@ -163,3 +163,17 @@ async def test_decode_can_recompute_the_prompt_when_no_kv_arrives(
         assert (await collect(engine, {"x"}))["x"] == expected[1:]
     finally:
         await engine.close()
+
+
+async def test_builtin_model_is_a_hugging_face_checkpoint(tmp_path: Path) -> None:
+    from engine.builtin_model import write_builtin_model
+
+    model_dir = write_builtin_model(tmp_path / "tiny")
+    hf = hf_model(model_dir)
+    prompt = [5, 100, 200, 300, 7]
+    engine = await start_engine(model_dir)
+    try:
+        ours = await generate(engine, [prompt])
+    finally:
+        await engine.close()
+    assert ours == [hf_greedy(hf, prompt, 32)]

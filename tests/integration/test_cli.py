@@ -78,8 +78,10 @@ def test_up_serves_openai_and_sigterm_leaves_no_process(tmp_path: Path) -> None:
         chat = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=7)
         assert chat.usage is not None and chat.usage.completion_tokens == 7
-        stream = client.completions.create(model=MODEL, prompt="a", max_tokens=9, stream=True)
-        assert len("".join(c.choices[0].text for c in stream)) == 9
+        stream = client.completions.create(model=MODEL, prompt="a", max_tokens=9, stream=True,
+                                           stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 9
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
@@ -91,7 +93,7 @@ def test_up_serves_openai_and_sigterm_leaves_no_process(tmp_path: Path) -> None:
 
 def test_services_run_one_per_process_against_an_existing_server(nats_url: str) -> None:
     port = free_port()
-    common = ["--nats-url", nats_url, "--cluster", "cli-split"]
+    common = ["--nats-url", nats_url, "--cluster", "cli-split", "--log-level", "warning"]
     processes = [halfmoon(role, *common) for role in ("conductor", "prefill", "decode")]
     processes.append(halfmoon("gateway", *common, "--port", str(port)))
     try:
@@ -120,3 +122,17 @@ def test_bad_flag_value_exits_2_with_a_clear_message() -> None:
     )
     assert result.returncode == 2
     assert "invalid GatewayConfig" in result.stderr and "port" in result.stderr
+
+
+def test_model_init_writes_a_loadable_checkpoint(tmp_path: Path) -> None:
+    target = tmp_path / "tiny"
+    result = subprocess.run([sys.executable, "-m", "services.cli", "model", "init", str(target)],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert {p.name for p in target.iterdir()} >= {
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+        "generation_config.json"}
+    again = subprocess.run([sys.executable, "-m", "services.cli", "model", "init", str(target)],
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert again.returncode == 1
+    assert "already exists" in again.stderr

@@ -26,9 +26,22 @@ async def test_a_request_published_twice_is_scheduled_once(stack: Stack) -> None
         sampling=SamplingParams(max_tokens=3), reply_subject="nowhere.listening",
         created_at_s=time.time(),
     )
-    acks = [await js.publish(stack.gateway.subjects.requests, encode(request),
+    subjects = stack.gateway.subjects
+    acks = [await js.publish(subjects.requests, encode(request),
                              headers={"Nats-Msg-Id": request.request_id}) for _ in range(2)]
     assert [ack.duplicate for ack in acks] == [None, True]
+    deliveries = []
+
+    async def delivered_and_acked() -> bool:
+        info = await js.consumer_info(subjects.requests_stream, subjects.conductor_consumer)
+        deliveries.append(info.delivered.consumer_seq)
+        return info.num_ack_pending == 0 and info.num_pending == 0
+
+    async with asyncio.timeout(5):
+        while not await delivered_and_acked():
+            await asyncio.sleep(0.02)
+    assert deliveries[-1] == 1
+    await stack.wait_blocks_free()
 
 
 async def test_two_conductor_replicas_never_schedule_a_request_twice(nats_url: str) -> None:

@@ -24,13 +24,14 @@ from tests.stack import Stack, eventually
 MODEL = "halfmoon-tiny"
 FACTORIES: dict[str, Callable[[str, str], Service]] = {
     "gateway": lambda url, cluster: GatewayService(
-        GatewayConfig(nats_url=url, cluster=cluster, port=0, connect_timeout_s=0.5)),
+        GatewayConfig(nats_url=url, cluster=cluster, port=0, connect_timeout_s=0.5,
+                      tokenizer="bytes")),
     "conductor": lambda url, cluster: ConductorService(
         ConductorConfig(nats_url=url, cluster=cluster, connect_timeout_s=0.5)),
     "prefill": lambda url, cluster: PrefillService(
-        WorkerConfig(nats_url=url, cluster=cluster, connect_timeout_s=0.5)),
+        WorkerConfig(nats_url=url, cluster=cluster, connect_timeout_s=0.5, engine="fake")),
     "decode": lambda url, cluster: DecodeService(
-        WorkerConfig(nats_url=url, cluster=cluster, connect_timeout_s=0.5)),
+        WorkerConfig(nats_url=url, cluster=cluster, connect_timeout_s=0.5, engine="fake")),
 }
 
 
@@ -78,7 +79,8 @@ async def test_failure_in_setup_closes_the_nats_connection(nats_url: str) -> Non
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        config = GatewayConfig(nats_url=nats_url, cluster="life", port=busy.getsockname()[1])
+        config = GatewayConfig(nats_url=nats_url, cluster="life", port=busy.getsockname()[1],
+                               tokenizer="bytes")
         gateway = GatewayService(config)
         with pytest.raises(ServiceStartFailed, match="Address already in use"):
             await gateway.start()

@@ -153,6 +153,7 @@ async def test_a_worker_dying_silently_ends_the_request_with_504_not_a_hang(
         await eventually(lambda: decode.engine.stats().num_running == 1)
         await decode._cancel_tasks()  # the process "dies": no more steps, no goodbye
         await decode.nc.close()
+        stack.decodes.remove(decode)  # nothing left to stop
         status, body = await asyncio.wait_for(request, 5)
         assert status == 504
         assert_openai_error(body, type_="timeout", code="timeout")
