@@ -41,6 +41,8 @@ async def test_a_request_published_twice_is_scheduled_once(stack: Stack) -> None
         if await delivered_and_acked():
             break
         await asyncio.sleep(0.02)
+    else:
+        pytest.fail("the request was not acked within 5 s")
     assert deliveries[-1] == 1
     await stack.wait_blocks_free()
 
