@@ -32,11 +32,10 @@ class KvCache:
         flat[0].index_copy_(0, slots, k)
         flat[1].index_copy_(0, slots, v)
 
-    def gather(self, layer: int, block_table: torch.Tensor, length: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V (`[length, heads, dim]`) of the first `length` tokens of a sequence."""
-        rows = self.data[layer][:, block_table].flatten(1, 2)[:, :length]
-        return rows[0], rows[1]
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V (`[len(slots), heads, dim]`) stored at `slots`."""
+        flat = self._slots[layer]
+        return flat[0].index_select(0, slots), flat[1].index_select(0, slots)
 
     @property
     def num_bytes(self) -> int:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kv_cache import KvCache
+from engine.linear import Linear, linear
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
 
@@ -28,13 +29,16 @@ class SequenceSlice:
     query_start: int
     query_len: int
     context_len: int  # tokens in the cache once this step's tokens are written
-    block_table: torch.Tensor
+    context_start: int | None  # offset in the step's gathered K/V; None: attend to new K/V
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T]: where each new token's K/V goes
     sequences: list[SequenceSlice]
+    # Slots of every cached context that is read this step, all sequences end to end: one
+    # gather per layer instead of one per sequence.
+    context_slots: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -57,8 +61,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         qkv_size = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=config.has_qkv_bias)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size,
+        self.qkv_proj = Linear(config.hidden_size, qkv_size, bias=config.has_qkv_bias)
+        self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size,
                                 bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -71,13 +75,16 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rope.apply(q, k, positions)
         kv.write(self.layer, meta.slot_mapping, k, v)
+        if meta.context_slots is not None:
+            cached_k, cached_v = kv.gather(self.layer, meta.context_slots)
         out = torch.empty_like(q)
         for seq in meta.sequences:
             span = slice(seq.query_start, seq.query_start + seq.query_len)
-            if seq.context_len == seq.query_len:  # nothing cached: attend to this step's K/V
+            if seq.context_start is None:  # nothing cached: attend to this step's K/V
                 keys, values = k[span], v[span]
             else:
-                keys, values = kv.gather(self.layer, seq.block_table, seq.context_len)
+                context = slice(seq.context_start, seq.context_start + seq.context_len)
+                keys, values = cached_k[context], cached_v[context]
             out[span] = _attend(q[span], keys, values, seq.context_len)
         return self.o_proj(out.flatten(1))
 
@@ -90,20 +97,22 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int
     if 1 < query_len < context_len:  # chunk after a cached prefix: shift the causal band
         rows = torch.arange(query_len, device=q.device).unsqueeze(1) + (context_len - query_len)
         mask = torch.arange(context_len, device=q.device).unsqueeze(0) <= rows
+    # 4-D inputs: with 3-D ones torch takes its slow "math" path (measured 5x slower on CPU).
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0), attn_mask=mask,
         is_causal=query_len > 1 and query_len == context_len, enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
                                       bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -140,7 +149,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
@@ -162,6 +171,8 @@ class CausalLM(nn.Module):
         return self.model.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = (self.model.embed_tokens.weight if self.config.tie_word_embeddings
-                  else self.lm_head.weight)
-        return F.linear(hidden, weight).float()
+        if self.config.tie_word_embeddings:
+            weight = self.model.embed_tokens.weight
+            policy = self.model.layers[0].mlp.down_proj.policy
+            return linear(hidden, weight, None, policy).float()
+        return self.lm_head(hidden).float()

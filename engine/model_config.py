@@ -34,6 +34,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    sliding_window: int | None = None  # attention here is full: contexts are capped to it
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -61,6 +62,7 @@ class ModelConfig:
             rope_scaling=_rope_scaling(raw),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_as_ids(eos),
+            sliding_window=_sliding_window(raw, family),
         )
 
     @classmethod
@@ -94,6 +96,13 @@ def _as_ids(value: object) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(value) if isinstance(value, list) else (int(value),)  # type: ignore[arg-type]
+
+
+def _sliding_window(raw: dict[str, Any], family: str) -> int | None:
+    window = raw.get("sliding_window")
+    if family == "qwen2" and not raw.get("use_sliding_window", False):
+        return None
+    return int(window) if window else None
 
 
 def _rope_theta(raw: dict[str, Any]) -> float:

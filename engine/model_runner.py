@@ -68,25 +68,33 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[Sampled]:
         """Compute the batch's new tokens; sample for every sequence that has no uncomputed
         token left afterwards."""
-        ids, positions, slots, slices = [], [], [], []
-        offset = 0
+        ids, positions, slots, contexts, slices = [], [], [], [], []
+        offset = context_offset = 0
         for seq, count in zip(batch.sequences, batch.num_new_tokens, strict=True):
             start = seq.num_computed
             self.ensure_blocks(seq, start + count)
             table = torch.tensor(seq.block_ids, dtype=torch.long, device=self.device)
             pos = torch.arange(start, start + count, device=self.device)
-            ids.append(torch.tensor(seq.token_ids[start:start + count], device=self.device))
+            ids.append(torch.tensor(seq.token_ids[start:start + count], dtype=torch.long,
+                                    device=self.device))
             positions.append(pos)
-            slots.append(table[pos // self.block_size] * self.block_size
-                         + pos % self.block_size)
-            used_blocks = math.ceil((start + count) / self.block_size)
-            slices.append(SequenceSlice(offset, count, start + count, table[:used_blocks]))
+            slots.append(self._slots(table, pos))
+            context_start = None
+            if start > 0:  # a cached context to read: prefix, earlier chunks, or decode
+                contexts.append(self._slots(table, torch.arange(start + count,
+                                                                device=self.device)))
+                context_start, context_offset = context_offset, context_offset + start + count
+            slices.append(SequenceSlice(offset, count, start + count, context_start))
             offset += count
-        meta = AttentionMetadata(torch.cat(slots), slices)
+        meta = AttentionMetadata(torch.cat(slots), slices,
+                                 torch.cat(contexts) if contexts else None)
         listeners = [s.on_layer for s in batch.sequences if s.on_layer is not None]
         hidden = self.model(torch.cat(ids), torch.cat(positions), meta, self.kv,
                             on_layer=_fan_out(listeners) if listeners else None)
         return self._advance_and_sample(batch, slices, hidden)
+
+    def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
     def _advance_and_sample(self, batch: ScheduledBatch, slices: list[SequenceSlice],
                             hidden: torch.Tensor) -> list[Sampled]:

@@ -23,6 +23,7 @@ import torch
 from engine.block_allocator import BlockAllocator
 from engine.bridge import EngineThread
 from engine.kv_cache import KvCache
+from engine.linear import apply_policy, policy_for
 from engine.model import CausalLM
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, Sampled
@@ -84,8 +85,10 @@ class TorchEngine:
         self.options = options
         self.config = ModelConfig.from_dir(options.model_dir)
         self.device = torch.device(options.device)
+        # Full attention equals sliding-window attention only inside the window: cap there.
         self.max_model_len = min(options.max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings)
+                                 self.config.max_position_embeddings,
+                                 self.config.sliding_window or self.config.max_position_embeddings)
         self.allocator = LockedAllocator(options.num_blocks)
         self.scheduler = Scheduler(max_batch_tokens=options.max_batch_tokens,
                                    max_batch_size=options.max_batch_size,
@@ -122,8 +125,9 @@ class TorchEngine:
         torch.manual_seed(0)
         with torch.device("meta"):
             model = CausalLM(self.config)
-        model = model.to_empty(device=self.device)
+        model = model.to_empty(device=self.device).to(self.options.dtype)
         load_weights(model, self.options.model_dir, self.options.dtype)
+        apply_policy(model, policy_for(self.device, self.options.dtype))
         model.init_rope(self.max_model_len, self.device)
         return model.eval()
 

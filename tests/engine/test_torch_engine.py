@@ -131,3 +131,36 @@ async def test_prompt_larger_than_the_pool_fails_that_request_only(engine: Torch
                                                      ignore_eos=True))
     assert len(outputs) == 3
     check_blocks(engine)
+
+
+async def test_each_layer_reports_once_per_prefill_step(llama_dir: Path) -> None:
+    engine = TorchEngine(EngineOptions(model_dir=llama_dir, num_blocks=64, block_size=4,
+                                       max_batch_tokens=8))
+    await engine.start()
+    layers: list[int] = []
+    try:
+        await engine.prefill(PrefillRequest("p", PROMPT, SamplingParams(max_tokens=1),
+                                            on_layer=layers.append))
+    finally:
+        await engine.close()
+    num_layers = engine.config.num_layers
+    # 20 tokens in chunks of 8: three steps, each reporting every layer in order.
+    assert layers == list(range(num_layers)) * 3
+
+
+async def test_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path,
+                                                          llama_dir: Path) -> None:
+    from tests.engine.hf_models import hf_model
+
+    hf_model(llama_dir).save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    results = []
+    for path in (llama_dir, tmp_path / "sharded"):
+        engine = TorchEngine(EngineOptions(model_dir=path, num_blocks=64, block_size=4))
+        await engine.start()
+        try:
+            results.append([o.token_id for o in await run(engine, "s", params)])
+        finally:
+            await engine.close()
+    assert results[0] == results[1]

@@ -1,0 +1,173 @@
+"""Engine benchmark: our TorchEngine beside transformers' own `generate`, same model, same run.
+
+A random-weight Llama (default: hidden 1024, 16 layers, vocab 32000, about 250 M parameters)
+in bfloat16 on the CPU. Prints prefill tokens/s at each prompt length, decode tokens/s at each
+batch size (prompt 128, `--decode-tokens` new tokens), each with transformers' figure and the
+ratio, and decode at batch 1 as a fraction of the memory-bandwidth limit (weight bytes per
+step over measured copy bandwidth).
+
+    python -m bench.engine_throughput --prompts 512,2048 --batches 1,8,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.protocol import PrefillRequest
+from engine.torch_engine import EngineOptions, TorchEngine
+from shared.messages import SamplingParams
+
+
+def make_model(path: Path, args: argparse.Namespace) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 128, max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(args.torch_dtype).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def copy_bandwidth_gbs() -> float:
+    """Memory traffic of a large copy, read plus write, in GB/s."""
+    src = torch.empty(256 * 2**20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    started = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    return 5 * 2 * src.numel() / (time.perf_counter() - started) / 1e9
+
+
+def prompt(length: int, salt: int) -> list[int]:
+    return [(salt * 7919 + i * 104729) % 31000 + 100 for i in range(length)]
+
+
+async def ours_prefill(engine: TorchEngine, length: int, salt: int) -> float:
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    started = time.perf_counter()
+    await engine.prefill(PrefillRequest(f"p{salt}", prompt(length, salt), params))
+    elapsed = time.perf_counter() - started
+    engine.release(f"p{salt}")
+    return length / elapsed
+
+
+async def ours_decode(engine: TorchEngine, batch: int, new_tokens: int, salt: int) -> float:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"d{salt}-{i}" for i in range(batch)]
+    for i, request_id in enumerate(ids):
+        engine.generate(PrefillRequest(request_id, prompt(128, salt * 100 + i), params))
+    seen: dict[str, int] = {}
+    started = None
+    while len([r for r in ids if seen.get(r, 0) >= new_tokens]) < batch:
+        for out in await engine.next_step():
+            seen[out.request_id] = seen.get(out.request_id, 0) + 1
+        if started is None and all(seen.get(r, 0) >= 1 for r in ids):
+            started = time.perf_counter()  # every prompt is in: decode starts here
+    assert started is not None
+    return batch * (new_tokens - 1) / (time.perf_counter() - started)
+
+
+def hf_prefill(model: Any, length: int, salt: int) -> float:
+    ids = torch.tensor([prompt(length, salt)])
+    started = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    return length / (time.perf_counter() - started)
+
+
+class _FirstTokenClock:
+    """A `generate` streamer that notes when the first new token arrives (the first `put`
+    carries the prompt), so decode time excludes prefill."""
+
+    def __init__(self) -> None:
+        self.num_puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.num_puts += 1
+        if self.num_puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        return None
+
+
+def hf_decode(model: Any, batch: int, new_tokens: int, salt: int) -> float:
+    ids = torch.tensor([prompt(128, salt * 100 + i) for i in range(batch)])
+    clock = _FirstTokenClock()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                       streamer=clock)
+    assert clock.first_token_at is not None
+    return batch * (new_tokens - 1) / (time.perf_counter() - clock.first_token_at)
+
+
+async def run(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = make_model(Path(tmp), args)
+        params = sum(p.numel() for p in hf.parameters())
+        engine = TorchEngine(EngineOptions(
+            model_dir=Path(tmp), dtype=args.torch_dtype, num_blocks=args.num_blocks,
+            block_size=16, max_batch_size=64, max_batch_tokens=4096, max_wait_s=0.0,
+            is_prefix_caching=False))
+        await engine.start()
+        try:
+            print(f"model: {params / 1e6:.0f} M parameters, {args.dtype}, "
+                  f"{torch.get_num_threads()} threads")
+            await ours_prefill(engine, 64, 999)  # warm-up
+            hf_prefill(hf, 64, 999)
+            rows = []
+            for i, length in enumerate(args.prompts):
+                rows.append((f"prefill {length} tok", await ours_prefill(engine, length, i),
+                             hf_prefill(hf, length, i)))
+            for i, batch in enumerate(args.batches):
+                rows.append((f"decode batch {batch}",
+                             await ours_decode(engine, batch, args.decode_tokens, i),
+                             hf_decode(hf, batch, args.decode_tokens, i)))
+        finally:
+            await engine.close()
+    print(f"{'workload':<18} {'halfmoon tok/s':>15} {'transformers tok/s':>19} {'ratio':>7}")
+    for name, ours, theirs in rows:
+        print(f"{name:<18} {ours:>15.1f} {theirs:>19.1f} {ours / theirs:>6.2f}x")
+    bandwidth = copy_bandwidth_gbs()
+    weight_bytes = params * torch.tensor([], dtype=args.torch_dtype).element_size()
+    limit = bandwidth * 1e9 / weight_bytes
+    batch1 = next((ours for name, ours, _ in rows if name == "decode batch 1"), None)
+    print(f"memory bandwidth (copy, read + write) {bandwidth:.1f} GB/s; weights {weight_bytes / 1e9:.2f} GB per step "
+          f"-> batch-1 limit {limit:.1f} tok/s")
+    if batch1 is not None:
+        print(f"decode batch 1 reaches {batch1 / limit:.0%} of the memory-bandwidth limit")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    parser.add_argument("--prompts", type=ints, default=[512, 2048])
+    parser.add_argument("--batches", type=ints, default=[1, 8, 32])
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=1024)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    args = parser.parse_args()
+    args.torch_dtype = getattr(torch, args.dtype)
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()
