@@ -1,8 +1,8 @@
 """Control-path benchmark: the whole stack with the fake engine at zero delay.
 
-Starts `halfmoon up` (every service its own process, embedded NATS) unless `--url` names a
-running server, then drives it with N concurrent streaming clients for each N in
-`--concurrency`, each request asking for `--max-tokens` tokens. Prints requests/s, streamed
+Starts `halfmoon up --engine fake` (every service its own process, embedded NATS) unless
+`--url` names a running server, then drives it with N concurrent streaming clients for each N
+in `--concurrency`, each request asking for `--max-tokens` tokens. Prints requests/s, streamed
 tokens/s and TTFT p50/p99 per level, and each level's throughput as a ratio of the first
 level measured in the same run (machines here are shared and noisy; ratios travel, absolute
 numbers do not).
@@ -109,7 +109,7 @@ def free_port() -> int:
 def launch() -> tuple[subprocess.Popen[str], str]:
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--port", str(port),
+        [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--engine", "fake",
          "--log-level", "warning"],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )

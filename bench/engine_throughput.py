@@ -147,8 +147,8 @@ async def run(args: argparse.Namespace) -> None:
     weight_bytes = params * torch.tensor([], dtype=args.torch_dtype).element_size()
     limit = bandwidth * 1e9 / weight_bytes
     batch1 = next((ours for name, ours, _ in rows if name == "decode batch 1"), None)
-    print(f"memory bandwidth (copy, read + write) {bandwidth:.1f} GB/s; weights {weight_bytes / 1e9:.2f} GB per step "
-          f"-> batch-1 limit {limit:.1f} tok/s")
+    print(f"memory bandwidth (copy, read + write) {bandwidth:.1f} GB/s; weights "
+          f"{weight_bytes / 1e9:.2f} GB per step -> batch-1 limit {limit:.1f} tok/s")
     if batch1 is not None:
         print(f"decode batch 1 reaches {batch1 / limit:.0%} of the memory-bandwidth limit")
 

@@ -21,7 +21,7 @@ import contextlib
 import enum
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NatsClient
@@ -30,11 +30,9 @@ from nats.aio.msg import Msg
 from shared.config import ServiceConfig
 from shared.errors import HalfmoonError, ServiceStartFailed
 from shared.logs import get_logger
-from shared.messages import DispatchReply, Message
+from shared.messages import DispatchReply
 from shared.nats_client import connect, encode
 from shared.subjects import Subjects
-
-M = TypeVar("M", bound=Message)
 
 
 class ServiceState(enum.Enum):
@@ -179,8 +177,8 @@ class Service(abc.ABC):
     async def serve(
         self,
         subject: str,
-        message_type: type[M],
-        handler: Callable[[M], Awaitable[DispatchReply | None]],
+        message_type: Any,
+        handler: Callable[[Any], Awaitable[DispatchReply | None]],
     ) -> Any:
         """Subscribe `handler` behind one error boundary.
 
@@ -195,7 +193,7 @@ class Service(abc.ABC):
                 reply = await handler(decoder.decode(msg.data))
             except msgspec.DecodeError as exc:
                 self.log.warning("message.invalid", subject=msg.subject, error=str(exc))
-                reply = self._refusal(f"invalid {message_type.__name__}: {exc}")
+                reply = self._refusal(f"invalid message on {msg.subject}: {exc}")
             except HalfmoonError as exc:
                 reply = self._refusal(exc.message)
             except Exception as exc:

@@ -44,7 +44,6 @@ async def _kept() -> None:
 
 
 _request_decoder = msgspec.json.Decoder(GenerateRequest)
-_heartbeat_decoder = msgspec.json.Decoder(WorkerHeartbeat)
 
 
 class ConductorService(Service):
@@ -60,7 +59,7 @@ class ConductorService(Service):
         self._pulls: list[Any] = []
 
     async def _setup(self) -> None:
-        await self.nc.subscribe(self.subjects.all_heartbeats, cb=self._on_heartbeat)
+        await self.serve(self.subjects.all_heartbeats, WorkerHeartbeat, self._on_heartbeat)
         for heartbeat in await read_registry(self.nc.jetstream(), self.subjects.workers_bucket):
             self.workers.observe_entry(heartbeat)
         js = self.nc.jetstream()
@@ -79,12 +78,7 @@ class ConductorService(Service):
             self._pulls.append(subscription)
             self.spawn(self._fetch_loop(subscription), f"fetch.{i}")
 
-    async def _on_heartbeat(self, msg: Msg) -> None:
-        try:
-            heartbeat = _heartbeat_decoder.decode(msg.data)
-        except msgspec.DecodeError as exc:
-            self.log.warning("message.invalid", subject=msg.subject, error=str(exc))
-            return
+    async def _on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         self.workers.observe(heartbeat)
         self._pending.pop(heartbeat.worker_id, None)
 

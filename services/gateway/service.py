@@ -14,9 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from aiohttp import web
-from nats.aio.msg import Msg
 
 from services.gateway.api import build_app
 from services.gateway.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
@@ -91,8 +89,8 @@ class GatewayService(Service):
         await ensure_work_queue(js, self.subjects.requests_stream, self.subjects.requests,
                                 max_age_s=self.config.request_timeout_s)
         reply_subject = self.subjects.gateway(self.gateway_id)
-        await self.nc.subscribe(reply_subject, cb=self._on_event)
-        await self.nc.subscribe(self.subjects.all_heartbeats, cb=self._on_heartbeat)
+        await self.serve(reply_subject, GatewayEvent, self._on_event)
+        await self.serve(self.subjects.all_heartbeats, WorkerHeartbeat, self._on_heartbeat)
         for heartbeat in await read_registry(self.nc.jetstream(), self.subjects.workers_bucket):
             self.workers.observe_entry(heartbeat)
         self._generator = Generator(GeneratorContext(
@@ -149,19 +147,11 @@ class GatewayService(Service):
         if self._runner is not None:
             await self._runner.cleanup()
 
-    async def _on_event(self, msg: Msg) -> None:
-        try:
-            event = _event_decoder.decode(msg.data)
-        except msgspec.DecodeError as exc:
-            self.log.warning("message.invalid", subject=msg.subject, error=str(exc))
-            return
+    async def _on_event(self, event: GatewayEvent) -> None:
         self.table.dispatch(event)
 
-    async def _on_heartbeat(self, msg: Msg) -> None:
-        try:
-            self.workers.observe(_heartbeat_decoder.decode(msg.data))
-        except msgspec.DecodeError as exc:
-            self.log.warning("message.invalid", subject=msg.subject, error=str(exc))
+    async def _on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
+        self.workers.observe(heartbeat)
 
     # GatewayBackend.
     def check_accepting(self) -> None:
@@ -170,7 +160,8 @@ class GatewayService(Service):
 
     def parse_completion(self, request: CompletionRequest) -> ParsedRequest:
         prompt = completion_prompt(request)
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        token_ids = (self.tokenizer.encode(prompt, add_special_tokens=True)
+                     if isinstance(prompt, str) else prompt)
         return validate(request, token_ids, self.limits,
                         default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
                         max_tokens=request.max_tokens)
@@ -192,6 +183,3 @@ class GatewayService(Service):
                 "num_prefill_workers": num_prefill, "num_decode_workers": num_decode,
                 "num_open_requests": len(self.table)}
 
-
-_event_decoder = msgspec.json.Decoder(GatewayEvent)
-_heartbeat_decoder = msgspec.json.Decoder(WorkerHeartbeat)

@@ -35,7 +35,9 @@ class Tokenizer(Protocol):
     @property
     def eos_token_id(self) -> int | None: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` applies the tokenizer's own template
+        (a BOS for Llama): on for raw completions, off for chat (the template has them)."""
 
     def decode(self, token_ids: list[int]) -> str: ...
 
@@ -64,7 +66,7 @@ class ByteTokenizer:
     def eos_token_id(self) -> int | None:
         return self.EOS_ID
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, token_ids: list[int]) -> str:
@@ -116,8 +118,8 @@ class HfTokenizer:
     def eos_token_id(self) -> int | None:
         return self._tokenizer.token_to_id(self._eos) if self._eos else None
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
