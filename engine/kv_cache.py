@@ -37,6 +37,12 @@ class KvCache:
         flat = self._slots[layer]
         return flat[0].index_select(0, slots), flat[1].index_select(0, slots)
 
+    def view(self, layer: int, first_slot: int, length: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `length` consecutive slots, as views (no copy)."""
+        flat = self._slots[layer]
+        return flat[0, first_slot:first_slot + length], flat[1, first_slot:first_slot + length]
+
     @property
     def num_bytes(self) -> int:
         return self.data.numel() * self.data.element_size()

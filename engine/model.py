@@ -29,7 +29,10 @@ class SequenceSlice:
     query_start: int
     query_len: int
     context_len: int  # tokens in the cache once this step's tokens are written
-    context_start: int | None  # offset in the step's gathered K/V; None: attend to new K/V
+    context_start: int | None  # offset in the step's gathered K/V
+    # First slot of a context whose blocks are consecutive: read in place. Both None: the
+    # sequence has no cached context and attends to this step's K/V.
+    context_slot: int | None = None
 
 
 @dataclass(frozen=True)
@@ -80,11 +83,13 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         for seq in meta.sequences:
             span = slice(seq.query_start, seq.query_start + seq.query_len)
-            if seq.context_start is None:  # nothing cached: attend to this step's K/V
-                keys, values = k[span], v[span]
-            else:
+            if seq.context_slot is not None:
+                keys, values = kv.view(self.layer, seq.context_slot, seq.context_len)
+            elif seq.context_start is not None:
                 context = slice(seq.context_start, seq.context_start + seq.context_len)
                 keys, values = cached_k[context], cached_v[context]
+            else:
+                keys, values = k[span], v[span]
             out[span] = _attend(q[span], keys, values, seq.context_len)
         return self.o_proj(out.flatten(1))
 

@@ -38,9 +38,11 @@ class ModelRunner:
         self.device = device
         self.is_prefix_caching = is_prefix_caching
 
-    def admit(self, seq: Sequence) -> None:
-        """Give a new prompt its blocks, reusing the longest cached prefix. At least one
-        token is always left to compute, so the step yields logits to sample from."""
+    def admit(self, seq: Sequence, num_reserved_tokens: int) -> None:
+        """Give a new prompt its blocks, reusing the longest cached prefix, and reserve room
+        for `num_reserved_tokens` in all: with no preemption, a request that was admitted
+        never runs out of blocks mid-generation. At least one token is always left to
+        compute, so the step yields logits to sample from."""
         if self.is_prefix_caching:
             seq.block_hashes = block_hashes(seq.token_ids[: seq.num_prompt_tokens],
                                             self.block_size)
@@ -49,7 +51,7 @@ class ModelRunner:
             seq.num_computed = seq.num_cached = len(seq.block_ids) * self.block_size
             seq.num_registered = len(seq.block_ids)
         try:
-            self.ensure_blocks(seq, seq.num_tokens)
+            self.ensure_blocks(seq, max(seq.num_tokens, num_reserved_tokens))
         except BaseException:
             self.free(seq)
             raise
@@ -79,12 +81,15 @@ class ModelRunner:
                                     device=self.device))
             positions.append(pos)
             slots.append(self._slots(table, pos))
-            context_start = None
-            if start > 0:  # a cached context to read: prefix, earlier chunks, or decode
+            context_start = context_slot = None
+            if start > 0 and self._is_contiguous(seq.block_ids, start + count):
+                context_slot = seq.block_ids[0] * self.block_size  # read in place, no copy
+            elif start > 0:  # a cached context to gather: prefix, earlier chunks, or decode
                 contexts.append(self._slots(table, torch.arange(start + count,
                                                                 device=self.device)))
                 context_start, context_offset = context_offset, context_offset + start + count
-            slices.append(SequenceSlice(offset, count, start + count, context_start))
+            slices.append(SequenceSlice(offset, count, start + count, context_start,
+                                        context_slot))
             offset += count
         meta = AttentionMetadata(torch.cat(slots), slices,
                                  torch.cat(contexts) if contexts else None)
@@ -92,6 +97,11 @@ class ModelRunner:
         hidden = self.model(torch.cat(ids), torch.cat(positions), meta, self.kv,
                             on_layer=_fan_out(listeners) if listeners else None)
         return self._advance_and_sample(batch, slices, hidden)
+
+    def _is_contiguous(self, block_ids: list[int], num_tokens: int) -> bool:
+        used = -(-num_tokens // self.block_size)
+        return block_ids[used - 1] - block_ids[0] == used - 1 and (
+            used < 3 or block_ids[1:used] == list(range(block_ids[0] + 1, block_ids[0] + used)))
 
     def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return table[positions // self.block_size] * self.block_size + positions % self.block_size

@@ -244,7 +244,9 @@ class TorchEngine:
     def _admit(self, seq: Sequence) -> None:
         assert self._runner is not None
         try:
-            self._runner.admit(seq)
+            reserve = seq.num_tokens if seq.is_prefill_only else min(
+                self.max_model_len, seq.num_prompt_tokens + seq.sampling.max_tokens)
+            self._runner.admit(seq, reserve)
         except HalfmoonError as exc:
             if seq.is_prefill_only:
                 self._post_prefill_error(seq.request_id, exc)

@@ -164,3 +164,15 @@ async def test_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path,
         finally:
             await engine.close()
     assert results[0] == results[1]
+
+
+async def test_scattered_blocks_decode_like_consecutive_ones(engine: TorchEngine,
+                                                            llama_dir: Path) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    consecutive = [o.token_id for o in await run(engine, "a", params)]
+    held = [engine.reserve(f"hole{i}", 4) for i in range(16)]  # one block each
+    for i in range(0, 16, 2):  # free every other one: the free list alternates
+        engine.abort(f"hole{i}")
+    scattered = [o.token_id for o in await run(engine, "b", params)]
+    assert scattered == consecutive
+    assert held  # the odd reservations were holding the gaps open
