@@ -166,6 +166,9 @@ class FakeEngine:
         was_running = self._running.pop(request_id, None) is not None
         return self._free(request_id) or was_running
 
+    def drain_kv_events(self) -> list[tuple[str, bytes]]:
+        return []  # the fake engine keeps no prefix cache
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self._running),

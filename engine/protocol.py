@@ -112,3 +112,6 @@ class Engine(Protocol):
         """Drop the request wherever it is; return whether it was known."""
 
     def stats(self) -> EngineStats: ...
+
+    def drain_kv_events(self) -> list[tuple[str, bytes]]:
+        """Prefix-cache changes since the last call, in order: ("stored" | "removed", hash)."""

@@ -60,8 +60,17 @@ class LockedAllocator(BlockAllocator):
     """The allocator, safe to call from the event loop and the engine thread."""
 
     def __init__(self, num_blocks: int) -> None:
-        super().__init__(num_blocks)
+        super().__init__(num_blocks, on_event=self._record)
         self.lock = threading.Lock()
+        self._events: list[tuple[str, bytes]] = []
+
+    def _record(self, kind: str, block_hash: bytes) -> None:
+        self._events.append((kind, block_hash))  # called under self.lock
+
+    def drain_events(self) -> list[tuple[str, bytes]]:
+        with self.lock:
+            events, self._events = self._events, []
+        return events
 
     def allocate(self, count: int) -> list[int]:
         with self.lock:
@@ -208,6 +217,9 @@ class TorchEngine:
             future.cancel()
         self._submit(lambda: self._drop(request_id))
         return known
+
+    def drain_kv_events(self) -> list[tuple[str, bytes]]:
+        return self.allocator.drain_events()
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -21,8 +21,15 @@ from nats.js.kv import KeyValue
 from engine.factory import build_engine
 from engine.protocol import Engine
 from shared.config import WorkerConfig
-from shared.messages import AbortRequest, DispatchReply, WorkerHeartbeat, WorkerRole
-from shared.nats_client import encode, ensure_bucket
+from shared.messages import (
+    AbortRequest,
+    DispatchReply,
+    KvBlockEvent,
+    KvEventBatch,
+    WorkerHeartbeat,
+    WorkerRole,
+)
+from shared.nats_client import encode, ensure_bucket, ensure_kv_event_stream
 from shared.service import Service
 
 # Registry entries outlive a few missed heartbeats, then the bucket drops them.
@@ -61,6 +68,9 @@ class WorkerService(Service):
             self.nc.jetstream(), self.subjects.workers_bucket,
             ttl_s=max(5.0, REGISTRY_TTL_HEARTBEATS * self.config.heartbeat_interval_s),
         )
+        js = self.nc.jetstream()
+        await ensure_kv_event_stream(js, self.subjects)
+        await self._publish_kv_events(is_reset=True)
         self._work_subscriptions = await self._subscribe_work()
         await self.serve(self.subjects.abort, AbortRequest, self._on_abort)
         await self._heartbeat()
@@ -88,7 +98,19 @@ class WorkerService(Service):
         while True:
             await asyncio.sleep(self.config.heartbeat_interval_s)
             self._on_tick()
+            await self._publish_kv_events()
             await self._heartbeat()
+
+    async def _publish_kv_events(self, *, is_reset: bool = False) -> None:
+        """Tell the conductors' prefix index what this worker's cache gained and lost."""
+        events = [KvBlockEvent(kind=kind, block_hash=block_hash.hex())  # type: ignore[arg-type]
+                  for kind, block_hash in self.engine.drain_kv_events()]
+        if not events and not is_reset:
+            return
+        batch = KvEventBatch(worker_id=self.worker_id, block_size=self.config.block_size,
+                             events=events, is_reset=is_reset)
+        await self.nc.jetstream().publish(self.subjects.kv_events(self.worker_id),
+                                          encode(batch))
 
     async def _heartbeat(self) -> None:
         """Publish the heartbeat and keep it as this worker's registry entry, from which a

@@ -9,24 +9,37 @@ and the conductor (global prefix index).
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 
 BlockHash = bytes
 HASH_BYTES = 16
 
 
-def chain_hash(parent: BlockHash | None, token_ids: Sequence[int], salt: bytes = b"") -> BlockHash:
+def _encode(token_ids: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+
+def _hash(parent: BlockHash | None, encoded_block: bytes, salt: bytes) -> BlockHash:
     digest = hashlib.blake2b(digest_size=HASH_BYTES, key=salt[:64])
     digest.update(parent or b"\x00" * HASH_BYTES)
-    digest.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
+    digest.update(encoded_block)
     return digest.digest()
+
+
+def chain_hash(parent: BlockHash | None, token_ids: Sequence[int], salt: bytes = b"") -> BlockHash:
+    """The hash of one block of token ids (4-byte little-endian each) after `parent`."""
+    return _hash(parent, _encode(token_ids), salt)
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes = b"") -> list[BlockHash]:
     """Hashes of every full block of `token_ids`; a trailing partial block has none."""
+    num_full = len(token_ids) // block_size
+    encoded = _encode(token_ids[: num_full * block_size])  # one pack for the whole prompt
+    stride = 4 * block_size
     hashes: list[BlockHash] = []
     parent = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chain_hash(parent, token_ids[start:start + block_size], salt)
+    for start in range(0, num_full * stride, stride):
+        parent = _hash(parent, encoded[start:start + stride], salt)
         hashes.append(parent)
     return hashes

@@ -52,6 +52,8 @@ class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):
     max_placement_attempts: int = 3
     num_fetchers: int = 4
     request_max_age_s: float = 60.0
+    policy: Literal["least-loaded", "round-robin", "cache-aware"] = "cache-aware"
+    prefix_index_max_blocks: int = 1_000_000
 
 
 class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):

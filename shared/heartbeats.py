@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.messages import WorkerHeartbeat, WorkerRole
@@ -19,9 +20,11 @@ class WorkerDirectory:
     than `timeout_s` (and never younger than three of its own intervals) and it is not
     draining. Stale entries are forgotten after ten timeouts."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float,
+                 on_expire: Callable[[str], None] | None = None) -> None:
         self.timeout_s = timeout_s
         self._entries: dict[str, WorkerEntry] = {}
+        self._on_expire = on_expire
 
     def observe(self, heartbeat: WorkerHeartbeat, now_s: float | None = None) -> None:
         now_s = time.monotonic() if now_s is None else now_s
@@ -66,3 +69,5 @@ class WorkerDirectory:
                  if now_s - e.received_at_s > 10 * self.timeout_s]
         for worker_id in stale:
             del self._entries[worker_id]
+            if self._on_expire is not None:
+                self._on_expire(worker_id)

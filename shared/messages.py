@@ -13,6 +13,7 @@ A request's life on the wire:
     prefill   --TokenBatch (first token)-->          gateway
     prefill   --KvCommitted (request/reply)-->       decode       (replies DispatchReply)
     decode    --TokenBatch (one per gateway per step)--> gateway
+    workers   --KvEventBatch (JetStream)-->          conductor (global prefix index)
     anyone    --RequestFailed-->                     gateway
     gateway/conductor --AbortRequest-->              every worker
 """
@@ -160,6 +161,25 @@ class WorkerHeartbeat(Message, frozen=True, kw_only=True):
     heartbeat_interval_s: float
     sent_at_s: float
     is_draining: bool = False
+
+
+class KvBlockEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One change to a worker's prefix cache; `block_hash` is the hex chain hash."""
+
+    kind: Literal["stored", "removed"]
+    block_hash: str
+
+
+class KvEventBatch(Message, frozen=True, kw_only=True):
+    """Fact from a worker on `Subjects.kv_events` (JetStream, replayable; the stream's sequence
+    number orders batches): its prefix cache's changes since the last batch, in order. The
+    conductor's global prefix index is built from these. `is_reset`: forget everything this
+    worker was known to hold (it started with an empty cache)."""
+
+    worker_id: str
+    block_size: int
+    events: list[KvBlockEvent]
+    is_reset: bool = False
 
 
 GatewayEvent = TokenBatch | RequestFailed

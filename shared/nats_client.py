@@ -15,6 +15,7 @@ from nats.js.kv import KeyValue
 from shared.errors import WorkerUnavailable
 from shared.logs import get_logger
 from shared.messages import DispatchReply, Message, WorkerHeartbeat
+from shared.subjects import Subjects
 
 log = get_logger(__name__)
 
@@ -74,6 +75,24 @@ async def ensure_work_queue(
         storage=StorageType.FILE,
         max_age=max_age_s,
         duplicate_window=min(max_age_s, 120.0),
+    )
+    try:
+        await js.add_stream(config)
+    except nats.js.errors.BadRequestError:
+        await js.update_stream(config)
+
+
+# The prefix-cache event history a new conductor replays: bounded in age and size.
+KV_EVENTS_MAX_AGE_S = 3600.0
+KV_EVENTS_MAX_BYTES = 256 * 2**20
+
+
+async def ensure_kv_event_stream(js: JetStreamContext, subjects: Subjects) -> None:
+    """Create (or update) the limits-retention stream of prefix-cache events."""
+    config = StreamConfig(
+        name=subjects.kv_events_stream, subjects=[subjects.all_kv_events],
+        retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
+        max_age=KV_EVENTS_MAX_AGE_S, max_bytes=KV_EVENTS_MAX_BYTES,
     )
     try:
         await js.add_stream(config)

@@ -72,6 +72,18 @@ class Subjects:
     def _worker(self, worker_id: str, verb: str) -> str:
         return f"{self._root}.worker.{check_token(worker_id, 'worker id')}.{verb}"
 
+    # JetStream stream of prefix-cache events (limits retention: replayable history).
+    def kv_events(self, worker_id: str) -> str:
+        return f"{self._root}.kv_events.{check_token(worker_id, 'worker id')}"
+
+    @property
+    def all_kv_events(self) -> str:
+        return f"{self._root}.kv_events.>"
+
+    @property
+    def kv_events_stream(self) -> str:
+        return f"HALFMOON_{self.cluster.upper().replace('-', '_')}_KV_EVENTS"
+
     # NATS KV bucket: worker registry (latest heartbeat of each live worker).
     @property
     def workers_bucket(self) -> str:

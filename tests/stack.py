@@ -32,6 +32,7 @@ class Stack:
     num_decode: int = 1
     worker: dict[str, Any] = field(default_factory=dict)
     gateway_options: dict[str, Any] = field(default_factory=dict)
+    conductor_options: dict[str, Any] = field(default_factory=dict)
     cluster: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:10]}")
 
     def __post_init__(self) -> None:
@@ -39,7 +40,8 @@ class Stack:
                   "drain_timeout_s": 5.0}
         worker = WorkerConfig(**common, **{"heartbeat_interval_s": 0.2, "engine": "fake",
                                            **self.worker})
-        self.conductor = ConductorService(ConductorConfig(**common, heartbeat_timeout_s=1.0))
+        self.conductor = ConductorService(ConductorConfig(
+            **common, **{"heartbeat_timeout_s": 1.0, **self.conductor_options}))
         self.prefills = [PrefillService(worker) for _ in range(self.num_prefill)]
         self.decodes = [DecodeService(worker) for _ in range(self.num_decode)]
         tokenizer = "bytes" if worker.engine == "fake" else "model"

@@ -19,9 +19,17 @@ from typing import Any
 import msgspec
 import nats.errors
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from services.conductor.placement import PendingWork, blocks_needed, pick_decode, pick_prefill
+from services.conductor.placement import (
+    PendingWork,
+    PrefixView,
+    blocks_needed,
+    pick_decode,
+    pick_prefill,
+)
+from services.conductor.prefix_index import PrefixIndex
+from shared.block_hash import block_hashes
 from shared.config import ConductorConfig
 from shared.errors import HalfmoonError, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
@@ -30,11 +38,18 @@ from shared.messages import (
     DecodeReservation,
     DispatchReply,
     GenerateRequest,
+    KvEventBatch,
     PrefillTask,
     RequestFailed,
     WorkerHeartbeat,
 )
-from shared.nats_client import dispatch, encode, ensure_work_queue, read_registry
+from shared.nats_client import (
+    dispatch,
+    encode,
+    ensure_kv_event_stream,
+    ensure_work_queue,
+    read_registry,
+)
 from shared.service import Service
 
 
@@ -52,11 +67,14 @@ class ConductorService(Service):
     def __init__(self, config: ConductorConfig) -> None:
         super().__init__(config)
         self.config: ConductorConfig = config
-        self.workers = WorkerDirectory(config.heartbeat_timeout_s)
+        self.prefix_index = PrefixIndex(config.prefix_index_max_blocks)
+        self.workers = WorkerDirectory(config.heartbeat_timeout_s,
+                                       on_expire=self.prefix_index.forget_worker)
+        self._turn = 0
         self._pending: dict[str, PendingWork] = defaultdict(PendingWork)
         self._num_placing = 0
         self._is_fetching = False
-        self._pulls: list[Any] = []
+        self._js_subscriptions: list[Any] = []
 
     async def _setup(self) -> None:
         await self.serve(self.subjects.all_heartbeats, WorkerHeartbeat, self._on_heartbeat)
@@ -65,6 +83,7 @@ class ConductorService(Service):
         js = self.nc.jetstream()
         await ensure_work_queue(js, self.subjects.requests_stream, self.subjects.requests,
                                 max_age_s=self.config.request_max_age_s)
+        await self._follow_kv_events(js)
         consumer = ConsumerConfig(
             durable_name=self.subjects.conductor_consumer, ack_policy=AckPolicy.EXPLICIT,
             ack_wait=10.0, max_deliver=5, max_ack_pending=4096,
@@ -75,8 +94,24 @@ class ConductorService(Service):
                 self.subjects.requests, durable=self.subjects.conductor_consumer,
                 stream=self.subjects.requests_stream, config=consumer,
             )
-            self._pulls.append(subscription)
+            self._js_subscriptions.append(subscription)
             self.spawn(self._fetch_loop(subscription), f"fetch.{i}")
+
+    async def _follow_kv_events(self, js: Any) -> None:
+        """Replay the prefix-cache history, then follow it live (an ordered consumer: no
+        state on the server, restarted by the client if it falls out of order)."""
+        await ensure_kv_event_stream(js, self.subjects)
+        decoder = msgspec.json.Decoder(KvEventBatch)
+
+        async def on_batch(msg: Msg) -> None:
+            try:
+                self.prefix_index.apply(decoder.decode(msg.data))
+            except msgspec.DecodeError as exc:
+                self.log.warning("message.invalid", subject=msg.subject, error=str(exc))
+
+        self._js_subscriptions.append(await js.subscribe(
+            self.subjects.all_kv_events, cb=on_batch, ordered_consumer=True,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL)))
 
     async def _on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         self.workers.observe(heartbeat)
@@ -124,11 +159,14 @@ class ConductorService(Service):
         excluded: set[str] = set()
         kept: dict[str, str | None] = {"prefill": None, "decode": None}
         num_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
+        prefix = self._prefix_view(request)
+        self._turn += 1
         error: HalfmoonError = WorkerUnavailable("no placement attempted")
         for _ in range(self.config.max_placement_attempts):
             try:
                 prefill = kept["prefill"] or pick_prefill(
-                    self.workers.healthy("prefill"), excluded, self._pending).worker_id
+                    self.workers.healthy("prefill"), excluded, self._pending,
+                    policy=self.config.policy, prefix=prefix, turn=self._turn).worker_id
                 decode = kept["decode"] or pick_decode(
                     self.workers.healthy("decode"), excluded, self._pending, num_tokens
                 ).worker_id
@@ -155,6 +193,17 @@ class ConductorService(Service):
                 return
         await self._abort(request.request_id, error.message)
         raise error
+
+    def _prefix_view(self, request: GenerateRequest) -> PrefixView | None:
+        if self.config.policy != "cache-aware":
+            return None
+        workers = self.workers.healthy("prefill")
+        if not workers:
+            return None
+        # Workers of one cluster share a block size; hash with the first one's.
+        hashes = block_hashes(request.prompt_token_ids, workers[0].block_size)
+        cached = self.prefix_index.leading_blocks(hashes, [w.worker_id for w in workers])
+        return PrefixView(num_blocks=len(hashes), cached_blocks=cached)
 
     async def _dispatch(self, subject: str, message: Any) -> DispatchReply | HalfmoonError:
         try:
@@ -196,7 +245,8 @@ class ConductorService(Service):
     async def _close(self) -> None:
         # A pull subscription may hold a message delivered to a fetch that was cancelled;
         # unsubscribing hands it back to the stream (it is redelivered after ack_wait) and
-        # keeps the NATS drain from waiting on it.
-        for subscription in self._pulls:
+        # keeps the NATS drain from waiting on it. It also ends the ordered consumer's
+        # heartbeat task.
+        for subscription in self._js_subscriptions:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()

@@ -14,7 +14,7 @@ from engine.protocol import PrefillRequest
 from engine.torch_engine import EngineOptions, TorchEngine
 from services.gateway.tokenizer import HfTokenizer
 from shared.messages import SamplingParams
-from tests.stack import Stack
+from tests.stack import Stack, eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -90,3 +90,38 @@ async def test_model_context_limit_comes_from_the_checkpoint(torch_stack: Stack)
         "model": MODEL, "prompt": "hi", "max_tokens": 4000})
     assert status == 400
     assert "maximum context length is 2048" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("policy", ["cache-aware", "least-loaded"])
+async def test_cache_aware_routing_sends_a_shared_prefix_to_its_holder(
+    nats_url: str, tiny_dir: Path, policy: str,
+) -> None:
+    worker = {"engine": "torch", "model_path": str(tiny_dir), "num_blocks": 256}
+    async with Stack(nats_url, num_prefill=2, worker=worker,
+                     gateway_options={"model_path": str(tiny_dir)},
+                     conductor_options={"policy": policy}) as stack:
+        seen: dict[str, int] = {p.worker_id: 0 for p in stack.prefills}
+        for prefill in stack.prefills:
+            async def observe(msg, worker_id=prefill.worker_id) -> None:  # type: ignore[no-untyped-def]
+                seen[worker_id] += 1
+
+            await stack.gateway.nc.subscribe(prefill.subjects.prefill_task(prefill.worker_id),
+                                             cb=observe)
+        shared = "The key and value cache is stored in blocks. " * 8
+        status, _ = await stack.post("/v1/completions", {
+            "model": MODEL, "prompt": shared, "max_tokens": 2})
+        assert status == 200
+        holder = max(seen, key=lambda w: seen[w])
+        other = min(seen, key=lambda w: seen[w])
+        # The holder's blocks reach the conductor's index through JetStream.
+        await eventually(lambda: len(stack.conductor.prefix_index) >= 4, timeout_s=5)
+        # Concurrent follow-ups: least-loaded spreads them, cache-aware keeps the prefix hot.
+        results = await asyncio.gather(*(stack.post("/v1/completions", {
+            "model": MODEL, "prompt": f"{shared} Question {i}?", "max_tokens": 2})
+            for i in range(6)))
+        assert [status for status, _ in results] == [200] * 6
+        await eventually(lambda: sum(seen.values()) == 7)
+        if policy == "cache-aware":
+            assert seen == {holder: 7, other: 0}
+        else:
+            assert seen[other] > 0

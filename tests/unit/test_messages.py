@@ -20,7 +20,9 @@ from shared.messages import (
     DispatchReply,
     GatewayEvent,
     GenerateRequest,
+    KvBlockEvent,
     KvCommitted,
+    KvEventBatch,
     KvTarget,
     Message,
     PrefillTask,
@@ -54,6 +56,10 @@ SAMPLES: dict[str, Message] = {
     "request_failed": RequestFailed(request_id="cmpl-1", code=ErrorCode.CAPACITY_EXHAUSTED,
                                     message="no room", worker_id="conductor"),
     "abort_request": AbortRequest(request_id="cmpl-1", reason="client gone"),
+    "kv_event_batch": KvEventBatch(worker_id="prefill-a", block_size=16, events=[
+        KvBlockEvent(kind="stored", block_hash="f6a753e0395b8dfa6485b18612a446af"),
+        KvBlockEvent(kind="removed", block_hash="0123456789abcdef0123456789abcdef"),
+    ]),
     "worker_heartbeat": WorkerHeartbeat(
         worker_id="decode-b", role="decode", model="halfmoon-tiny", host="h1", num_running=2,
         num_waiting=1, max_batch_size=64, num_free_blocks=100, num_total_blocks=128,

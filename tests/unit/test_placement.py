@@ -2,7 +2,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.conductor.placement import PendingWork, blocks_needed, pick_decode, pick_prefill
+from services.conductor.placement import (
+    PendingWork,
+    PrefixView,
+    blocks_needed,
+    pick_decode,
+    pick_prefill,
+)
 from shared.errors import CapacityExhausted, WorkerUnavailable
 from shared.messages import WorkerHeartbeat
 
@@ -58,3 +64,28 @@ def test_decode_without_room_anywhere_is_capacity_exhausted() -> None:
 
 def test_blocks_needed_rounds_up() -> None:
     assert [blocks_needed(n, 16) for n in (1, 16, 17, 32)] == [1, 1, 2, 2]
+
+
+def test_round_robin_cycles_in_id_order() -> None:
+    workers = [worker("b"), worker("a"), worker("c")]
+    picks = [pick_prefill(workers, (), {}, policy="round-robin", turn=t).worker_id
+             for t in range(4)]
+    assert picks == ["a", "b", "c", "a"]
+
+
+def test_cache_aware_prefers_the_worker_holding_the_prefix() -> None:
+    workers = [worker("a"), worker("b", waiting=2)]
+    prefix = PrefixView(num_blocks=10, cached_blocks={"b": 8})
+    assert pick_prefill(workers, (), {}, policy="cache-aware", prefix=prefix).worker_id == "b"
+
+
+def test_cache_aware_leaves_a_swamped_holder() -> None:
+    workers = [worker("a"), worker("b", waiting=40)]
+    prefix = PrefixView(num_blocks=10, cached_blocks={"b": 2})
+    assert pick_prefill(workers, (), {}, policy="cache-aware", prefix=prefix).worker_id == "a"
+
+
+def test_cache_aware_without_any_hit_is_least_loaded() -> None:
+    workers = [worker("a", waiting=3), worker("b")]
+    prefix = PrefixView(num_blocks=4)
+    assert pick_prefill(workers, (), {}, policy="cache-aware", prefix=prefix).worker_id == "b"

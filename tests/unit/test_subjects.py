@@ -17,6 +17,8 @@ def test_subjects_live_under_the_cluster_and_schema_version() -> None:
     assert subjects.heartbeat("decode", "d1") == "halfmoon.prod.v1.heartbeat.decode.d1"
     assert subjects.all_heartbeats == "halfmoon.prod.v1.heartbeat.>"
     assert subjects.abort == "halfmoon.prod.v1.abort"
+    assert subjects.kv_events("p1") == "halfmoon.prod.v1.kv_events.p1"
+    assert subjects.all_kv_events == "halfmoon.prod.v1.kv_events.>"
 
 
 def test_stream_and_bucket_names_are_valid_jetstream_names() -> None:
