@@ -47,9 +47,12 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return max(1, math.ceil(num_tokens / block_size))
 
 
-def _load(worker: WorkerHeartbeat, pending: PendingWork) -> float:
-    busy = worker.num_running + worker.num_waiting + pending.num_requests
-    return busy / max(1, worker.max_batch_size)
+_NO_PENDING = PendingWork()
+
+
+def _load(worker: WorkerHeartbeat, pending: Mapping[str, PendingWork]) -> float:
+    extra = pending.get(worker.worker_id, _NO_PENDING).num_requests
+    return (worker.num_running + worker.num_waiting + extra) / max(1, worker.max_batch_size)
 
 
 def pick_prefill(
@@ -62,25 +65,24 @@ def pick_prefill(
     turn: int = 0,
 ) -> WorkerHeartbeat:
     """The healthy prefill worker, not in `excluded`, that `policy` prefers."""
-    candidates = sorted((w for w in workers if w.worker_id not in excluded),
-                        key=lambda w: w.worker_id)
+    candidates = [w for w in workers if w.worker_id not in excluded]
     if not candidates:
         raise WorkerUnavailable("no healthy prefill worker")
-
-    def load(w: WorkerHeartbeat) -> float:
-        return _load(w, pending.get(w.worker_id, PendingWork()))
-
     match policy:
         case "round-robin":
+            candidates.sort(key=lambda w: w.worker_id)
             return candidates[turn % len(candidates)]
         case "cache-aware" if prefix is not None:
-            def work(w: WorkerHeartbeat) -> float:
-                uncached = prefix.num_blocks - prefix.cached_blocks.get(w.worker_id, 0)
-                return uncached * (1.0 + load(w))
+            cached, num_blocks = prefix.cached_blocks, prefix.num_blocks
 
-            return min(candidates, key=lambda w: (work(w), load(w), w.worker_id))
+            def work(w: WorkerHeartbeat) -> tuple[float, float, str]:
+                load = _load(w, pending)
+                uncached = num_blocks - cached.get(w.worker_id, 0)
+                return uncached * (1.0 + load), load, w.worker_id
+
+            return min(candidates, key=work)
         case _:
-            return min(candidates, key=lambda w: (load(w), w.worker_id))
+            return min(candidates, key=lambda w: (_load(w, pending), w.worker_id))
 
 
 def pick_decode(
@@ -94,13 +96,15 @@ def pick_decode(
     if not candidates:
         raise WorkerUnavailable("no healthy decode worker")
 
-    def free_after(worker: WorkerHeartbeat) -> int:
-        already = pending.get(worker.worker_id, PendingWork()).num_blocks
-        return worker.num_free_blocks - already - blocks_needed(num_tokens, worker.block_size)
-
-    room = {w.worker_id: free_after(w) for w in candidates}
-    roomy = [w for w in candidates if room[w.worker_id] >= 0]
-    if not roomy:
+    best: tuple[float, int, str] | None = None
+    chosen = None
+    for worker in candidates:
+        room = (worker.num_free_blocks
+                - pending.get(worker.worker_id, _NO_PENDING).num_blocks
+                - blocks_needed(num_tokens, worker.block_size))
+        key = (_load(worker, pending), -room, worker.worker_id)
+        if room >= 0 and (best is None or key < best):
+            best, chosen = key, worker
+    if chosen is None:
         raise CapacityExhausted(f"no decode worker has KV room for {num_tokens} tokens")
-    return min(roomy, key=lambda w: (_load(w, pending.get(w.worker_id, PendingWork())),
-                                     -room[w.worker_id], w.worker_id))
+    return chosen
