@@ -230,6 +230,12 @@ class TorchEngine:
             extra={"num_cached_blocks": float(self.allocator.num_cached)},
         )
 
+    @property
+    def runner(self) -> ModelRunner:
+        if self._runner is None:
+            raise EngineFailure("engine is not started")
+        return self._runner
+
     # Helpers on the event-loop side.
     def _check_prompt(self, prompt: list[int]) -> None:
         if not prompt:
@@ -254,11 +260,10 @@ class TorchEngine:
 
     # In the engine thread.
     def _admit(self, seq: Sequence) -> None:
-        assert self._runner is not None
         try:
             reserve = seq.num_tokens if seq.is_prefill_only else min(
                 self.max_model_len, seq.num_prompt_tokens + seq.sampling.max_tokens)
-            self._runner.admit(seq, reserve)
+            self.runner.admit(seq, reserve)
         except HalfmoonError as exc:
             if seq.is_prefill_only:
                 self._post_prefill_error(seq.request_id, exc)
@@ -270,12 +275,11 @@ class TorchEngine:
 
     def _step(self) -> bool:
         """Run one scheduled batch; False when there is nothing to do."""
-        assert self._runner is not None
         batch = self.scheduler.schedule(time.monotonic())
         if batch is None:
             return False
         try:
-            sampled = self._runner.execute(batch)
+            sampled = self.runner.execute(batch)
         except HalfmoonError as exc:
             self._fail_batch(batch.sequences, exc)
             return True
@@ -304,7 +308,7 @@ class TorchEngine:
             return None
         if reason is not None:
             self.scheduler.remove(seq.request_id)
-            self._runner.free(seq)  # type: ignore[union-attr]
+            self.runner.free(seq)
         return TokenOutput(seq.request_id, seq.num_generated - 1, sampled.token_id, reason,
                            sampled.logprob)
 
@@ -312,7 +316,7 @@ class TorchEngine:
         outputs = []
         for seq in sequences:
             self.scheduler.remove(seq.request_id)
-            self._runner.free(seq)  # type: ignore[union-attr]
+            self.runner.free(seq)
             if seq.is_prefill_only:
                 self._post_prefill_error(seq.request_id, error)
             else:
@@ -324,16 +328,16 @@ class TorchEngine:
     def _release_parked(self, request_id: str) -> None:
         seq = self._parked.pop(request_id, None)
         if seq is not None:
-            self._runner.free(seq)  # type: ignore[union-attr]
+            self.runner.free(seq)
 
     def _drop(self, request_id: str) -> None:
         seq = self.scheduler.remove(request_id) or self._parked.pop(request_id, None)
         if seq is not None:
-            self._runner.free(seq)  # type: ignore[union-attr]
+            self.runner.free(seq)
 
     def _post(self, callback: Any, *args: Any) -> None:
-        assert self._thread is not None
-        self._thread.post(callback, *args)
+        if self._thread is not None:
+            self._thread.post(callback, *args)
 
     def _post_prefill_error(self, request_id: str, error: HalfmoonError) -> None:
         self._post(self._reject_prefill, request_id, error)

@@ -65,9 +65,9 @@ class EmbeddedNatsServer:
 
     def _wait_for_port(self, work: Path, timeout_s: float) -> int:
         deadline = time.monotonic() + timeout_s
-        assert self._process is not None
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
+        process = self._process
+        while process is not None and time.monotonic() < deadline:
+            if process.poll() is not None:
                 log = (work / "nats.log").read_text(errors="replace")
                 self.stop()
                 raise ServiceStartFailed(f"nats-server exited at start:\n{log[-2000:]}")
