@@ -176,6 +176,7 @@ class FakeEngine:
             num_free_blocks=len(self._free_blocks),
             num_total_blocks=self.num_blocks,
             max_batch_size=self.max_batch_size,
+            decode_step_s=self.token_delay_s,
         )
 
     # Blocks.

@@ -78,6 +78,9 @@ class EngineStats:
     num_total_blocks: int
     max_batch_size: int
     extra: dict[str, float] = field(default_factory=dict)
+    prefill_tokens_per_s: float = 0.0  # measured (moving average); 0 before any prefill
+    num_waiting_tokens: int = 0  # prompt tokens not yet computed
+    decode_step_s: float = 0.0  # measured (moving average); 0 before any decode step
 
 
 class Engine(Protocol):

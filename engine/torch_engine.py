@@ -111,6 +111,8 @@ class TorchEngine:
         self._local: set[str] = set()  # colocated requests (generate)
         self._outputs: asyncio.Queue[list[TokenOutput]] = asyncio.Queue()
         self._crash: BaseException | None = None
+        self._prefill_tokens_per_s = 0.0
+        self._decode_step_s = 0.0
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -228,6 +230,9 @@ class TorchEngine:
             num_total_blocks=self.allocator.num_blocks,
             max_batch_size=self.options.max_batch_size,
             extra={"num_cached_blocks": float(self.allocator.num_cached)},
+            prefill_tokens_per_s=self._prefill_tokens_per_s,
+            num_waiting_tokens=sum(s.num_uncomputed for s in list(self.scheduler.waiting)),
+            decode_step_s=self._decode_step_s,
         )
 
     @property
@@ -278,15 +283,28 @@ class TorchEngine:
         batch = self.scheduler.schedule(time.monotonic())
         if batch is None:
             return False
+        started = time.perf_counter()
         try:
             sampled = self.runner.execute(batch)
         except HalfmoonError as exc:
             self._fail_batch(batch.sequences, exc)
             return True
+        self._measure(batch.is_prefill, sum(batch.num_new_tokens),
+                      time.perf_counter() - started)
         outputs = [out for s in sampled if (out := self._on_sampled(s)) is not None]
         if outputs:
             self._post(self._outputs.put_nowait, outputs)
         return True
+
+    def _measure(self, is_prefill: bool, num_tokens: int, elapsed_s: float) -> None:
+        """Moving averages the conductor's cost model reads from heartbeats."""
+        if is_prefill:
+            rate = num_tokens / max(elapsed_s, 1e-9)
+            old = self._prefill_tokens_per_s
+            self._prefill_tokens_per_s = rate if old == 0 else 0.8 * old + 0.2 * rate
+        else:
+            old = self._decode_step_s
+            self._decode_step_s = elapsed_s if old == 0 else 0.8 * old + 0.2 * elapsed_s
 
     def _on_sampled(self, sampled: Sampled) -> TokenOutput | None:
         seq = sampled.seq

@@ -129,7 +129,10 @@ class WorkerService(Service):
             max_batch_size=stats.max_batch_size, num_free_blocks=stats.num_free_blocks,
             num_total_blocks=stats.num_total_blocks, block_size=self.config.block_size,
             heartbeat_interval_s=self.config.heartbeat_interval_s, sent_at_s=time.time(),
-            is_draining=self.is_draining,
+            is_draining=self.is_draining, compute_score=self.config.compute_score,
+            zone=self.config.zone, prefill_tokens_per_s=stats.prefill_tokens_per_s,
+            num_waiting_tokens=stats.num_waiting_tokens, decode_step_s=stats.decode_step_s,
+            max_queue=self.config.max_queue,
         )
 
     async def _stop_intake(self) -> None:

@@ -52,7 +52,10 @@ class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):
     max_placement_attempts: int = 3
     num_fetchers: int = 4
     request_max_age_s: float = 60.0
-    policy: Literal["least-loaded", "round-robin", "cache-aware"] = "cache-aware"
+    policy: Literal["least-loaded", "round-robin", "cache-aware", "seed"] = "cache-aware"
+    ttft_slo_ms: float | None = None  # reject when the best predicted TTFT exceeds it
+    tbt_slo_ms: float | None = None  # reject when the best predicted decode step exceeds it
+    default_prefill_tokens_per_s: float = 2000.0  # for workers that have not measured yet
     prefix_index_max_blocks: int = 1_000_000
 
 
@@ -76,6 +79,8 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     max_queue: int = 256
     heartbeat_interval_s: float = 0.5
     kv_wait_timeout_s: float = 10.0
+    compute_score: float = 1.0
+    zone: str = ""
     fake_prefill_delay_s: float = 0.0
     fake_token_delay_s: float = 0.0
 

@@ -30,10 +30,12 @@ class HalfmoonError(Exception):
     error_type: str = "server_error"
     openai_code: str | None = None  # the `code` OpenAI clients know, where one exists
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.retry_after_s = retry_after_s
 
 
 class InvalidRequest(HalfmoonError):
@@ -128,6 +130,7 @@ _BY_CODE: dict[ErrorCode, type[HalfmoonError]] = {
 }
 
 
-def error_from_code(code: ErrorCode, message: str) -> HalfmoonError:
+def error_from_code(code: ErrorCode, message: str,
+                    retry_after_s: float | None = None) -> HalfmoonError:
     """Rebuild the typed error a peer reported in a `RequestFailed` message."""
-    return _BY_CODE.get(code, EngineFailure)(message)
+    return _BY_CODE.get(code, EngineFailure)(message, retry_after_s=retry_after_s)

@@ -38,6 +38,10 @@ class WorkerDirectory:
     def forget(self, worker_id: str) -> None:
         self._entries.pop(worker_id, None)
 
+    def get(self, worker_id: str | None) -> WorkerHeartbeat | None:
+        entry = self._entries.get(worker_id) if worker_id is not None else None
+        return entry.heartbeat if entry is not None else None
+
     def block_size(self, worker_id: str, default: int = 16) -> int:
         entry = self._entries.get(worker_id)
         return entry.heartbeat.block_size if entry is not None else default

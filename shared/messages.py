@@ -133,6 +133,7 @@ class RequestFailed(Message, frozen=True, kw_only=True):
     code: ErrorCode
     message: str
     worker_id: str = ""
+    retry_after_s: float | None = None  # for rejections: when trying again makes sense
 
 
 class AbortRequest(Message, frozen=True, kw_only=True):
@@ -161,6 +162,12 @@ class WorkerHeartbeat(Message, frozen=True, kw_only=True):
     heartbeat_interval_s: float
     sent_at_s: float
     is_draining: bool = False
+    compute_score: float = 1.0  # relative speed, set per deployment (1.0 = reference)
+    zone: str = ""  # network position: workers in one zone move KV cheaply
+    prefill_tokens_per_s: float = 0.0  # measured; 0 until the first prefill
+    num_waiting_tokens: int = 0  # prompt tokens queued for prefill
+    decode_step_s: float = 0.0  # measured time of one decode step; 0 until the first
+    max_queue: int = 0  # requests the worker queues before refusing; 0: unknown
 
 
 class KvBlockEvent(msgspec.Struct, frozen=True, kw_only=True):

@@ -4,7 +4,8 @@ Prefill policies (`PrefillPolicy`):
   least-loaded  fewest running + waiting requests per batch slot;
   round-robin   the next worker in id order (for comparison);
   cache-aware   least estimated work: the prompt blocks a worker would still have to compute
-                (its cached prefix, from the global prefix index, is free) times (1 + load).
+                (its cached prefix, from the global prefix index, is free) times (1 + load);
+  seed          least predicted TTFT stretched by the seed's weighted score (`cost_model`).
 Decode: the least-loaded worker with KV room for prompt + max_tokens.
 
 `pending` counts work this conductor sent a worker since that worker's last heartbeat, so a
@@ -19,6 +20,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from services.conductor.cost_model import predicted_ttft_s, seed_score
 from shared.errors import CapacityExhausted, WorkerUnavailable
 from shared.messages import WorkerHeartbeat
 
@@ -31,7 +33,7 @@ class PendingWork:
     num_blocks: int = 0
 
 
-PrefillPolicy = Literal["least-loaded", "round-robin", "cache-aware"]
+PrefillPolicy = Literal["least-loaded", "round-robin", "cache-aware", "seed"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,16 @@ class PrefixView:
 
     num_blocks: int = 0
     cached_blocks: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SeedInputs:
+    """What the seed policy needs beyond the prefix view."""
+
+    num_prompt_tokens: int
+    block_size: int
+    decode_zone: str = ""
+    default_tokens_per_s: float = 2000.0
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -63,6 +75,7 @@ def pick_prefill(
     policy: PrefillPolicy = "least-loaded",
     prefix: PrefixView | None = None,
     turn: int = 0,
+    seed: SeedInputs | None = None,
 ) -> WorkerHeartbeat:
     """The healthy prefill worker, not in `excluded`, that `policy` prefers."""
     candidates = [w for w in workers if w.worker_id not in excluded]
@@ -81,8 +94,27 @@ def pick_prefill(
                 return uncached * (1.0 + load), load, w.worker_id
 
             return min(candidates, key=work)
+        case "seed" if seed is not None:
+            return min(candidates, key=lambda w: (
+                seed_cost(w, candidates, pending, prefix or PrefixView(), seed), w.worker_id))
         case _:
             return min(candidates, key=lambda w: (_load(w, pending), w.worker_id))
+
+
+def seed_cost(worker: WorkerHeartbeat, candidates: Sequence[WorkerHeartbeat],
+              pending: Mapping[str, PendingWork], prefix: PrefixView, seed: SeedInputs
+              ) -> float:
+    """Predicted TTFT x (2 - seed score); see `cost_model`."""
+    cached_blocks = prefix.cached_blocks.get(worker.worker_id, 0)
+    uncached = max(1, seed.num_prompt_tokens - cached_blocks * seed.block_size)
+    ttft = predicted_ttft_s(worker, uncached, seed.default_tokens_per_s)
+    score = seed_score(
+        worker, load=_load(worker, pending),
+        max_queue=worker.max_queue or 4 * worker.max_batch_size,
+        fastest=max(w.compute_score for w in candidates), decode_zone=seed.decode_zone,
+        cached_fraction=cached_blocks / prefix.num_blocks if prefix.num_blocks else 0.0,
+    )
+    return ttft * (2.0 - score)
 
 
 def pick_decode(

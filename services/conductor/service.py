@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 import msgspec
@@ -21,9 +21,11 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from services.conductor.cost_model import Slo, check_slo, predicted_tbt_s, predicted_ttft_s
 from services.conductor.placement import (
     PendingWork,
     PrefixView,
+    SeedInputs,
     blocks_needed,
     pick_decode,
     pick_prefill,
@@ -53,6 +55,10 @@ from shared.nats_client import (
 from shared.service import Service
 
 
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000
+
+
 async def _kept() -> None:
     """The answer for a side accepted in an earlier attempt: nothing to send."""
     return None
@@ -71,6 +77,7 @@ class ConductorService(Service):
         self.workers = WorkerDirectory(config.heartbeat_timeout_s,
                                        on_expire=self.prefix_index.forget_worker)
         self._turn = 0
+        self.rejections: Counter[str] = Counter()  # by reason, for metrics
         self._pending: dict[str, PendingWork] = defaultdict(PendingWork)
         self._num_placing = 0
         self._is_fetching = False
@@ -160,19 +167,16 @@ class ConductorService(Service):
         kept: dict[str, str | None] = {"prefill": None, "decode": None}
         num_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
         prefix = self._prefix_view(request)
-        self._turn += 1
         error: HalfmoonError = WorkerUnavailable("no placement attempted")
-        for _ in range(self.config.max_placement_attempts):
+        for attempt in range(self.config.max_placement_attempts):
             try:
-                prefill = kept["prefill"] or pick_prefill(
-                    self.workers.healthy("prefill"), excluded, self._pending,
-                    policy=self.config.policy, prefix=prefix, turn=self._turn).worker_id
-                decode = kept["decode"] or pick_decode(
-                    self.workers.healthy("decode"), excluded, self._pending, num_tokens
-                ).worker_id
+                prefill_worker, decode_worker = self._choose(request, kept, excluded, prefix)
+                if attempt == 0:
+                    self._admit(request, prefill_worker, decode_worker, prefix)
             except HalfmoonError as exc:
                 error = exc
                 break
+            prefill, decode = prefill_worker.worker_id, decode_worker.worker_id
             # A new prefill worker means decode must learn it too (it re-sends the target).
             replies = await asyncio.gather(
                 self._dispatch(self.subjects.prefill_task(prefill), PrefillTask(request=request))
@@ -194,8 +198,49 @@ class ConductorService(Service):
         await self._abort(request.request_id, error.message)
         raise error
 
+    def _choose(
+        self, request: GenerateRequest, kept: dict[str, str | None], excluded: set[str],
+        prefix: PrefixView | None,
+    ) -> tuple[WorkerHeartbeat, WorkerHeartbeat]:
+        """The (prefill, decode) pair for this attempt: sides accepted earlier are kept (a
+        kept worker whose heartbeats vanished is chosen again)."""
+        decode = self.workers.get(kept["decode"])
+        if decode is None:
+            kept["decode"] = None
+            num_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
+            decode = pick_decode(self.workers.healthy("decode"), excluded, self._pending,
+                                 num_tokens)
+        prefill = self.workers.get(kept["prefill"])
+        if prefill is None:
+            kept["prefill"] = None
+            self._turn += 1
+            prefill = pick_prefill(self.workers.healthy("prefill"), excluded, self._pending,
+                                   policy=self.config.policy, prefix=prefix, turn=self._turn,
+                                   seed=self._seed_inputs(request, decode))
+        return prefill, decode
+
+    def _seed_inputs(self, request: GenerateRequest, decode: WorkerHeartbeat) -> SeedInputs:
+        return SeedInputs(num_prompt_tokens=len(request.prompt_token_ids),
+                          block_size=decode.block_size, decode_zone=decode.zone,
+                          default_tokens_per_s=self.config.default_prefill_tokens_per_s)
+
+    def _admit(self, request: GenerateRequest, prefill: WorkerHeartbeat,
+               decode: WorkerHeartbeat, prefix: PrefixView | None) -> None:
+        """SLO admission on the chosen pair: reject early rather than serve late."""
+        if self.config.ttft_slo_ms is None and self.config.tbt_slo_ms is None:
+            return
+        cached = prefix.cached_blocks.get(prefill.worker_id, 0) if prefix else 0
+        uncached = max(1, len(request.prompt_token_ids) - cached * prefill.block_size)
+        ttft_s = predicted_ttft_s(prefill, uncached, self.config.default_prefill_tokens_per_s)
+        slo = Slo(ttft_s=_seconds(self.config.ttft_slo_ms), tbt_s=_seconds(self.config.tbt_slo_ms))
+        try:
+            check_slo(ttft_s, predicted_tbt_s(decode), slo)
+        except HalfmoonError:
+            self.rejections["slo"] += 1
+            raise
+
     def _prefix_view(self, request: GenerateRequest) -> PrefixView | None:
-        if self.config.policy != "cache-aware":
+        if self.config.policy not in ("cache-aware", "seed"):
             return None
         workers = self.workers.healthy("prefill")
         if not workers:
@@ -226,8 +271,10 @@ class ConductorService(Service):
     async def _reject(self, request: GenerateRequest, error: HalfmoonError) -> None:
         self.log.info("request.rejected", request_id=request.request_id, code=error.code,
                       reason=error.message)
+        self.rejections[error.code.value] += 1
         failure = RequestFailed(request_id=request.request_id, code=error.code,
-                                message=error.message, worker_id=self.instance_id)
+                                message=error.message, worker_id=self.instance_id,
+                                retry_after_s=error.retry_after_s)
         with contextlib.suppress(nats.errors.Error):
             await self.nc.publish(request.reply_subject, encode(failure))
 

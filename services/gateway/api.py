@@ -67,7 +67,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except HalfmoonError as exc:
-        return json_response(error_body(exc), exc.http_status)
+        response = json_response(error_body(exc), exc.http_status)
+        if exc.retry_after_s is not None:
+            response.headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

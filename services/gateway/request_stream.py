@@ -76,9 +76,10 @@ class StreamTable:
                 for delta in items:
                     if (stream := self._streams.get(delta.request_id)) is not None:
                         stream.deliver(delta)
-            case RequestFailed(request_id=request_id, code=code, message=message):
+            case RequestFailed(request_id=request_id, code=code, message=message,
+                               retry_after_s=retry_after_s):
                 if (stream := self._streams.get(request_id)) is not None:
-                    stream.fail(error_from_code(code, message))
+                    stream.fail(error_from_code(code, message, retry_after_s))
 
     def fail_all(self, error: HalfmoonError) -> None:
         for stream in self._streams.values():

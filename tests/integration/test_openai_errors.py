@@ -157,3 +157,29 @@ async def test_a_worker_dying_silently_ends_the_request_with_504_not_a_hang(
         status, body = await asyncio.wait_for(request, 5)
         assert status == 504
         assert_openai_error(body, type_="timeout", code="timeout")
+
+
+async def test_predicted_ttft_over_the_slo_is_rejected_early_with_retry_after(
+    nats_url: str,
+) -> None:
+    conductor = {"ttft_slo_ms": 50.0, "default_prefill_tokens_per_s": 100.0}
+    async with Stack(nats_url, conductor_options=conductor) as stack:
+        async with aiohttp.ClientSession() as session, session.post(
+            f"{stack.gateway.url}/v1/completions",
+            json={**GOOD, "prompt": "x" * 40},
+        ) as response:
+            assert response.status == 429
+            assert int(response.headers["Retry-After"]) >= 1
+            assert_openai_error(await response.json(), type_="rate_limit_error")
+        status, _ = await stack.post("/v1/completions", {**GOOD, "prompt": "x"})
+        assert status == 200  # 1 token at 100 tokens/s: 10 ms, within the SLO
+        assert stack.conductor.rejections["slo"] == 1
+        await stack.wait_blocks_free()
+
+
+async def test_predicted_tbt_over_the_slo_is_rejected(nats_url: str) -> None:
+    async with Stack(nats_url, worker={"fake_token_delay_s": 0.05},
+                     conductor_options={"tbt_slo_ms": 20.0}) as stack:
+        status, body = await stack.post("/v1/completions", GOOD)
+        assert status == 429
+        assert "between tokens" in body["error"]["message"]

@@ -1,0 +1,76 @@
+"""Predicted TTFT and TBT, the seed's weighted score, and SLO admission: pure functions.
+
+Mooncake's estimate: TTFT = T_transfer + T_queue + T_prefill(prompt, cached prefix). Each
+worker measures its prefill rate (tokens/s, a moving average over its prefill batches) and
+reports it with its queued prompt tokens in every heartbeat; so
+    T_queue   = queued tokens / rate
+    T_prefill = uncached prompt tokens / rate
+    T_transfer = 0 while no KV is fetched from another worker (prefix reuse across workers
+                 comes with the transfer engine).
+A worker that has not measured yet is assumed to run at `default_tokens_per_s`.
+
+The seed's score over healthy prefill workers, each term in [0, 1]:
+    0.3 (1 - load) + 0.2 (1 - queue / max_queue) + 0.2 compute + 0.15 network + 0.15 cached
+with compute relative to the fastest candidate, network 1 in the decode worker's zone (0.5
+elsewhere), cached the fraction of the prompt the worker holds.
+
+The "seed" policy combines them as cost = predicted TTFT x (2 - score): the estimate decides,
+and the score stretches it by up to 2x for a worker that is busy, slow, far or cold, which
+breaks near-ties towards the healthier choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.errors import CapacityExhausted
+from shared.messages import WorkerHeartbeat
+
+SEED_WEIGHTS = {"load": 0.3, "queue": 0.2, "compute": 0.2, "network": 0.15, "cached": 0.15}
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float | None = None
+    tbt_s: float | None = None
+
+
+def predicted_ttft_s(worker: WorkerHeartbeat, uncached_tokens: int,
+                     default_tokens_per_s: float, transfer_s: float = 0.0) -> float:
+    rate = worker.prefill_tokens_per_s or default_tokens_per_s
+    return transfer_s + (worker.num_waiting_tokens + uncached_tokens) / rate
+
+
+def predicted_tbt_s(worker: WorkerHeartbeat, extra_requests: int = 1) -> float:
+    """A decode step's time once this request joins: the measured step time, grown in
+    proportion to the batch (a conservative, memory-bound-free assumption)."""
+    if worker.decode_step_s == 0.0:
+        return 0.0
+    running = max(1, worker.num_running)
+    return worker.decode_step_s * (running + extra_requests) / running
+
+
+def seed_score(worker: WorkerHeartbeat, *, load: float, max_queue: int, fastest: float,
+               decode_zone: str, cached_fraction: float) -> float:
+    terms = {
+        "load": 1.0 - min(1.0, load),
+        "queue": 1.0 - min(1.0, worker.num_waiting / max(1, max_queue)),
+        "compute": worker.compute_score / fastest if fastest > 0 else 1.0,
+        "network": 1.0 if worker.zone == decode_zone else 0.5,
+        "cached": min(1.0, max(0.0, cached_fraction)),
+    }
+    return sum(SEED_WEIGHTS[name] * value for name, value in terms.items())
+
+
+def check_slo(ttft_s: float, tbt_s: float, slo: Slo) -> None:
+    """Reject early (429) when the best placement's prediction breaks an SLO."""
+    if slo.ttft_s is not None and ttft_s > slo.ttft_s:
+        raise _rejection(f"predicted TTFT {ttft_s * 1000:.0f} ms exceeds the SLO of "
+                         f"{slo.ttft_s * 1000:.0f} ms", retry_after_s=ttft_s - slo.ttft_s)
+    if slo.tbt_s is not None and tbt_s > slo.tbt_s:
+        raise _rejection(f"predicted time between tokens {tbt_s * 1000:.0f} ms exceeds the SLO "
+                         f"of {slo.tbt_s * 1000:.0f} ms", retry_after_s=1.0)
+
+
+def _rejection(message: str, retry_after_s: float) -> CapacityExhausted:
+    return CapacityExhausted(message, retry_after_s=max(1.0, retry_after_s))

@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from services.conductor.cost_model import (
+    SEED_WEIGHTS,
+    Slo,
+    check_slo,
+    predicted_tbt_s,
+    predicted_ttft_s,
+    seed_score,
+)
+from services.conductor.placement import PrefixView, SeedInputs, pick_prefill
+from shared.errors import CapacityExhausted
+from tests.unit.test_placement import worker
+
+
+def measured(worker_id: str, *, rate: float = 1000.0, waiting_tokens: int = 0,
+             **fields: object) -> object:
+    return msgspec.structs.replace(worker(worker_id), prefill_tokens_per_s=rate,
+                                   num_waiting_tokens=waiting_tokens, **fields)
+
+
+def test_seed_weights_sum_to_one() -> None:
+    assert sum(SEED_WEIGHTS.values()) == pytest.approx(1.0)
+
+
+def test_ttft_is_queue_plus_uncached_prompt_over_the_measured_rate() -> None:
+    w = measured("a", rate=1000.0, waiting_tokens=500)
+    assert predicted_ttft_s(w, 1500, default_tokens_per_s=1.0) == pytest.approx(2.0)  # type: ignore[arg-type]
+
+
+def test_unmeasured_worker_uses_the_default_rate() -> None:
+    assert predicted_ttft_s(worker("a"), 100, default_tokens_per_s=50.0) == pytest.approx(2.0)
+
+
+def test_tbt_grows_with_the_batch_it_joins() -> None:
+    w = msgspec.structs.replace(worker("d", "decode", running=4), decode_step_s=0.02)
+    assert predicted_tbt_s(w) == pytest.approx(0.025)
+    assert predicted_tbt_s(worker("d", "decode")) == 0.0  # nothing measured yet
+
+
+def test_seed_score_of_an_ideal_and_a_worst_worker() -> None:
+    best = seed_score(worker("a"), load=0.0, max_queue=10, fastest=1.0, decode_zone="",
+                      cached_fraction=1.0)
+    worst = seed_score(msgspec.structs.replace(worker("b", waiting=10), zone="far",
+                                               compute_score=0.0),
+                       load=1.0, max_queue=10, fastest=1.0, decode_zone="", cached_fraction=0)
+    assert best == pytest.approx(1.0)
+    assert worst == pytest.approx(0.15 * 0.5)
+
+
+def test_seed_policy_prefers_the_faster_worker_for_the_same_work() -> None:
+    workers = [measured("a", rate=500.0), measured("b", rate=2000.0)]
+    seed = SeedInputs(num_prompt_tokens=1000, block_size=16)
+    chosen = pick_prefill(workers, (), {}, policy="seed", prefix=PrefixView(62), seed=seed)  # type: ignore[arg-type]
+    assert chosen.worker_id == "b"
+
+
+def test_seed_policy_counts_a_cached_prefix_as_free() -> None:
+    workers = [measured("a", rate=1000.0), measured("b", rate=1500.0)]
+    prefix = PrefixView(num_blocks=62, cached_blocks={"a": 60})
+    seed = SeedInputs(num_prompt_tokens=1000, block_size=16)
+    chosen = pick_prefill(workers, (), {}, policy="seed", prefix=prefix, seed=seed)  # type: ignore[arg-type]
+    assert chosen.worker_id == "a"
+
+
+def test_slo_breach_is_a_429_with_retry_after() -> None:
+    with pytest.raises(CapacityExhausted, match="predicted TTFT 3000 ms exceeds") as info:
+        check_slo(3.0, 0.01, Slo(ttft_s=0.5))
+    assert info.value.http_status == 429
+    assert info.value.retry_after_s == pytest.approx(2.5)
+    with pytest.raises(CapacityExhausted, match="between tokens"):
+        check_slo(0.1, 0.2, Slo(ttft_s=0.5, tbt_s=0.05))
+    check_slo(0.1, 0.01, Slo(ttft_s=0.5, tbt_s=0.05))  # within both: admitted
