@@ -15,7 +15,7 @@ import argparse
 import random
 import time
 
-from services.conductor.placement import PrefixView, pick_decode, pick_prefill
+from services.conductor.placement import PrefixView, SeedInputs, pick_decode, pick_prefill
 from services.conductor.prefix_index import PrefixIndex
 from shared.block_hash import block_hashes
 from shared.messages import KvBlockEvent, KvEventBatch, WorkerHeartbeat
@@ -52,11 +52,13 @@ def build(args: argparse.Namespace) -> tuple[PrefixIndex, list[list[int]], list,
 def place(policy: str, prompt: list[int], index: PrefixIndex, prefills: list,
           decodes: list, turn: int) -> None:
     prefix = None
-    if policy == "cache-aware":
+    seed = SeedInputs(num_prompt_tokens=len(prompt), block_size=BLOCK_SIZE)
+    if policy in ("cache-aware", "seed"):
         hashes = block_hashes(prompt, BLOCK_SIZE)
         prefix = PrefixView(len(hashes), index.leading_blocks(
             hashes, [w.worker_id for w in prefills]))
-    pick_prefill(prefills, (), {}, policy=policy, prefix=prefix, turn=turn)  # type: ignore[arg-type]
+    pick_prefill(prefills, (), {}, policy=policy, prefix=prefix, turn=turn,  # type: ignore[arg-type]
+                 seed=seed)
     pick_decode(decodes, (), {}, len(prompt) + 256)
 
 
@@ -73,7 +75,7 @@ def main() -> None:
           f"workers, prompts of {args.prompt_len} tokens")
     rng = random.Random(1)
     results = {}
-    for policy in ("least-loaded", "round-robin", "cache-aware"):
+    for policy in ("least-loaded", "round-robin", "cache-aware", "seed"):
         times = []
         for turn in range(args.requests):
             prompt = rng.choice(prompts)

@@ -27,6 +27,7 @@ from shared.errors import CapacityExhausted
 from shared.messages import WorkerHeartbeat
 
 SEED_WEIGHTS = {"load": 0.3, "queue": 0.2, "compute": 0.2, "network": 0.15, "cached": 0.15}
+_W_LOAD, _W_QUEUE, _W_COMPUTE, _W_NETWORK, _W_CACHED = SEED_WEIGHTS.values()
 
 
 @dataclass(frozen=True)
@@ -52,14 +53,12 @@ def predicted_tbt_s(worker: WorkerHeartbeat, extra_requests: int = 1) -> float:
 
 def seed_score(worker: WorkerHeartbeat, *, load: float, max_queue: int, fastest: float,
                decode_zone: str, cached_fraction: float) -> float:
-    terms = {
-        "load": 1.0 - min(1.0, load),
-        "queue": 1.0 - min(1.0, worker.num_waiting / max(1, max_queue)),
-        "compute": worker.compute_score / fastest if fastest > 0 else 1.0,
-        "network": 1.0 if worker.zone == decode_zone else 0.5,
-        "cached": min(1.0, max(0.0, cached_fraction)),
-    }
-    return sum(SEED_WEIGHTS[name] * value for name, value in terms.items())
+    # Plain arithmetic: this runs for every candidate of every request.
+    return (_W_LOAD * (1.0 - min(1.0, load))
+            + _W_QUEUE * (1.0 - min(1.0, worker.num_waiting / max(1, max_queue)))
+            + _W_COMPUTE * (worker.compute_score / fastest if fastest > 0 else 1.0)
+            + _W_NETWORK * (1.0 if worker.zone == decode_zone else 0.5)
+            + _W_CACHED * min(1.0, max(0.0, cached_fraction)))
 
 
 def check_slo(ttft_s: float, tbt_s: float, slo: Slo) -> None:

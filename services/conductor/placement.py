@@ -95,15 +95,16 @@ def pick_prefill(
 
             return min(candidates, key=work)
         case "seed" if seed is not None:
+            fastest = max(w.compute_score for w in candidates)
+            view = prefix or PrefixView()
             return min(candidates, key=lambda w: (
-                seed_cost(w, candidates, pending, prefix or PrefixView(), seed), w.worker_id))
+                seed_cost(w, fastest, pending, view, seed), w.worker_id))
         case _:
             return min(candidates, key=lambda w: (_load(w, pending), w.worker_id))
 
 
-def seed_cost(worker: WorkerHeartbeat, candidates: Sequence[WorkerHeartbeat],
-              pending: Mapping[str, PendingWork], prefix: PrefixView, seed: SeedInputs
-              ) -> float:
+def seed_cost(worker: WorkerHeartbeat, fastest: float, pending: Mapping[str, PendingWork],
+              prefix: PrefixView, seed: SeedInputs) -> float:
     """Predicted TTFT x (2 - seed score); see `cost_model`."""
     cached_blocks = prefix.cached_blocks.get(worker.worker_id, 0)
     uncached = max(1, seed.num_prompt_tokens - cached_blocks * seed.block_size)
@@ -111,7 +112,7 @@ def seed_cost(worker: WorkerHeartbeat, candidates: Sequence[WorkerHeartbeat],
     score = seed_score(
         worker, load=_load(worker, pending),
         max_queue=worker.max_queue or 4 * worker.max_batch_size,
-        fastest=max(w.compute_score for w in candidates), decode_zone=seed.decode_zone,
+        fastest=fastest, decode_zone=seed.decode_zone,
         cached_fraction=cached_blocks / prefix.num_blocks if prefix.num_blocks else 0.0,
     )
     return ttft * (2.0 - score)
