@@ -176,3 +176,19 @@ async def test_scattered_blocks_decode_like_consecutive_ones(engine: TorchEngine
     scattered = [o.token_id for o in await run(engine, "b", params)]
     assert scattered == consecutive
     assert held  # the odd reservations were holding the gaps open
+
+
+async def test_bfloat16_engine_keeps_bf16_kv_and_generates(llama_dir: Path) -> None:
+    engine = TorchEngine(EngineOptions(model_dir=llama_dir, num_blocks=64, block_size=4,
+                                       dtype=torch.bfloat16))
+    await engine.start()
+    try:
+        # A 20-token prompt takes the upcast path on CPUs without bf16 units (16+ tokens),
+        # single-token decode steps the bf16 kernel.
+        outputs = await run(engine, "bf", SamplingParams(max_tokens=6, temperature=0.0,
+                                                         ignore_eos=True))
+    finally:
+        await engine.close()
+    assert engine.kv is not None and engine.kv.data.dtype == torch.bfloat16
+    assert len(outputs) == 6
+    assert all(0 <= o.token_id < engine.config.vocab_size for o in outputs)

@@ -136,3 +136,21 @@ def test_model_init_writes_a_loadable_checkpoint(tmp_path: Path) -> None:
                            capture_output=True, text=True, timeout=60, check=False)
     assert again.returncode == 1
     assert "already exists" in again.stderr
+
+
+def test_up_with_an_existing_nats_server_starts_no_embedded_one(nats_url: str) -> None:
+    port = free_port()
+    process = halfmoon("up", "--port", str(port), "--nats", nats_url, "--engine", "fake",
+                       "--cluster", "cli-existing")
+    try:
+        line = wait_for_line(process, "halfmoon is up", 60)
+        assert f"(NATS {nats_url})" in line
+        commands = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children_of(process.pid)]
+        assert not any(b"nats-server" in c for c in commands)
+        assert len(commands) == 4  # conductor, prefill, decode, gateway
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        response = client.completions.create(model=MODEL, prompt="a", max_tokens=3)
+        assert response.usage is not None and response.usage.completion_tokens == 3
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
