@@ -27,6 +27,7 @@ from engine.linear import apply_policy, policy_for
 from engine.model import CausalLM
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, Sampled
+from engine.prefill_cost import PrefillCostFit
 from engine.protocol import (
     DecodeRequest,
     EngineStats,
@@ -113,6 +114,7 @@ class TorchEngine:
         self._crash: BaseException | None = None
         self._prefill_tokens_per_s = 0.0
         self._decode_step_s = 0.0
+        self._prefill_cost = PrefillCostFit()
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -224,6 +226,7 @@ class TorchEngine:
         return self.allocator.drain_events()
 
     def stats(self) -> EngineStats:
+        overhead, per_token = self._prefill_cost.coefficients()
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_free_blocks=self.allocator.num_available,
@@ -233,6 +236,7 @@ class TorchEngine:
             prefill_tokens_per_s=self._prefill_tokens_per_s,
             num_waiting_tokens=sum(s.num_uncomputed for s in list(self.scheduler.waiting)),
             decode_step_s=self._decode_step_s,
+            prefill_overhead_s=overhead, prefill_s_per_token=per_token,
         )
 
     @property
@@ -299,6 +303,7 @@ class TorchEngine:
     def _measure(self, is_prefill: bool, num_tokens: int, elapsed_s: float) -> None:
         """Moving averages the conductor's cost model reads from heartbeats."""
         if is_prefill:
+            self._prefill_cost.observe(num_tokens, elapsed_s)
             rate = num_tokens / max(elapsed_s, 1e-9)
             old = self._prefill_tokens_per_s
             self._prefill_tokens_per_s = rate if old == 0 else 0.8 * old + 0.2 * rate

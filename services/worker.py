@@ -132,7 +132,8 @@ class WorkerService(Service):
             is_draining=self.is_draining, compute_score=self.config.compute_score,
             zone=self.config.zone, prefill_tokens_per_s=stats.prefill_tokens_per_s,
             num_waiting_tokens=stats.num_waiting_tokens, decode_step_s=stats.decode_step_s,
-            max_queue=self.config.max_queue,
+            max_queue=self.config.max_queue, prefill_overhead_s=stats.prefill_overhead_s,
+            prefill_s_per_token=stats.prefill_s_per_token,
         )
 
     async def _stop_intake(self) -> None:

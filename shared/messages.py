@@ -168,6 +168,8 @@ class WorkerHeartbeat(Message, frozen=True, kw_only=True):
     num_waiting_tokens: int = 0  # prompt tokens queued for prefill
     decode_step_s: float = 0.0  # measured time of one decode step; 0 until the first
     max_queue: int = 0  # requests the worker queues before refusing; 0: unknown
+    prefill_overhead_s: float = 0.0  # fitted prefill cost: overhead + s_per_token * tokens
+    prefill_s_per_token: float = 0.0  # 0 until fitted
 
 
 class KvBlockEvent(msgspec.Struct, frozen=True, kw_only=True):

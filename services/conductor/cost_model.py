@@ -1,13 +1,13 @@
 """Predicted TTFT and TBT, the seed's weighted score, and SLO admission: pure functions.
 
 Mooncake's estimate: TTFT = T_transfer + T_queue + T_prefill(prompt, cached prefix). Each
-worker measures its prefill rate (tokens/s, a moving average over its prefill batches) and
-reports it with its queued prompt tokens in every heartbeat; so
-    T_queue   = queued tokens / rate
-    T_prefill = uncached prompt tokens / rate
+worker fits its prefill cost from measured steps, T(n) = overhead + s_per_token * n
+(`engine/prefill_cost.py`), and reports it with its queued prompt tokens in every heartbeat; so
+    T_queue   = s_per_token * queued tokens
+    T_prefill = overhead + s_per_token * uncached prompt tokens
     T_transfer = 0 while no KV is fetched from another worker (prefix reuse across workers
                  comes with the transfer engine).
-A worker that has not measured yet is assumed to run at `default_tokens_per_s`.
+Without a fit it falls back to the measured rate, then to `default_tokens_per_s`.
 
 The seed's score over healthy prefill workers, each term in [0, 1]:
     0.3 (1 - load) + 0.2 (1 - queue / max_queue) + 0.2 compute + 0.15 network + 0.15 cached
@@ -38,8 +38,10 @@ class Slo:
 
 def predicted_ttft_s(worker: WorkerHeartbeat, uncached_tokens: int,
                      default_tokens_per_s: float, transfer_s: float = 0.0) -> float:
-    rate = worker.prefill_tokens_per_s or default_tokens_per_s
-    return transfer_s + (worker.num_waiting_tokens + uncached_tokens) / rate
+    tokens = worker.num_waiting_tokens + uncached_tokens
+    if worker.prefill_s_per_token > 0.0:
+        return transfer_s + worker.prefill_overhead_s + worker.prefill_s_per_token * tokens
+    return transfer_s + tokens / (worker.prefill_tokens_per_s or default_tokens_per_s)
 
 
 def predicted_tbt_s(worker: WorkerHeartbeat, extra_requests: int = 1) -> float:

@@ -6,7 +6,8 @@ Prefill policies (`PrefillPolicy`):
   cache-aware   least estimated work: the prompt blocks a worker would still have to compute
                 (its cached prefix, from the global prefix index, is free) times (1 + load);
   seed          least predicted TTFT stretched by the seed's weighted score (`cost_model`).
-Decode: the least-loaded worker with KV room for prompt + max_tokens.
+Decode: among workers with KV room for prompt + max_tokens, the least predicted time between
+tokens once the request joins (measured step time grown with the batch), then least loaded.
 
 `pending` counts work this conductor sent a worker since that worker's last heartbeat, so a
 burst between two heartbeats spreads instead of piling on one worker. Ties go to the lowest
@@ -20,7 +21,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from services.conductor.cost_model import predicted_ttft_s, seed_score
+from services.conductor.cost_model import predicted_tbt_s, predicted_ttft_s, seed_score
 from shared.errors import CapacityExhausted, WorkerUnavailable
 from shared.messages import WorkerHeartbeat
 
@@ -129,13 +130,15 @@ def pick_decode(
     if not candidates:
         raise WorkerUnavailable("no healthy decode worker")
 
-    best: tuple[float, int, str] | None = None
+    best: tuple[float, float, int, str] | None = None
     chosen = None
     for worker in candidates:
         room = (worker.num_free_blocks
                 - pending.get(worker.worker_id, _NO_PENDING).num_blocks
                 - blocks_needed(num_tokens, worker.block_size))
-        key = (_load(worker, pending), -room, worker.worker_id)
+        key = (predicted_tbt_s(worker, 1 + pending.get(worker.worker_id, _NO_PENDING)
+                               .num_requests),
+               _load(worker, pending), -room, worker.worker_id)
         if room >= 0 and (best is None or key < best):
             best, chosen = key, worker
     if chosen is None:

@@ -74,3 +74,17 @@ def test_slo_breach_is_a_429_with_retry_after() -> None:
     with pytest.raises(CapacityExhausted, match="between tokens"):
         check_slo(0.1, 0.2, Slo(ttft_s=0.5, tbt_s=0.05))
     check_slo(0.1, 0.01, Slo(ttft_s=0.5, tbt_s=0.05))  # within both: admitted
+
+
+def test_fitted_prefill_cost_wins_over_the_rate() -> None:
+    w = measured("a", rate=1000.0, waiting_tokens=100, prefill_overhead_s=0.01,
+                 prefill_s_per_token=0.002)
+    assert predicted_ttft_s(w, 400, default_tokens_per_s=1.0) == pytest.approx(1.01)  # type: ignore[arg-type]
+
+
+def test_decode_prefers_the_faster_step_among_roomy_workers() -> None:
+    from services.conductor.placement import pick_decode
+
+    slow = msgspec.structs.replace(worker("a", "decode", running=2), decode_step_s=0.05)
+    fast = msgspec.structs.replace(worker("b", "decode", running=6), decode_step_s=0.01)
+    assert pick_decode([slow, fast], (), {}, num_tokens=32).worker_id == "b"

@@ -119,7 +119,7 @@ def test_wrong_field_type_is_rejected() -> None:
 def test_heartbeat_from_a_worker_before_the_cost_fields_still_decodes() -> None:
     payload = json.loads(msgspec.json.encode(SAMPLES["worker_heartbeat"]))
     for newer in ("compute_score", "zone", "prefill_tokens_per_s", "num_waiting_tokens",
-                  "decode_step_s", "max_queue"):
+                  "decode_step_s", "max_queue", "prefill_overhead_s", "prefill_s_per_token"):
         del payload[newer]
     decoded = msgspec.json.decode(json.dumps(payload), type=WorkerHeartbeat)
     assert (decoded.compute_score, decoded.zone, decoded.prefill_tokens_per_s) == (1.0, "", 0.0)
