@@ -20,11 +20,13 @@ def _encode(token_ids: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(token_ids)}I", *token_ids)
 
 
+_ROOT = b"\x00" * HASH_BYTES
+
+
 def _hash(parent: BlockHash | None, encoded_block: bytes, salt: bytes) -> BlockHash:
-    digest = hashlib.blake2b(digest_size=HASH_BYTES, key=salt[:64])
-    digest.update(parent or b"\x00" * HASH_BYTES)
-    digest.update(encoded_block)
-    return digest.digest()
+    # One call over parent + block: the same digest as two updates, fewer Python steps.
+    data = (parent or _ROOT) + encoded_block
+    return hashlib.blake2b(data, digest_size=HASH_BYTES, key=salt[:64]).digest()
 
 
 def chain_hash(parent: BlockHash | None, token_ids: Sequence[int], salt: bytes = b"") -> BlockHash:
