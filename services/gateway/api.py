@@ -116,16 +116,16 @@ class _Routes:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.backend.check_accepting()
-        body = decode_body(await request.read(), CompletionRequest)
-        parsed = self.backend.parse_completion(body)
+        parsed = self.backend.parse_completion(
+            decode_body(await request.read(), CompletionRequest))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         return await _respond(request, self.backend.generator, request_id, parsed,
                               CompletionFormat(request_id, parsed.model))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         self.backend.check_accepting()
-        body = decode_body(await request.read(), ChatCompletionRequest)
-        parsed = self.backend.parse_chat(body)
+        parsed = self.backend.parse_chat(
+            decode_body(await request.read(), ChatCompletionRequest))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         return await _respond(request, self.backend.generator, request_id, parsed,
                               ChatFormat(request_id, parsed.model))
