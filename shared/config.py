@@ -41,6 +41,7 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     max_model_len: int = 2048
     api_key: str | None = None
     request_timeout_s: float = 60.0
+    heartbeat_timeout_s: float = 2.0  # a worker silent this long is lost: fail over
     chat_template_path: str | None = None
     model_path: str | None = None  # None: the built-in model
     tokenizer: Literal["model", "bytes"] = "model"  # "bytes" pairs with the fake engine

@@ -82,6 +82,10 @@ class WorkerUnavailable(HalfmoonError):
     error_type = "service_unavailable"
 
 
+class WorkerLost(WorkerUnavailable):
+    """A worker serving the request stopped heartbeating; the gateway places it again."""
+
+
 class EngineFailure(HalfmoonError):
     code = ErrorCode.ENGINE_FAILURE
 

@@ -46,6 +46,12 @@ class WorkerDirectory:
         entry = self._entries.get(worker_id)
         return entry.heartbeat.block_size if entry is not None else default
 
+    def is_alive(self, worker_id: str, now_s: float | None = None) -> bool:
+        """Heartbeats are fresh (a draining worker is alive: it finishes what it holds)."""
+        entry = self._entries.get(worker_id)
+        now_s = time.monotonic() if now_s is None else now_s
+        return entry is not None and self._is_fresh(entry, now_s)
+
     def is_healthy(self, worker_id: str, now_s: float | None = None) -> bool:
         entry = self._entries.get(worker_id)
         now_s = time.monotonic() if now_s is None else now_s

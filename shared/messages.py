@@ -10,6 +10,7 @@ A request's life on the wire:
     conductor --PrefillTask (request/reply)-->       prefill      (replies DispatchReply)
     conductor --DecodeReservation (request/reply)--> decode       (replies DispatchReply)
     decode    --KvTarget-->                          prefill      (where the KV goes)
+    conductor --RequestPlaced-->                     gateway
     prefill   --TokenBatch (first token)-->          gateway
     prefill   --KvCommitted (request/reply)-->       decode       (replies DispatchReply)
     decode    --TokenBatch (one per gateway per step)--> gateway
@@ -57,6 +58,9 @@ class GenerateRequest(Message, frozen=True, kw_only=True):
     sampling: SamplingParams
     reply_subject: str
     created_at_s: float
+    # A continuation after a worker was lost: `prompt_token_ids` ends with the
+    # `output_offset` tokens already streamed, and output indexes count on from there.
+    output_offset: int = 0
 
 
 class PrefillTask(Message, frozen=True, kw_only=True):
@@ -191,4 +195,14 @@ class KvEventBatch(Message, frozen=True, kw_only=True):
     is_reset: bool = False
 
 
-GatewayEvent = TokenBatch | RequestFailed
+class RequestPlaced(Message, frozen=True, kw_only=True):
+    """Fact from the conductor to the request's gateway (`Subjects.gateway`): which workers
+    serve it. The gateway watches their heartbeats and places the request again (as a
+    continuation) when one of them is lost."""
+
+    request_id: str
+    prefill_worker_id: str
+    decode_worker_id: str
+
+
+GatewayEvent = TokenBatch | RequestFailed | RequestPlaced

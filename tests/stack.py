@@ -46,7 +46,8 @@ class Stack:
         self.decodes = [DecodeService(worker) for _ in range(self.num_decode)]
         tokenizer = "bytes" if worker.engine == "fake" else "model"
         self.gateway = GatewayService(GatewayConfig(
-            **common, port=0, **{"tokenizer": tokenizer, **self.gateway_options}))
+            **common, port=0, **{"tokenizer": tokenizer, "heartbeat_timeout_s": 1.0,
+                                 **self.gateway_options}))
 
     @property
     def services(self) -> list[Service]:

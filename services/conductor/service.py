@@ -43,6 +43,7 @@ from shared.messages import (
     KvEventBatch,
     PrefillTask,
     RequestFailed,
+    RequestPlaced,
     WorkerHeartbeat,
 )
 from shared.nats_client import (
@@ -153,7 +154,10 @@ class ConductorService(Service):
             await msg.ack()
             return
         try:
-            await self._place(request)
+            prefill_id, decode_id = await self._place(request)
+            await self.nc.publish(request.reply_subject, encode(RequestPlaced(
+                request_id=request.request_id, prefill_worker_id=prefill_id,
+                decode_worker_id=decode_id)))
         except HalfmoonError as exc:
             await self._reject(request, exc)
         except Exception as exc:
@@ -162,7 +166,8 @@ class ConductorService(Service):
             return
         await msg.ack()
 
-    async def _place(self, request: GenerateRequest) -> None:
+    async def _place(self, request: GenerateRequest) -> tuple[str, str]:
+        """Place the request; return (prefill worker id, decode worker id)."""
         excluded: set[str] = set()
         kept: dict[str, str | None] = {"prefill": None, "decode": None}
         num_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
@@ -194,7 +199,7 @@ class ConductorService(Service):
                     excluded.add(worker_id)
                     error = self._refusal_error(worker_id, reply)
             if kept["prefill"] and kept["decode"]:
-                return
+                return kept["prefill"], kept["decode"]
         await self._abort(request.request_id, error.message)
         raise error
 

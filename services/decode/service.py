@@ -115,7 +115,8 @@ class DecodeService(WorkerService):
                 await self._fail(request, output.error)
                 continue
             by_gateway[request.reply_subject].append(TokenDelta(
-                request_id=output.request_id, index=output.index, token_ids=[output.token_id],
+                request_id=output.request_id, index=request.output_offset + output.index,
+                token_ids=[output.token_id],
                 finish_reason=output.finish_reason,
             ))
             if output.finish_reason is not None:

@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
@@ -19,13 +20,16 @@ from services.gateway.openai_schema import ParsedRequest
 from services.gateway.request_stream import StreamTable
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.tokenizer import Tokenizer
-from shared.errors import WorkerUnavailable
+from shared.errors import WorkerLost, WorkerUnavailable
 from shared.logs import get_logger
 from shared.messages import AbortRequest, FinishReason, GenerateRequest
 from shared.nats_client import encode
 from shared.subjects import Subjects
 
 log = get_logger(__name__)
+
+# Continuations per request after lost workers; past this the client gets the error.
+MAX_FAILOVERS = 2
 
 
 @dataclass(frozen=True)
@@ -55,12 +59,24 @@ class Generator:
         stream = ctx.table.open(request_id)
         is_done = False
         try:
-            await self._publish(request_id, parsed)
+            await self._publish(request_id, parsed, [], attempt=0)
             detokenizer = ctx.tokenizer.detokenizer()
             matcher = StopStringMatcher(parsed.stop)
+            generated: list[int] = []
             num_tokens = 0
+            attempt = 0
             while not is_done:
-                delta = await stream.next(ctx.timeout_s)
+                try:
+                    delta = await stream.next(ctx.timeout_s)
+                except WorkerLost as exc:
+                    attempt += 1
+                    if attempt > MAX_FAILOVERS:
+                        raise
+                    log.warning("request.failover", request_id=request_id, error=exc.message,
+                                num_streamed=len(generated), attempt=attempt)
+                    await self._publish(request_id, parsed, generated, attempt=attempt)
+                    continue
+                generated += delta.token_ids
                 num_tokens += len(delta.token_ids)
                 text = matcher.push(detokenizer.push(delta.token_ids))
                 finish = delta.finish_reason
@@ -79,16 +95,23 @@ class Generator:
             if not is_done:
                 await self._abort(request_id)
 
-    async def _publish(self, request_id: str, parsed: ParsedRequest) -> None:
+    async def _publish(self, request_id: str, parsed: ParsedRequest, generated: list[int],
+                       *, attempt: int) -> None:
+        """Queue the request; after a lost worker, a continuation: the prompt plus what was
+        already streamed, for the tokens still owed, numbered on from there."""
         ctx = self._ctx
+        sampling = msgspec.structs.replace(
+            parsed.sampling, max_tokens=parsed.sampling.max_tokens - len(generated))
         message = GenerateRequest(
             request_id=request_id, model=parsed.model,
-            prompt_token_ids=parsed.prompt_token_ids, sampling=parsed.sampling,
+            prompt_token_ids=parsed.prompt_token_ids + generated, sampling=sampling,
             reply_subject=ctx.reply_subject, created_at_s=time.time(),
+            output_offset=len(generated),
         )
+        message_id = request_id if attempt == 0 else f"{request_id}/{attempt}"
         try:
             await ctx.js.publish(ctx.subjects.requests, encode(message),
-                                 headers={"Nats-Msg-Id": request_id})
+                                 headers={"Nats-Msg-Id": message_id})
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             raise WorkerUnavailable(f"cannot queue the request: {exc!r}") from exc
 

@@ -8,10 +8,11 @@ Each `RequestStream` puts them back in order by their `index` before the handler
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
-from shared.errors import HalfmoonError, RequestTimeout, error_from_code
+from shared.errors import HalfmoonError, RequestTimeout, WorkerLost, error_from_code
 from shared.logs import get_logger
-from shared.messages import GatewayEvent, RequestFailed, TokenBatch, TokenDelta
+from shared.messages import GatewayEvent, RequestFailed, RequestPlaced, TokenBatch, TokenDelta
 
 log = get_logger(__name__)
 
@@ -20,6 +21,7 @@ class RequestStream:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.is_finished = False
+        self.placement: RequestPlaced | None = None
         self._next_index = 0
         self._early: dict[int, TokenDelta] = {}
         self._queue: asyncio.Queue[TokenDelta | HalfmoonError] = asyncio.Queue()
@@ -38,6 +40,18 @@ class RequestStream:
 
     def fail(self, error: HalfmoonError) -> None:
         self._queue.put_nowait(error)
+
+    def lost_worker(self, is_alive: Callable[[str], bool]) -> str | None:
+        """The worker this request still depends on that stopped heartbeating: decode
+        always, prefill until the first token is in. (A draining worker is alive.)"""
+        placement = self.placement
+        if placement is None or self.is_finished:
+            return None
+        if not is_alive(placement.decode_worker_id):
+            return placement.decode_worker_id
+        if self._next_index == 0 and not is_alive(placement.prefill_worker_id):
+            return placement.prefill_worker_id
+        return None
 
     async def next(self, timeout_s: float) -> TokenDelta:
         """The next delta in order; raises the request's error, or `RequestTimeout` when
@@ -80,6 +94,20 @@ class StreamTable:
                                retry_after_s=retry_after_s):
                 if (stream := self._streams.get(request_id)) is not None:
                     stream.fail(error_from_code(code, message, retry_after_s))
+            case RequestPlaced(request_id=request_id):
+                if (stream := self._streams.get(request_id)) is not None:
+                    stream.placement = event
+
+    def fail_lost(self, is_alive: Callable[[str], bool]) -> int:
+        """Fail every stream whose worker was lost with `WorkerLost` (its reader places it
+        again); return how many."""
+        count = 0
+        for stream in self._streams.values():
+            if (worker_id := stream.lost_worker(is_alive)) is not None:
+                stream.placement = None  # until the new placement arrives
+                stream.fail(WorkerLost(f"worker {worker_id} stopped answering"))
+                count += 1
+        return count
 
     def fail_all(self, error: HalfmoonError) -> None:
         for stream in self._streams.values():

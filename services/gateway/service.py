@@ -55,7 +55,7 @@ class GatewayService(Service):
         self.api_key = config.api_key
         self.limits = Limits(config.model, config.max_model_len, 0)
         self.table = StreamTable()
-        self.workers = WorkerDirectory(timeout_s=2.0)
+        self.workers = WorkerDirectory(timeout_s=config.heartbeat_timeout_s)
         self.port: int | None = None
         self._template: ChatTemplate | None = None
         self._generator: Generator | None = None
@@ -98,6 +98,7 @@ class GatewayService(Service):
             table=self.table, tokenizer=self.tokenizer, timeout_s=self.config.request_timeout_s,
         ))
         await self._serve_http()
+        self.spawn(self._watch_workers(), "watch-workers")
         self._is_accepting = True
 
     def _load_tokenizer(self) -> str:
@@ -135,6 +136,13 @@ class GatewayService(Service):
         sock = socket.create_server((self.config.host, self.config.port), reuse_port=False)
         self.port = sock.getsockname()[1]
         await web.SockSite(self._runner, sock).start()
+
+    async def _watch_workers(self) -> None:
+        """Fail over requests whose worker stopped heartbeating (their readers place them
+        again as continuations)."""
+        while True:
+            await asyncio.sleep(self.config.heartbeat_timeout_s / 4)
+            self.table.fail_lost(self.workers.is_alive)
 
     async def _stop_intake(self) -> None:
         self._is_accepting = False

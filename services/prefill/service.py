@@ -165,7 +165,7 @@ class PrefillService(WorkerService):
                        transport=report.transport)
 
     async def _send_first_token(self, request: GenerateRequest, result: PrefillResult) -> None:
-        delta = TokenDelta(request_id=request.request_id, index=0,
+        delta = TokenDelta(request_id=request.request_id, index=request.output_offset,
                            token_ids=[result.first_token_id],
                            finish_reason=result.finish_reason)
         batch = TokenBatch(worker_id=self.worker_id, items=[delta])

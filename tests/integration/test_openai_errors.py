@@ -142,21 +142,33 @@ async def test_streaming_request_rejected_before_any_token_gets_its_http_status(
         assert_openai_error(body, type_="rate_limit_error")
 
 
-async def test_a_worker_dying_silently_ends_the_request_with_504_not_a_hang(
-    nats_url: str,
-) -> None:
+async def test_a_stuck_worker_ends_the_request_with_504_not_a_hang(nats_url: str) -> None:
     async with Stack(nats_url, worker={"fake_token_delay_s": 0.05},
                      gateway_options={"request_timeout_s": 1.0}) as stack:
         decode = stack.decodes[0]
         request = asyncio.create_task(stack.post("/v1/completions",
                                                  {**GOOD, "max_tokens": 500}))
         await eventually(lambda: decode.engine.stats().num_running == 1)
-        await decode._cancel_tasks()  # the process "dies": no more steps, no goodbye
-        await decode.nc.close()
-        stack.decodes.remove(decode)  # nothing left to stop
+        for task in list(decode._tasks):  # steps stop; heartbeats go on: stuck, not dead
+            if task.get_name().endswith("steps"):
+                task.cancel()
         status, body = await asyncio.wait_for(request, 5)
         assert status == 504
         assert_openai_error(body, type_="timeout", code="timeout")
+
+
+async def test_a_dead_worker_with_no_replacement_ends_in_503(nats_url: str) -> None:
+    async with Stack(nats_url, worker={"fake_token_delay_s": 0.05}) as stack:
+        decode = stack.decodes[0]
+        request = asyncio.create_task(stack.post("/v1/completions",
+                                                 {**GOOD, "max_tokens": 500}))
+        await eventually(lambda: decode.engine.stats().num_running == 1)
+        await decode._cancel_tasks()  # the process "dies": no steps, no heartbeats
+        await decode.nc.close()
+        stack.decodes.remove(decode)  # nothing left to stop
+        status, body = await asyncio.wait_for(request, 10)
+        assert status == 503
+        assert_openai_error(body, type_="service_unavailable")
 
 
 async def test_predicted_ttft_over_the_slo_is_rejected_early_with_retry_after(

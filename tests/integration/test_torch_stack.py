@@ -125,3 +125,33 @@ async def test_cache_aware_routing_sends_a_shared_prefix_to_its_holder(
             assert seen == {holder: 7, other: 0}
         else:
             assert seen[other] > 0
+
+
+async def test_a_dead_decode_worker_is_replaced_mid_stream_without_a_lost_token(
+    nats_url: str, tiny_dir: Path,
+) -> None:
+    tokenizer = HfTokenizer(tiny_dir)
+    prompt_text = "Once upon a time, there was a half moon."
+    expected_ids = await reference_tokens(tiny_dir, tokenizer.encode(prompt_text), 400)
+    worker = {"engine": "torch", "model_path": str(tiny_dir), "num_blocks": 256}
+    async with (
+        Stack(nats_url, num_decode=2, worker=worker,
+              gateway_options={"model_path": str(tiny_dir)}) as stack,
+        openai.AsyncOpenAI(base_url=stack.base_url, api_key="x", max_retries=0) as sdk,
+    ):
+        stream = await sdk.completions.create(
+            model=MODEL, prompt=prompt_text, max_tokens=400, temperature=0.0,
+            stream=True, stream_options={"include_usage": True})
+        texts, usage, killed = [], None, None
+        async for chunk in stream:
+            texts += [c.text for c in chunk.choices]
+            usage = chunk.usage or usage
+            if killed is None and len(texts) == 30:
+                killed = next(d for d in stack.decodes
+                              if d.engine.stats().num_running == 1)
+                await killed._cancel_tasks()  # dies: no steps, no heartbeats, no goodbye
+                await killed.nc.close()
+                stack.decodes.remove(killed)
+    assert killed is not None
+    assert "".join(texts) == tokenizer.decode(expected_ids)
+    assert usage is not None and usage.completion_tokens == 400

@@ -27,6 +27,7 @@ from shared.messages import (
     Message,
     PrefillTask,
     RequestFailed,
+    RequestPlaced,
     SamplingParams,
     TokenBatch,
     TokenDelta,
@@ -55,6 +56,8 @@ SAMPLES: dict[str, Message] = {
     ]),
     "request_failed": RequestFailed(request_id="cmpl-1", code=ErrorCode.CAPACITY_EXHAUSTED,
                                     message="no room", worker_id="conductor"),
+    "request_placed": RequestPlaced(request_id="cmpl-1", prefill_worker_id="prefill-a",
+                                    decode_worker_id="decode-b"),
     "abort_request": AbortRequest(request_id="cmpl-1", reason="client gone"),
     "kv_event_batch": KvEventBatch(worker_id="prefill-a", block_size=16, events=[
         KvBlockEvent(kind="stored", block_hash="f6a753e0395b8dfa6485b18612a446af"),
@@ -92,7 +95,7 @@ def test_messages_are_tagged_by_class_name() -> None:
 
 def test_gateway_event_union_decodes_each_member() -> None:
     decoder = msgspec.json.Decoder(GatewayEvent)
-    for name in ("token_batch", "request_failed"):
+    for name in ("token_batch", "request_failed", "request_placed"):
         assert decoder.decode(msgspec.json.encode(SAMPLES[name])) == SAMPLES[name]
 
 
