@@ -103,7 +103,10 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type[ServiceConfig]) 
             parser.add_argument(flag, dest=field.name, default=None,
                                 action=argparse.BooleanOptionalAction)
         else:
-            parser.add_argument(flag, dest=field.name, default=None, help=f"default: {default}")
+            # `--nats` is the short spelling the docs use for `--nats-url`.
+            aliases = ["--nats"] if field.name == "nats_url" else []
+            parser.add_argument(flag, *aliases, dest=field.name, default=None,
+                                help=f"default: {default}")
 
 
 def load_config(

@@ -12,8 +12,16 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 
 
 def make_checkpoint(path: Path, family: str, **overrides: Any) -> Path:
-    """Save a tiny `family` ("llama" or "qwen2") model with random weights to `path`."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Save a tiny `family` model ("llama" with llama3 rope scaling, "llama2-linear",
+    "mistral", "qwen2") with random weights to `path`."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     shape = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -21,6 +29,11 @@ def make_checkpoint(path: Path, family: str, **overrides: Any) -> Path:
     torch.manual_seed(1234)
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**shape, rope_scaling=LLAMA3_ROPE, **overrides))
+    elif family == "llama2-linear":
+        model = LlamaForCausalLM(LlamaConfig(
+            **shape, rope_scaling={"rope_type": "linear", "factor": 2.0}, **overrides))
+    elif family == "mistral":
+        model = MistralForCausalLM(MistralConfig(**shape, sliding_window=256, **overrides))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True, **overrides))
     with torch.no_grad():  # scale weights up so that logits are peaked and greedy is stable

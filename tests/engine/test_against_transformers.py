@@ -69,6 +69,18 @@ async def generate(engine: TorchEngine, prompts: list[list[int]], tag: str = "r"
     return [tokens[r] for r in ids]
 
 
+@pytest.fixture(scope="module", params=["llama2-linear", "mistral"])
+def other_family_dir(request: pytest.FixtureRequest,
+                     tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.engine.hf_models import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def test_logits_match_for_linear_rope_scaling_and_mistral(other_family_dir: Path) -> None:
+    test_logits_of_a_mixed_length_batch_match(other_family_dir)
+
+
 def test_logits_of_a_mixed_length_batch_match(model_dir: Path) -> None:
     config = ModelConfig.from_dir(model_dir)
     model = CausalLM(config)

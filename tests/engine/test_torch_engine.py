@@ -192,3 +192,26 @@ async def test_bfloat16_engine_keeps_bf16_kv_and_generates(llama_dir: Path) -> N
     assert engine.kv is not None and engine.kv.data.dtype == torch.bfloat16
     assert len(outputs) == 6
     assert all(0 <= o.token_id < engine.config.vocab_size for o in outputs)
+
+
+async def test_compute_never_blocks_the_event_loop(llama_dir: Path) -> None:
+    engine = TorchEngine(EngineOptions(model_dir=llama_dir, num_blocks=1024, block_size=4,
+                                       max_batch_tokens=480))
+    await engine.start()
+    gaps: list[float] = []
+    try:
+        loop = asyncio.get_running_loop()
+        prefill = asyncio.gather(*(engine.prefill(PrefillRequest(
+            f"long{n}", [(i + n) % 290 + 5 for i in range(480)], SamplingParams(max_tokens=1)))
+            for n in range(6)))  # six model steps of 480 tokens each
+        last = loop.time()
+        while not prefill.done():
+            await asyncio.sleep(0.005)
+            now = loop.time()
+            gaps.append(now - last)
+            last = now
+        await prefill
+    finally:
+        await engine.close()
+    assert len(gaps) > 3  # the loop kept ticking while the engine thread computed
+    assert max(gaps) < 0.25

@@ -93,7 +93,7 @@ def test_up_serves_openai_and_sigterm_leaves_no_process(tmp_path: Path) -> None:
 
 def test_services_run_one_per_process_against_an_existing_server(nats_url: str) -> None:
     port = free_port()
-    common = ["--nats-url", nats_url, "--cluster", "cli-split", "--log-level", "warning"]
+    common = ["--nats", nats_url, "--cluster", "cli-split", "--log-level", "warning"]
     processes = [halfmoon(role, *common) for role in ("conductor", "prefill", "decode")]
     processes.append(halfmoon("gateway", *common, "--port", str(port)))
     try:

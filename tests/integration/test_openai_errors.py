@@ -195,3 +195,36 @@ async def test_predicted_tbt_over_the_slo_is_rejected(nats_url: str) -> None:
         status, body = await stack.post("/v1/completions", GOOD)
         assert status == 429
         assert "between tokens" in body["error"]["message"]
+
+
+SDK_BAD_REQUESTS = [
+    ("wrong_type", {"max_tokens": "ten"}, openai.BadRequestError),
+    ("unknown_model", {"model": "gpt-9"}, openai.NotFoundError),
+    ("zero_max_tokens", {"max_tokens": 0}, openai.BadRequestError),
+    ("beyond_context", {"max_tokens": 5000}, openai.BadRequestError),
+    ("prompt_beyond_context", {"messages": [{"role": "user", "content": "x" * 3000}]},
+     openai.BadRequestError),
+    ("empty_messages", {"messages": []}, openai.BadRequestError),
+    ("n_two", {"n": 2}, openai.BadRequestError),
+]
+
+
+@pytest.mark.parametrize(("fields", "error"), [c[1:] for c in SDK_BAD_REQUESTS],
+                         ids=[c[0] for c in SDK_BAD_REQUESTS])
+async def test_bad_input_through_the_sdk_raises_its_typed_error(
+    stack: Stack, fields: dict[str, Any], error: type[openai.APIStatusError],
+) -> None:
+    async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x", max_retries=0) as sdk:
+        with pytest.raises(error) as info:
+            await sdk.chat.completions.create(**{**CHAT, **fields})  # type: ignore[call-overload]
+    body = info.value.body
+    assert isinstance(body, dict) and {"message", "type", "param", "code"} <= set(body)
+
+
+async def test_missing_api_key_through_the_sdk_is_401(nats_url: str) -> None:
+    async with (
+        Stack(nats_url, gateway_options={"api_key": "s3cret"}) as stack,
+        openai.AsyncOpenAI(base_url=stack.base_url, api_key="wrong", max_retries=0) as sdk,
+    ):
+        with pytest.raises(openai.AuthenticationError, match="API key"):
+            await sdk.chat.completions.create(**CHAT)  # type: ignore[call-overload]
