@@ -112,10 +112,3 @@ class BlockAllocator:
         if self._on_event is not None:
             self._on_event("removed", block_hash)
         return block
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block (used blocks keep their contents but lose their hash)."""
-        while self._cached:
-            self._free.append(self._evict_oldest())
-        for block in list(self._hash_of):
-            del self._block_of[self._hash_of.pop(block)]

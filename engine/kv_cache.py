@@ -42,7 +42,3 @@ class KvCache:
         """K and V of `length` consecutive slots, as views (no copy)."""
         flat = self._slots[layer]
         return flat[0, first_slot:first_slot + length], flat[1, first_slot:first_slot + length]
-
-    @property
-    def num_bytes(self) -> int:
-        return self.data.numel() * self.data.element_size()

@@ -66,8 +66,3 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.policy)
 
-
-def apply_policy(model: nn.Module, policy: CpuGemmPolicy | None) -> None:
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.policy = policy

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kv_cache import KvCache
-from engine.linear import Linear, linear
+from engine.linear import CpuGemmPolicy, Linear, linear
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
 
@@ -156,6 +156,13 @@ class CausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
+        self.gemm_policy: CpuGemmPolicy | None = None
+
+    def set_gemm_policy(self, policy: CpuGemmPolicy | None) -> None:
+        self.gemm_policy = policy
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.policy = policy
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         config = self.config
@@ -178,6 +185,5 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.config.tie_word_embeddings:
             weight = self.model.embed_tokens.weight
-            policy = self.model.layers[0].mlp.down_proj.policy
-            return linear(hidden, weight, None, policy).float()
+            return linear(hidden, weight, None, self.gemm_policy).float()
         return self.lm_head(hidden).float()

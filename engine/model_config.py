@@ -82,15 +82,6 @@ class ModelConfig:
                                                   *_as_ids(eos)})}
         return cls.from_dict(raw)
 
-    def num_parameters(self) -> int:
-        attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attention + mlp + 2 * self.hidden_size) + embeddings
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
 
 def _as_ids(value: object) -> tuple[int, ...]:
     if value is None:

@@ -100,8 +100,7 @@ class ModelRunner:
 
     def _is_contiguous(self, block_ids: list[int], num_tokens: int) -> bool:
         used = -(-num_tokens // self.block_size)
-        return block_ids[used - 1] - block_ids[0] == used - 1 and (
-            used < 3 or block_ids[1:used] == list(range(block_ids[0] + 1, block_ids[0] + used)))
+        return block_ids[:used] == list(range(block_ids[0], block_ids[0] + used))
 
     def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return table[positions // self.block_size] * self.block_size + positions % self.block_size

@@ -17,7 +17,7 @@ for the fake engine, is only a sleep).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from shared.errors import HalfmoonError
@@ -77,7 +77,6 @@ class EngineStats:
     num_free_blocks: int
     num_total_blocks: int
     max_batch_size: int
-    extra: dict[str, float] = field(default_factory=dict)
     prefill_tokens_per_s: float = 0.0  # measured (moving average); 0 before any prefill
     num_waiting_tokens: int = 0  # prompt tokens not yet computed
     decode_step_s: float = 0.0  # measured (moving average); 0 before any decode step

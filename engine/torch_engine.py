@@ -23,7 +23,7 @@ import torch
 from engine.block_allocator import BlockAllocator
 from engine.bridge import EngineThread
 from engine.kv_cache import KvCache
-from engine.linear import apply_policy, policy_for
+from engine.linear import policy_for
 from engine.model import CausalLM
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, Sampled
@@ -140,7 +140,7 @@ class TorchEngine:
             model = CausalLM(self.config)
         model = model.to_empty(device=self.device).to(self.options.dtype)
         load_weights(model, self.options.model_dir, self.options.dtype)
-        apply_policy(model, policy_for(self.device, self.options.dtype))
+        model.set_gemm_policy(policy_for(self.device, self.options.dtype))
         model.init_rope(self.max_model_len, self.device)
         return model.eval()
 
@@ -232,7 +232,6 @@ class TorchEngine:
             num_free_blocks=self.allocator.num_available,
             num_total_blocks=self.allocator.num_blocks,
             max_batch_size=self.options.max_batch_size,
-            extra={"num_cached_blocks": float(self.allocator.num_cached)},
             prefill_tokens_per_s=self._prefill_tokens_per_s,
             num_waiting_tokens=sum(s.num_uncomputed for s in list(self.scheduler.waiting)),
             decode_step_s=self._decode_step_s,

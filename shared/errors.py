@@ -74,6 +74,10 @@ class CapacityExhausted(HalfmoonError):
     error_type = "rate_limit_error"
 
 
+class SloViolation(CapacityExhausted):
+    """Admission predicted that the request would break a TTFT or TBT SLO."""
+
+
 class WorkerUnavailable(HalfmoonError):
     """No healthy worker of a needed role is alive."""
 

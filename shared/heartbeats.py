@@ -35,9 +35,6 @@ class WorkerDirectory:
         age_s = max(0.0, time.time() - heartbeat.sent_at_s)
         self.observe(heartbeat, now_s=time.monotonic() - age_s)
 
-    def forget(self, worker_id: str) -> None:
-        self._entries.pop(worker_id, None)
-
     def get(self, worker_id: str | None) -> WorkerHeartbeat | None:
         entry = self._entries.get(worker_id) if worker_id is not None else None
         return entry.heartbeat if entry is not None else None

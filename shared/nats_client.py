@@ -68,18 +68,14 @@ async def ensure_work_queue(
     js: JetStreamContext, name: str, subject: str, max_age_s: float
 ) -> None:
     """Create the work-queue stream, or bring an existing one to this config."""
-    config = StreamConfig(
+    await _ensure_stream(js, StreamConfig(
         name=name,
         subjects=[subject],
         retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
         max_age=max_age_s,
         duplicate_window=min(max_age_s, 120.0),
-    )
-    try:
-        await js.add_stream(config)
-    except nats.js.errors.BadRequestError:
-        await js.update_stream(config)
+    ))
 
 
 # The prefix-cache event history a new conductor replays: bounded in age and size.
@@ -89,11 +85,15 @@ KV_EVENTS_MAX_BYTES = 256 * 2**20
 
 async def ensure_kv_event_stream(js: JetStreamContext, subjects: Subjects) -> None:
     """Create (or update) the limits-retention stream of prefix-cache events."""
-    config = StreamConfig(
+    await _ensure_stream(js, StreamConfig(
         name=subjects.kv_events_stream, subjects=[subjects.all_kv_events],
         retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
         max_age=KV_EVENTS_MAX_AGE_S, max_bytes=KV_EVENTS_MAX_BYTES,
-    )
+    ))
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    """Create the stream, or bring an existing one to this config."""
     try:
         await js.add_stream(config)
     except nats.js.errors.BadRequestError:

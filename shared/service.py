@@ -124,9 +124,6 @@ class Service(abc.ABC):
         while not is_done():  # noqa: ASYNC110 - cheap poll, only while stopping
             await asyncio.sleep(interval_s)
 
-    def request_stop(self) -> None:
-        self._stop_requested.set()
-
     # Hooks for subclasses.
     @abc.abstractmethod
     async def _setup(self) -> None:

@@ -36,7 +36,7 @@ class Subjects:
 
     @property
     def requests_stream(self) -> str:
-        return f"HALFMOON_{self.cluster.upper().replace('-', '_')}_REQUESTS"
+        return self._stream("REQUESTS")
 
     @property
     def conductor_consumer(self) -> str:
@@ -82,7 +82,10 @@ class Subjects:
 
     @property
     def kv_events_stream(self) -> str:
-        return f"HALFMOON_{self.cluster.upper().replace('-', '_')}_KV_EVENTS"
+        return self._stream("KV_EVENTS")
+
+    def _stream(self, what: str) -> str:
+        return f"HALFMOON_{self.cluster.upper().replace('-', '_')}_{what}"
 
     # NATS KV bucket: worker registry (latest heartbeat of each live worker).
     @property

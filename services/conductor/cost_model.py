@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.errors import CapacityExhausted
+from shared.errors import SloViolation
 from shared.messages import WorkerHeartbeat
 
 SEED_WEIGHTS = {"load": 0.3, "queue": 0.2, "compute": 0.2, "network": 0.15, "cached": 0.15}
@@ -73,5 +73,5 @@ def check_slo(ttft_s: float, tbt_s: float, slo: Slo) -> None:
                          f"of {slo.tbt_s * 1000:.0f} ms", retry_after_s=1.0)
 
 
-def _rejection(message: str, retry_after_s: float) -> CapacityExhausted:
-    return CapacityExhausted(message, retry_after_s=max(1.0, retry_after_s))
+def _rejection(message: str, retry_after_s: float) -> SloViolation:
+    return SloViolation(message, retry_after_s=max(1.0, retry_after_s))

@@ -33,7 +33,7 @@ from services.conductor.placement import (
 from services.conductor.prefix_index import PrefixIndex
 from shared.block_hash import block_hashes
 from shared.config import ConductorConfig
-from shared.errors import HalfmoonError, WorkerUnavailable
+from shared.errors import HalfmoonError, SloViolation, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
 from shared.messages import (
     AbortRequest,
@@ -238,11 +238,7 @@ class ConductorService(Service):
         uncached = max(1, len(request.prompt_token_ids) - cached * prefill.block_size)
         ttft_s = predicted_ttft_s(prefill, uncached, self.config.default_prefill_tokens_per_s)
         slo = Slo(ttft_s=_seconds(self.config.ttft_slo_ms), tbt_s=_seconds(self.config.tbt_slo_ms))
-        try:
-            check_slo(ttft_s, predicted_tbt_s(decode), slo)
-        except HalfmoonError:
-            self.rejections["slo"] += 1
-            raise
+        check_slo(ttft_s, predicted_tbt_s(decode), slo)
 
     def _prefix_view(self, request: GenerateRequest) -> PrefixView | None:
         if self.config.policy not in ("cache-aware", "seed"):
@@ -276,7 +272,7 @@ class ConductorService(Service):
     async def _reject(self, request: GenerateRequest, error: HalfmoonError) -> None:
         self.log.info("request.rejected", request_id=request.request_id, code=error.code,
                       reason=error.message)
-        self.rejections[error.code.value] += 1
+        self.rejections["slo" if isinstance(error, SloViolation) else error.code.value] += 1
         failure = RequestFailed(request_id=request.request_id, code=error.code,
                                 message=error.message, worker_id=self.instance_id,
                                 retry_after_s=error.retry_after_s)

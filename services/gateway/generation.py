@@ -63,7 +63,6 @@ class Generator:
             detokenizer = ctx.tokenizer.detokenizer()
             matcher = StopStringMatcher(parsed.stop)
             generated: list[int] = []
-            num_tokens = 0
             attempt = 0
             while not is_done:
                 try:
@@ -77,7 +76,6 @@ class Generator:
                     await self._publish(request_id, parsed, generated, attempt=attempt)
                     continue
                 generated += delta.token_ids
-                num_tokens += len(delta.token_ids)
                 text = matcher.push(detokenizer.push(delta.token_ids))
                 finish = delta.finish_reason
                 if finish is not None and not matcher.is_stopped:
@@ -87,7 +85,7 @@ class Generator:
                     finish = "stop"
                 is_done = finish is not None and delta.finish_reason is not None
                 if text or finish is not None:
-                    yield TextChunk(text, finish, num_tokens)
+                    yield TextChunk(text, finish, len(generated))
                 if finish is not None:
                     return
         finally:

@@ -56,8 +56,8 @@ class PrefillService(WorkerService):
         super().__init__(config, engine)
         self.handoff: KvHandoff = handoff or NoKvHandoff()
         self._in_flight: dict[str, asyncio.Task[None]] = {}
-        self._targets: dict[str, asyncio.Future[KvTarget]] = {}
-        self._target_seen_at: dict[str, float] = {}
+        # request id -> (the decode side's KvTarget, when this worker first heard of it)
+        self._targets: dict[str, tuple[asyncio.Future[KvTarget], float]] = {}
 
     async def _subscribe_work(self) -> list[Any]:
         return [
@@ -86,17 +86,16 @@ class PrefillService(WorkerService):
     async def _on_target(self, target: KvTarget) -> DispatchReply | None:
         future = self._target_future(target.request_id)
         if future.done():  # decode was re-placed: the newest target wins
-            future = self._targets[target.request_id] = (
-                asyncio.get_running_loop().create_future()
-            )
+            future = asyncio.get_running_loop().create_future()
+            self._targets[target.request_id] = (future, time.monotonic())
         future.set_result(target)
         return None
 
     def _target_future(self, request_id: str) -> asyncio.Future[KvTarget]:
         if request_id not in self._targets:
-            self._targets[request_id] = asyncio.get_running_loop().create_future()
-            self._target_seen_at[request_id] = time.monotonic()
-        return self._targets[request_id]
+            future = asyncio.get_running_loop().create_future()
+            self._targets[request_id] = (future, time.monotonic())
+        return self._targets[request_id][0]
 
     def _abort(self, request_id: str) -> None:
         task = self._in_flight.pop(request_id, None)
@@ -106,13 +105,12 @@ class PrefillService(WorkerService):
 
     def _forget(self, request_id: str) -> None:
         self._targets.pop(request_id, None)
-        self._target_seen_at.pop(request_id, None)
         self.engine.release(request_id)
 
     def _on_tick(self) -> None:
         # Targets for requests that never came here (the conductor placed them elsewhere).
         cutoff = time.monotonic() - self.config.kv_wait_timeout_s
-        for request_id, seen_at in list(self._target_seen_at.items()):
+        for request_id, (_, seen_at) in list(self._targets.items()):
             if seen_at < cutoff and request_id not in self._in_flight:
                 self._forget(request_id)
 
