@@ -206,3 +206,39 @@ class RequestPlaced(Message, frozen=True, kw_only=True):
 
 
 GatewayEvent = TokenBatch | RequestFailed | RequestPlaced
+
+
+class SegmentInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One memory region a transfer engine registered: peers address it by `segment_id` and
+    byte offsets. `shm_name` is set when it lives in POSIX shared memory (a same-host peer may
+    map it); `rdma_addr`/`rdma_rkey` when it is an RDMA memory region."""
+
+    name: str
+    segment_id: int
+    size_bytes: int
+    shm_name: str | None = None
+    rdma_addr: int | None = None
+    rdma_rkey: int | None = None
+
+
+class RdmaPort(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a transfer engine's RDMA device sits: enough for a peer to address its QPs."""
+
+    device: str
+    port_num: int
+    lid: int
+    gid: str
+
+
+class TransferEndpoint(Message, frozen=True, kw_only=True):
+    """A transfer engine's descriptor. Put by each engine in `Subjects.transfer_bucket` under
+    its `engine_id` (and sent in its handshake); read by peers to choose a transport
+    (`host_id` equal: shared memory; `rdma` on both sides: RDMA; else TCP) and to address
+    segments. No KV bytes ever travel on NATS, only this."""
+
+    engine_id: str
+    host_id: str
+    tcp_host: str
+    tcp_port: int
+    segments: list[SegmentInfo] = []
+    rdma: RdmaPort | None = None

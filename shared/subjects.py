@@ -91,3 +91,8 @@ class Subjects:
     @property
     def workers_bucket(self) -> str:
         return f"halfmoon_{self.cluster.replace('-', '_')}_workers"
+
+    # NATS KV bucket: transfer-engine descriptors (`TransferEndpoint`), one per engine.
+    @property
+    def transfer_bucket(self) -> str:
+        return f"halfmoon_{self.cluster.replace('-', '_')}_transfer"

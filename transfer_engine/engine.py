@@ -1,0 +1,277 @@
+"""`TransferEngine`: one per process; registers memory and moves bytes to and from peers.
+
+Lifecycle: `TransferEngine(config, registry)` does no I/O; `await start()` listens, opens the
+RDMA device if there is one, and publishes the descriptor; `register`/`allocate` add segments
+(and republish); `write`/`read` resolve a batch (coalesce, bounds-check both sides), pick a
+transport for the peer and await the bytes; `close()` (idempotent) releases every socket,
+mapping and shared-memory name, and removes the descriptor.
+
+    engine = TransferEngine(TransferConfig(engine_id="prefill-0", secret=b"..."), registry)
+    await engine.start()
+    kv = await engine.allocate("kv", 64 << 20)          # shared memory: shm peers write one-sided
+    result = await engine.write("decode-0", [("kv", 0, "kv", 4096, 8192)], notify=b"req 7 L0")
+    result.transport, result.num_bytes, result.seconds
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from shared.messages import SegmentInfo, TransferEndpoint
+from transfer_engine import compression as quantization
+from transfer_engine.batch import Notification, TransferPiece, TransferResult, coalesce
+from transfer_engine.errors import InvalidTransfer, PeerNotFound
+from transfer_engine.loopback import LoopbackTransport
+from transfer_engine.memory import LocalMemory
+from transfer_engine.registry import EndpointRegistry
+from transfer_engine.segment import check_bounds, sweep_orphans
+from transfer_engine.shm import ShmTransport
+from transfer_engine.tcp import TcpOptions, TcpTransport
+from transfer_engine.transport import Plan, PlannedPiece, Transport
+from transfer_engine.wire import Compression
+
+log = structlog.get_logger(__name__)
+
+TRANSPORTS = ("rdma", "shm", "tcp", "loopback")
+Peer = str | TransferEndpoint  # an engine id, "tcp://host:port", or a descriptor
+Batch = Sequence[TransferPiece | tuple[str, int, str, int, int]]
+
+
+def default_host_id() -> str:
+    """Same value on every process of one machine (and kernel boot), different elsewhere."""
+    boot_id = Path("/proc/sys/kernel/random/boot_id")
+    suffix = boot_id.read_text().strip() if boot_id.exists() else ""
+    return f"{socket.gethostname()}/{suffix}"
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    engine_id: str
+    secret: bytes
+    host_id: str = field(default_factory=default_host_id)
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    advertise_host: str | None = None  # what peers dial; defaults to listen_host
+    transports: tuple[str, ...] = ("rdma", "shm", "tcp")  # preference order
+    timeout_s: float = 30.0
+    tcp: TcpOptions = field(default_factory=TcpOptions)
+
+
+class TransferEngine:
+    def __init__(self, config: TransferConfig, registry: EndpointRegistry | None = None,
+                 on_notification: Callable[[Notification], None] | None = None) -> None:
+        unknown = set(config.transports) - set(TRANSPORTS)
+        if unknown or not config.transports:
+            raise InvalidTransfer(f"unknown transports {sorted(unknown)}; use {TRANSPORTS}")
+        if not config.secret:
+            raise InvalidTransfer("a transfer engine needs a non-empty shared secret")
+        self.config = config
+        self._registry = registry
+        self._on_notification = on_notification
+        self.notifications: asyncio.Queue[Notification] = asyncio.Queue()
+        self._memory = LocalMemory(config.engine_id)
+        self._peers: dict[str, TransferEndpoint] = {}
+        self._transports: list[Transport] = []
+        self._tcp: TcpTransport | None = None
+        self._port = 0
+        self._rdma_port: Any = None
+        self._is_closed = False
+
+    async def start(self) -> None:
+        """Listen for peers, open the transports, publish the descriptor."""
+        sweep_orphans()
+        config = self.config
+        tcp = TcpTransport(config.engine_id, config.secret, self._memory, self._deliver,
+                           self.endpoint, config.tcp)
+        self._tcp = tcp
+        try:
+            self._port = await tcp.start(config.listen_host, config.listen_port)
+            for name in config.transports:
+                transport = self._make_transport(name, tcp)
+                if transport is not None:
+                    self._transports.append(transport)
+            await self._publish()
+        except BaseException:
+            await self.close()
+            raise
+        log.info("transfer.started", engine_id=config.engine_id, port=self._port,
+                 transports=[t.name for t in self._transports])
+
+    def _make_transport(self, name: str, tcp: TcpTransport) -> Transport | None:
+        match name:
+            case "tcp":
+                return tcp
+            case "shm":
+                return ShmTransport(self.config.host_id, tcp)
+            case "loopback":
+                return LoopbackTransport(self.config.engine_id, self._memory, self._deliver)
+            case "rdma":
+                from transfer_engine import rdma
+
+                transport = rdma.open_transport(self.config, self._memory, tcp)
+                self._rdma_port = transport.port if transport is not None else None
+                return transport
+        return None
+
+    @property
+    def transport_names(self) -> list[str]:
+        return [transport.name for transport in self._transports]
+
+    def endpoint(self) -> TransferEndpoint:
+        """This engine's descriptor, as published and as sent in handshakes."""
+        config = self.config
+        return TransferEndpoint(engine_id=config.engine_id, host_id=config.host_id,
+                                tcp_host=config.advertise_host or config.listen_host,
+                                tcp_port=self._port, segments=self._memory.infos(),
+                                rdma=self._rdma_port)
+
+    async def register(self, name: str, buffer: Any) -> SegmentInfo:
+        """Register a buffer (bytes-like, numpy array, CPU tensor) that peers may address."""
+        segment = self._memory.register(name, buffer)
+        for transport in self._transports:
+            if hasattr(transport, "register_memory"):
+                transport.register_memory(segment)
+        await self._publish()
+        return segment.info()
+
+    async def allocate(self, name: str, size_bytes: int) -> memoryview:
+        """Allocate and register shared memory (one-sided shm writes from same-host peers);
+        returns it as a writable byte view (wrap it with `torch.frombuffer` or numpy)."""
+        segment = self._memory.allocate(name, size_bytes)
+        for transport in self._transports:
+            if hasattr(transport, "register_memory"):
+                transport.register_memory(segment)
+        await self._publish()
+        return segment.data
+
+    async def unregister(self, name: str) -> None:
+        self._memory.unregister(name)
+        await self._publish()
+
+    async def write(self, peer: Peer, batch: Batch, *, notify: bytes | None = None,
+                    compression: Compression | None = None,
+                    timeout_s: float | None = None) -> TransferResult:
+        """Copy each piece's local bytes into the peer's segment; return when all landed
+        (and `notify`, if given, was delivered after them)."""
+        notifications = [notify] if notify is not None else []
+        return await self._transfer(peer, batch, notifications, compression, timeout_s,
+                                    is_write=True)
+
+    async def read(self, peer: Peer, batch: Batch, *,
+                   timeout_s: float | None = None) -> TransferResult:
+        """Copy each piece of the peer's segments into local memory."""
+        return await self._transfer(peer, batch, [], None, timeout_s, is_write=False)
+
+    async def _transfer(self, peer: Peer, batch: Batch, notifications: list[bytes],
+                        compression: Compression | None, timeout_s: float | None,
+                        *, is_write: bool) -> TransferResult:
+        if self._is_closed or self._tcp is None:
+            raise InvalidTransfer("the transfer engine is not running")
+        started = time.perf_counter()
+        pieces = coalesce([TransferPiece(*piece) for piece in batch])
+        endpoint = await self._resolve(peer, {piece.remote_segment for piece in pieces})
+        planned = self._plan(endpoint, pieces)
+        transport = self._choose(endpoint, [piece.remote for piece in planned])
+        if compression is not None and transport.name == "shm":
+            compression = None  # nothing crosses a wire; quantizing would only lose precision
+        if compression is not None:
+            for piece in planned:
+                quantization.compressed_size(piece.length, compression)  # checks alignment
+        plan = Plan(endpoint, planned, notifications, compression,
+                    timeout_s or self.config.timeout_s)
+        await (transport.write(plan) if is_write else transport.read(plan))
+        return TransferResult(num_bytes=plan.num_bytes, seconds=time.perf_counter() - started,
+                              transport=transport.name, num_pieces=len(planned),
+                              compression=compression.scheme if compression else None)
+
+    async def _resolve(self, peer: Peer, segment_names: set[str]) -> TransferEndpoint:
+        if isinstance(peer, TransferEndpoint):
+            return peer
+        known = self._peers.get(peer)
+        if known is not None and segment_names <= {s.name for s in known.segments}:
+            return known
+        endpoint = await self._look_up(peer)
+        self._peers[peer] = endpoint
+        return endpoint
+
+    async def _look_up(self, peer: str) -> TransferEndpoint:
+        if peer.startswith("tcp://"):
+            host, _, port = peer.removeprefix("tcp://").rpartition(":")
+            if not port.isdigit():
+                raise PeerNotFound(f"bad peer address {peer!r}; use tcp://host:port")
+            return await self.connect(host.strip("[]"), int(port))
+        endpoint = await self._registry.get(peer) if self._registry is not None else None
+        if endpoint is None:
+            raise PeerNotFound(f"no transfer engine {peer!r} is registered")
+        return endpoint
+
+    async def connect(self, host: str, port: int) -> TransferEndpoint:
+        """The direct handshake: authenticate with the engine at host:port and learn its
+        descriptor without any registry."""
+        if self._tcp is None:
+            raise InvalidTransfer("the transfer engine is not running")
+        sock, endpoint = await self._tcp.handshake(host, port)
+        sock.close()
+        self._peers[endpoint.engine_id] = endpoint
+        return endpoint
+
+    def _plan(self, endpoint: TransferEndpoint,
+              pieces: list[TransferPiece]) -> list[PlannedPiece]:
+        remote_segments = {info.name: info for info in endpoint.segments}
+        planned = []
+        for piece in pieces:
+            local = self._memory.get(piece.local_segment).view(
+                piece.local_offset, piece.length)
+            remote = remote_segments.get(piece.remote_segment)
+            if remote is None:
+                raise InvalidTransfer(f"{endpoint.engine_id!r} has no segment "
+                                      f"{piece.remote_segment!r}")
+            check_bounds(remote.name, remote.size_bytes, piece.remote_offset, piece.length)
+            planned.append(PlannedPiece(local, remote, piece.remote_offset))
+        return planned
+
+    def _choose(self, endpoint: TransferEndpoint, remote: list[SegmentInfo]) -> Transport:
+        for transport in self._transports:
+            if transport.can_reach(endpoint, remote):
+                return transport
+        raise PeerNotFound(f"no transport of {self.transport_names} reaches "
+                           f"{endpoint.engine_id!r}")
+
+    def _deliver(self, peer_id: str, payloads: list[bytes]) -> None:
+        for payload in payloads:
+            notification = Notification(peer_id=peer_id, payload=payload)
+            if self._on_notification is not None:
+                self._on_notification(notification)
+            else:
+                self.notifications.put_nowait(notification)
+
+    async def _publish(self) -> None:
+        if self._registry is not None and self._tcp is not None and not self._is_closed:
+            await self._registry.put(self.endpoint())
+
+    async def close(self) -> None:
+        """Release every socket, mapping and shared-memory name; idempotent."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        for transport in reversed(self._transports):
+            if transport is not self._tcp:
+                await transport.close()
+        if self._tcp is not None:
+            await self._tcp.close()
+        self._transports.clear()
+        self._memory.close()
+        if self._registry is not None:
+            try:
+                await self._registry.delete(self.config.engine_id)
+            except Exception as error:  # the registry may be gone first; the TTL cleans up
+                log.warning("transfer.unpublish_failed", error=str(error))
+        log.info("transfer.closed", engine_id=self.config.engine_id)

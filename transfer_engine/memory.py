@@ -1,0 +1,91 @@
+"""This engine's registered memory: segments by name and id, and the bounds-checked views
+that local transfers read from and peers' transfers land in."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from shared.messages import SegmentInfo
+from transfer_engine.errors import InvalidTransfer
+from transfer_engine.segment import Segment, SharedMemoryRegion, as_byte_view, shm_name_for
+
+WirePiece = tuple[int, int, int]  # (segment_id, offset, length) on the wire
+
+
+class LocalMemory:
+    """The segment table. Ids are never reused, so a stale descriptor can never address a
+    segment registered later under the same name."""
+
+    def __init__(self, engine_id: str) -> None:
+        self._engine_id = engine_id
+        self._by_name: dict[str, Segment] = {}
+        self._by_id: dict[int, Segment] = {}
+        self._ids = itertools.count(1)
+        self._regions: dict[str, SharedMemoryRegion] = {}
+
+    def register(self, name: str, buffer: Any) -> Segment:
+        """Register `buffer` (bytes-like, numpy array, CPU tensor) under `name`."""
+        return self._add(name, as_byte_view(buffer), owner=buffer)
+
+    def allocate(self, name: str, size_bytes: int) -> Segment:
+        """Allocate `size_bytes` of shared memory and register it: same-host peers can then
+        write into it one-sidedly. The segment's `data` is a writable memoryview."""
+        if size_bytes <= 0:
+            raise InvalidTransfer(f"cannot allocate {size_bytes} bytes")
+        self._check_name(name)
+        region = SharedMemoryRegion(shm_name_for(self._engine_id, next(self._ids)),
+                                    size_bytes, create=True)
+        self._regions[name] = region
+        return self._add(name, region.buffer, owner=region, shm_name=region.name)
+
+    def unregister(self, name: str) -> None:
+        segment = self._by_name.pop(name, None)
+        if segment is None:
+            raise InvalidTransfer(f"no segment named {name!r}")
+        del self._by_id[segment.segment_id]
+        region = self._regions.pop(name, None)
+        if region is not None:
+            region.close()
+
+    def _add(self, name: str, data: memoryview, **fields: Any) -> Segment:
+        self._check_name(name)
+        segment = Segment(name=name, segment_id=next(self._ids), data=data, **fields)
+        self._by_name[name] = segment
+        self._by_id[segment.segment_id] = segment
+        return segment
+
+    def _check_name(self, name: str) -> None:
+        if name in self._by_name:
+            raise InvalidTransfer(f"a segment named {name!r} is already registered")
+
+    def get(self, name: str) -> Segment:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise InvalidTransfer(f"no local segment named {name!r}") from None
+
+    def segments(self) -> list[Segment]:
+        return list(self._by_name.values())
+
+    def infos(self) -> list[SegmentInfo]:
+        return [segment.info() for segment in self._by_name.values()]
+
+    def views(self, pieces: list[WirePiece], *, for_write: bool) -> list[memoryview]:
+        """Views of the pieces a peer named; `InvalidTransfer` if any is not ours or out of
+        bounds (then none is touched)."""
+        views = []
+        for segment_id, offset, length in pieces:
+            segment = self._by_id.get(segment_id)
+            if segment is None:
+                raise InvalidTransfer(f"no segment with id {segment_id}")
+            views.append(segment.view(offset, length, for_write=for_write))
+        return views
+
+    def close(self) -> None:
+        """Release every shared-memory name this engine created."""
+        for region in self._regions.values():
+            region.close()
+        self._regions.clear()
+        self._by_name.clear()
+        self._by_id.clear()

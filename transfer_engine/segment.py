@@ -1,0 +1,160 @@
+"""Registered memory: local segments, their byte views, and POSIX shared memory regions.
+
+A segment is a flat byte range that peers address by `(segment_id, offset, length)`. Any
+writable buffer can be registered (bytearray, numpy array, CPU torch tensor); memory made by
+`SharedMemoryRegion` can in addition be mapped by a same-host peer, which is what makes the
+shm transport one-sided. Invariant: every access goes through `Segment.view(offset, length)`,
+which refuses anything outside the segment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shared.messages import SegmentInfo
+from transfer_engine.errors import InvalidTransfer
+
+SHM_DIR = Path("/dev/shm")
+
+
+def as_byte_view(buffer: Any) -> memoryview:
+    """A flat byte view of `buffer` without copying it. Torch tensors must be contiguous and on
+    the CPU (CUDA memory is not host-addressable; it needs the cuda transport)."""
+    if _is_torch_tensor(buffer):
+        return _tensor_bytes(buffer)
+    try:
+        view = memoryview(buffer)
+    except TypeError as error:
+        raise InvalidTransfer(f"cannot register {type(buffer).__name__}: "
+                              "not a buffer, numpy array or torch tensor") from error
+    if not view.c_contiguous:
+        raise InvalidTransfer("cannot register a non-contiguous buffer")
+    return view.cast("B")
+
+
+def _is_torch_tensor(buffer: Any) -> bool:
+    return type(buffer).__module__.startswith("torch") and hasattr(buffer, "data_ptr")
+
+
+def _tensor_bytes(tensor: Any) -> memoryview:
+    if tensor.device.type != "cpu":
+        raise InvalidTransfer(f"cannot register a {tensor.device.type} tensor: only CPU "
+                              "memory is host-addressable by the shm, tcp and rdma transports")
+    if not tensor.is_contiguous():
+        raise InvalidTransfer("cannot register a non-contiguous tensor")
+    import torch  # only reached when the caller already uses torch
+
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+@dataclass(eq=False)
+class Segment:
+    """A registered local region. `owner` keeps the registered object alive."""
+
+    name: str
+    segment_id: int
+    data: memoryview
+    owner: Any = None
+    shm_name: str | None = None
+    rdma_addr: int | None = None
+    rdma_rkey: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def size_bytes(self) -> int:
+        return self.data.nbytes
+
+    @property
+    def is_writable(self) -> bool:
+        return not self.data.readonly
+
+    def view(self, offset: int, length: int, *, for_write: bool = False) -> memoryview:
+        check_bounds(self.name, self.size_bytes, offset, length)
+        if for_write and self.data.readonly:
+            raise InvalidTransfer(f"segment {self.name!r} is read-only")
+        return self.data[offset:offset + length]
+
+    def info(self) -> SegmentInfo:
+        return SegmentInfo(name=self.name, segment_id=self.segment_id,
+                           size_bytes=self.size_bytes, shm_name=self.shm_name,
+                           rdma_addr=self.rdma_addr, rdma_rkey=self.rdma_rkey)
+
+
+def check_bounds(name: str, size_bytes: int, offset: int, length: int) -> None:
+    if offset < 0 or length < 0 or offset + length > size_bytes:
+        raise InvalidTransfer(f"piece [{offset}, {offset + length}) is outside segment "
+                              f"{name!r} of {size_bytes} bytes")
+
+
+class SharedMemoryRegion:
+    """A POSIX shared-memory object mapped into this process (created or attached by name).
+
+    Mapped with MAP_POPULATE so the first transfer does not pay a page fault per page. The
+    creator unlinks the name in `close()`; an attacher only unmaps. Names carry the creator's
+    pid so `sweep_orphans` can remove what a killed process left behind.
+    """
+
+    def __init__(self, name: str, size_bytes: int, *, create: bool) -> None:
+        self.name = name
+        self.size_bytes = size_bytes
+        self.is_owner = create
+        path = SHM_DIR / name
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size_bytes)
+            elif os.fstat(fd).st_size < size_bytes:
+                # Mapping past the end of the object would SIGBUS on first touch.
+                raise InvalidTransfer(f"shared memory {name!r} is smaller than its descriptor "
+                                      f"says ({os.fstat(fd).st_size} < {size_bytes} bytes)")
+            self._mmap = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        except BaseException:
+            if create:
+                path.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        self.buffer = memoryview(self._mmap)
+
+    def close(self) -> None:
+        """Unmap (if no view of it is still exported) and, for the creator, unlink the name."""
+        # A caller may still hold a numpy array or tensor over the mapping; then the kernel
+        # unmaps it when the last such object dies. The name is removed regardless.
+        with contextlib.suppress(BufferError):
+            self.buffer.release()
+            self._mmap.close()
+        if self.is_owner:
+            (SHM_DIR / self.name).unlink(missing_ok=True)
+            self.is_owner = False
+
+
+def shm_name_for(engine_id: str, number: int) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)[:40]
+    return f"halfmoon-te-{os.getpid()}-{safe}-{number}"
+
+
+def sweep_orphans() -> list[str]:
+    """Unlink shared-memory names left by transfer engines whose process is gone."""
+    removed = []
+    for path in SHM_DIR.glob("halfmoon-te-*"):
+        pid_text = path.name.split("-")[2]
+        if pid_text.isdigit() and not _is_alive(int(pid_text)):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

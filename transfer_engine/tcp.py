@@ -1,0 +1,377 @@
+"""The TCP transport: pooled, authenticated connections to each peer, and the inbound server.
+
+Outbound, each connection (`Link`) has a sender task and a receiver task. Writes queued on a
+link while it is busy are merged into one WRITE frame (one piece table, one payload sent with
+a single vectored `sendmsg`), so many small requests to one peer cost one round trip. A batch
+of at least `stripe_min_bytes` is cut into `num_streams` stripes sent on as many connections.
+A link that fails or stalls is closed and every transfer on it fails with a typed error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import socket
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from shared.messages import SegmentInfo, TransferEndpoint
+from transfer_engine import compression, sock_io, wire
+from transfer_engine.errors import (
+    AuthenticationRefused,
+    InvalidTransfer,
+    ProtocolViolation,
+    TransferFailed,
+    TransferTimeout,
+)
+from transfer_engine.memory import LocalMemory
+from transfer_engine.tcp_server import TcpServer
+from transfer_engine.transport import Deliver, Plan, PlannedPiece
+
+log = structlog.get_logger(__name__)
+
+_MERGE_MAX_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class TcpOptions:
+    num_streams: int = 4
+    stripe_min_bytes: int = 8 << 20
+    connect_timeout_s: float = 5.0
+    frame_timeout_s: float = 30.0
+
+
+@dataclass(eq=False)
+class _Job:
+    op: wire.Op
+    pieces: list[PlannedPiece]
+    future: asyncio.Future[None]
+    notifications: list[bytes] = field(default_factory=list)
+    compression: wire.Compression | None = None
+    payload: list[bytes] | None = None  # compressed pieces, when compressing
+
+    @property
+    def is_mergeable(self) -> bool:
+        return self.op == wire.Op.WRITE and self.compression is None
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(piece.length for piece in self.pieces)
+
+    def payload_views(self) -> list[memoryview | bytes]:
+        return list(self.payload) if self.payload is not None else [
+            piece.local for piece in self.pieces]
+
+
+class Link:
+    """One authenticated connection to a peer."""
+
+    def __init__(self, sock: socket.socket, peer_id: str) -> None:
+        self.peer_id = peer_id
+        self._sock = sock
+        self._queue: deque[_Job] = deque()
+        self._has_work = asyncio.Event()
+        self._pending: dict[int, list[_Job]] = {}
+        self._request_ids = itertools.count(1)
+        self.error: TransferFailed | None = None
+        self._tasks = [asyncio.ensure_future(self._send_loop()),
+                       asyncio.ensure_future(self._receive_loop())]
+
+    @property
+    def is_alive(self) -> bool:
+        return self.error is None
+
+    @property
+    def num_queued_bytes(self) -> int:
+        jobs = itertools.chain(self._queue, *self._pending.values())
+        return sum(job.num_bytes for job in jobs)
+
+    def submit(self, job: _Job) -> None:
+        if self.error is not None:
+            job.future.set_exception(self.error)
+            return
+        self._queue.append(job)
+        self._has_work.set()
+
+    def close(self, error: TransferFailed) -> None:
+        """Close the socket and fail every transfer queued or in flight on it."""
+        if self.error is not None:
+            return
+        self.error = error
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        self._sock.close()
+        jobs = [*self._queue, *itertools.chain(*self._pending.values())]
+        self._queue.clear()
+        self._pending.clear()
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(error)
+
+    async def _send_loop(self) -> None:
+        try:
+            while True:
+                await self._has_work.wait()
+                jobs = self._take_frame()
+                if not self._queue:
+                    self._has_work.clear()
+                request_id = next(self._request_ids)
+                self._pending[request_id] = jobs
+                await sock_io.send(self._sock, _frame(request_id, jobs))
+        except OSError as error:
+            self.close(TransferFailed(f"connection to {self.peer_id!r} lost: {error}"))
+
+    def _take_frame(self) -> list[_Job]:
+        jobs = [self._queue.popleft()]
+        if not jobs[0].is_mergeable:
+            return jobs
+        num_bytes = jobs[0].num_bytes
+        while (self._queue and self._queue[0].is_mergeable
+               and num_bytes + self._queue[0].num_bytes <= _MERGE_MAX_BYTES):
+            num_bytes += self._queue[0].num_bytes
+            jobs.append(self._queue.popleft())
+        return jobs
+
+    async def _receive_loop(self) -> None:
+        try:
+            while True:
+                header = wire.unpack_header(await _recv_bytes(self._sock, wire.HEADER.size))
+                await self._on_frame(header)
+        except TransferFailed as error:
+            self.close(error)
+        except (OSError, sock_io.ConnectionClosed) as error:
+            self.close(TransferFailed(f"connection to {self.peer_id!r} lost: {error}"))
+
+    async def _on_frame(self, header: wire.Header) -> None:
+        if header.op == wire.Op.ERROR:
+            body = wire.decode(await _recv_bytes(self._sock, header.meta_len), wire.ErrorBody)
+            error = _error_from(body, self.peer_id)
+            if body.kind != wire.ErrorKind.INVALID or header.request_id not in self._pending:
+                raise error
+            _settle(self._pending.pop(header.request_id), error)
+            return
+        jobs = self._pending.pop(header.request_id, None)
+        if jobs is None or header.op not in (wire.Op.ACK, wire.Op.DATA):
+            raise ProtocolViolation(f"unexpected {header.op.name} for request "
+                                    f"{header.request_id} from {self.peer_id!r}")
+        if header.op == wire.Op.DATA:
+            views = [piece.local for piece in jobs[0].pieces]
+            if header.payload_len != sum(view.nbytes for view in views):
+                raise ProtocolViolation(f"{self.peer_id!r} answered a read with "
+                                        f"{header.payload_len} bytes")
+            await sock_io.recv_into(self._sock, views)
+        _settle(jobs, None)
+
+
+def _settle(jobs: list[_Job], error: Exception | None) -> None:
+    for job in jobs:
+        if job.future.done():
+            continue
+        if error is None:
+            job.future.set_result(None)
+        else:
+            job.future.set_exception(error)
+
+
+def _error_from(body: wire.ErrorBody, peer_id: str) -> TransferFailed:
+    message = f"{peer_id!r} refused: {body.message}"
+    match body.kind:
+        case wire.ErrorKind.INVALID:
+            return InvalidTransfer(message)
+        case wire.ErrorKind.AUTH:
+            return AuthenticationRefused(message)
+        case wire.ErrorKind.PROTOCOL:
+            return ProtocolViolation(message)
+        case _:
+            return TransferFailed(message)
+
+
+def _frame(request_id: int, jobs: list[_Job]) -> list[memoryview | bytes]:
+    first = jobs[0]
+    table = wire.pack_pieces([piece.wire for job in jobs for piece in job.pieces])
+    notifications = [note for job in jobs for note in job.notifications]
+    meta = (wire.encode(wire.FrameMeta(notifications, first.compression))
+            if notifications or first.compression else b"")
+    if first.op == wire.Op.READ:
+        return [wire.Header(wire.Op.READ, request_id, len(jobs[0].pieces)).pack(), table]
+    payload = [view for job in jobs for view in job.payload_views()]
+    header = wire.Header(first.op, request_id, num_pieces=len(table) // wire.PIECE.size,
+                         meta_len=len(meta), payload_len=sum(len(v) for v in payload))
+    return [header.pack(), table, meta, *payload]
+
+
+async def _recv_bytes(sock: socket.socket, num_bytes: int) -> bytes:
+    buffer = bytearray(num_bytes)
+    await sock_io.recv_into(sock, [memoryview(buffer)])
+    return bytes(buffer)
+
+
+class TcpTransport:
+    """Carries transfers over TCP and serves peers' transfers into local memory."""
+
+    name = "tcp"
+
+    def __init__(self, engine_id: str, secret: bytes, memory: LocalMemory, deliver: Deliver,
+                 endpoint: Callable[[], TransferEndpoint], options: TcpOptions) -> None:
+        self._engine_id = engine_id
+        self._secret = secret
+        self._options = options
+        self._server = TcpServer(secret, memory, deliver, endpoint, options.frame_timeout_s)
+        self._links: dict[str, list[Link]] = {}
+        self._connecting: dict[str, asyncio.Lock] = {}
+
+    async def start(self, host: str, port: int) -> int:
+        return await self._server.start(host, port)
+
+    def can_reach(self, peer: TransferEndpoint, remote: list[SegmentInfo]) -> bool:
+        return True
+
+    async def write(self, plan: Plan) -> None:
+        if plan.compression is not None:
+            payload = await asyncio.to_thread(_compress_all, plan.pieces, plan.compression)
+            jobs = [self._job(wire.Op.WRITE, plan.pieces, plan.notifications,
+                              plan.compression, payload)]
+        else:
+            stripes = _stripe(plan.pieces, self._num_stripes(plan.num_bytes))
+            jobs = [self._job(wire.Op.WRITE, stripe) for stripe in stripes]
+            if len(jobs) == 1:
+                jobs[0].notifications = list(plan.notifications)
+        await self._run(plan.peer, plan.timeout_s, jobs)
+        if plan.notifications and len(jobs) > 1:
+            # Stripes land on different connections in any order; the notification must
+            # follow all of them, so it goes once every stripe is acknowledged.
+            await self.notify(plan.peer, plan.notifications, plan.timeout_s)
+
+    async def read(self, plan: Plan) -> None:
+        stripes = _stripe(plan.pieces, self._num_stripes(plan.num_bytes))
+        await self._run(plan.peer, plan.timeout_s,
+                        [self._job(wire.Op.READ, stripe) for stripe in stripes])
+
+    async def notify(self, peer: TransferEndpoint, notifications: list[bytes],
+                     timeout_s: float) -> None:
+        """Deliver notifications alone (after a one-sided transfer by another transport)."""
+        await self._run(peer, timeout_s, [self._job(wire.Op.NOTIFY, [], notifications)])
+
+    def _job(self, op: wire.Op, pieces: list[PlannedPiece], notifications: list[bytes] = (),
+             compress: wire.Compression | None = None,
+             payload: list[bytes] | None = None) -> _Job:
+        future = asyncio.get_running_loop().create_future()
+        return _Job(op, pieces, future, list(notifications), compress, payload)
+
+    def _num_stripes(self, num_bytes: int) -> int:
+        return self._options.num_streams if num_bytes >= self._options.stripe_min_bytes else 1
+
+    async def _run(self, peer: TransferEndpoint, timeout_s: float, jobs: list[_Job]) -> None:
+        links: list[Link] = []
+        try:
+            async with asyncio.timeout(timeout_s):
+                links = await self._links_to(peer, len(jobs))
+                for job, link in zip(jobs, links, strict=False):
+                    link.submit(job)
+                await asyncio.gather(*(job.future for job in jobs))
+        except TimeoutError:
+            error = TransferTimeout(f"transfer to {peer.engine_id!r} did not finish within "
+                                    f"{timeout_s:g} s")
+            for link in links:
+                link.close(error)  # it may be mid-frame; no later transfer can use it
+            raise error from None
+
+    async def _links_to(self, peer: TransferEndpoint, count: int) -> list[Link]:
+        """`count` live links to `peer`, least loaded first, opening new ones as needed."""
+        lock = self._connecting.setdefault(peer.engine_id, asyncio.Lock())
+        async with lock:
+            links = [link for link in self._links.get(peer.engine_id, []) if link.is_alive]
+            want = min(max(count, 1), self._options.num_streams)
+            missing = max(want - len(links), 0)
+            links += await asyncio.gather(*(self._connect(peer) for _ in range(missing)))
+            self._links[peer.engine_id] = links
+        if count == 1:
+            return [min(links, key=lambda link: link.num_queued_bytes)]
+        return links[:count]
+
+    async def _connect(self, peer: TransferEndpoint) -> Link:
+        sock, endpoint = await self.handshake(peer.tcp_host, peer.tcp_port)
+        if endpoint.engine_id != peer.engine_id:
+            sock.close()
+            raise TransferFailed(f"{peer.tcp_host}:{peer.tcp_port} is {endpoint.engine_id!r}, "
+                                 f"not {peer.engine_id!r}")
+        return Link(sock, peer.engine_id)
+
+    async def handshake(self, host: str, port: int) -> tuple[socket.socket, TransferEndpoint]:
+        """Connect and authenticate both ways; return the socket and the peer's descriptor
+        (the direct handshake: it works without the registry)."""
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            async with asyncio.timeout(self._options.connect_timeout_s):
+                await loop.sock_connect(sock, (host, port))
+                endpoint = await self._authenticate(sock)
+        except TimeoutError:
+            sock.close()
+            raise TransferTimeout(f"no handshake with {host}:{port} within "
+                                  f"{self._options.connect_timeout_s:g} s") from None
+        except (OSError, sock_io.ConnectionClosed) as error:
+            sock.close()
+            raise TransferFailed(f"cannot connect to {host}:{port}: {error}") from error
+        except BaseException:
+            sock.close()
+            raise
+        return sock, endpoint
+
+    async def _authenticate(self, sock: socket.socket) -> TransferEndpoint:
+        challenge = await _recv_bytes(sock, wire.CHALLENGE_BYTES)
+        mine = os.urandom(wire.CHALLENGE_BYTES)
+        hello = wire.encode(wire.Hello(self._engine_id, mine,
+                                       wire.sign(self._secret, challenge, self._engine_id)))
+        await sock_io.send(sock, [wire.Header(wire.Op.HELLO, meta_len=len(hello)).pack(), hello])
+        header = wire.unpack_header(await _recv_bytes(sock, wire.HEADER.size))
+        body = await _recv_bytes(sock, header.meta_len)
+        if header.op == wire.Op.ERROR:
+            raise _error_from(wire.decode(body, wire.ErrorBody), "peer")
+        if header.op != wire.Op.WELCOME:
+            raise ProtocolViolation(f"expected WELCOME, got {header.op.name}")
+        welcome = wire.decode(body, wire.Welcome)
+        if not wire.is_signed(self._secret, mine, welcome.endpoint.engine_id, welcome.mac):
+            raise AuthenticationRefused(
+                f"peer {welcome.endpoint.engine_id!r} does not hold the shared secret")
+        return welcome.endpoint
+
+    async def close(self) -> None:
+        closed = TransferFailed("transfer engine closed")
+        for links in self._links.values():
+            for link in links:
+                link.close(closed)
+        self._links.clear()
+        await self._server.close()
+
+
+def _stripe(pieces: list[PlannedPiece], num_parts: int) -> list[list[PlannedPiece]]:
+    """Cut pieces into up to `num_parts` runs of about equal bytes."""
+    if num_parts <= 1:
+        return [pieces]
+    room = target = -(-sum(piece.length for piece in pieces) // num_parts)
+    parts: list[list[PlannedPiece]] = [[]]
+    for piece in pieces:
+        while piece.length > room:
+            if room:
+                parts[-1].append(PlannedPiece(piece.local[:room], piece.remote,
+                                              piece.remote_offset))
+                piece = PlannedPiece(piece.local[room:], piece.remote,
+                                     piece.remote_offset + room)
+            parts.append([])
+            room = target
+        parts[-1].append(piece)
+        room -= piece.length
+    return [part for part in parts if part]
+
+
+def _compress_all(pieces: list[PlannedPiece], compress: wire.Compression) -> list[bytes]:
+    return [compression.compress(piece.local, compress) for piece in pieces]

@@ -1,0 +1,150 @@
+"""The TCP wire protocol between two transfer engines (version 1).
+
+Every frame starts with a fixed 32-byte header; what follows depends on the op:
+
+    header  = magic "HMTE" | version u8 | op u8 | flags u16 | request_id u64
+              | num_pieces u32 | meta_len u32 | payload_len u64          (network order)
+    WRITE   = header | pieces | meta | payload    land payload in my segments, then ACK
+    READ    = header | pieces                     answer DATA with those bytes
+    DATA    = header | payload                    bytes of a READ, in piece order
+    NOTIFY  = header | meta                       deliver meta after earlier data, then ACK
+    ACK     = header
+    ERROR   = header | meta                       meta = ErrorBody (JSON)
+    piece   = segment_id u32 | offset u64 | length u64
+
+`meta` of WRITE and NOTIFY is `FrameMeta` (msgpack): the notifications of the writes merged
+into the frame and, for a compressed payload, how to decompress it.
+
+Handshake: the acceptor sends a 32-byte challenge; the connector answers `Hello` (its id, its
+own challenge, HMAC-SHA256(secret, acceptor challenge + its id)); the acceptor answers
+`Welcome` (its descriptor and HMAC(secret, connector challenge + its id)) or an ERROR frame
+and closes. Both sides therefore prove they hold the shared secret.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import struct
+from typing import TypeVar
+
+import msgspec
+
+from shared.messages import TransferEndpoint
+from transfer_engine.errors import ProtocolViolation
+
+MAGIC = b"HMTE"
+VERSION = 1
+HEADER = struct.Struct("!4sBBHQIIQ")
+PIECE = struct.Struct("!IQQ")
+CHALLENGE_BYTES = 32
+MAX_META_BYTES = 1 << 20
+MAX_PIECES = 1 << 20
+
+T = TypeVar("T")
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    WRITE = 3
+    READ = 4
+    DATA = 5
+    NOTIFY = 6
+    ACK = 7
+    ERROR = 8
+
+
+class ErrorKind(enum.StrEnum):
+    INVALID = "invalid"  # bad segment or bounds: the request is refused, the connection lives
+    PROTOCOL = "protocol"  # bytes that are not our protocol: the connection closes
+    AUTH = "auth"
+    INTERNAL = "internal"
+
+
+class Header(msgspec.Struct, frozen=True):
+    op: Op
+    request_id: int = 0
+    num_pieces: int = 0
+    meta_len: int = 0
+    payload_len: int = 0
+    flags: int = 0
+
+    def pack(self) -> bytes:
+        return HEADER.pack(MAGIC, VERSION, self.op, self.flags, self.request_id,
+                           self.num_pieces, self.meta_len, self.payload_len)
+
+
+def unpack_header(data: bytes | memoryview) -> Header:
+    magic, version, op, flags, request_id, num_pieces, meta_len, payload_len = \
+        HEADER.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolViolation(f"bad magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise ProtocolViolation(f"unsupported protocol version {version}")
+    try:
+        op = Op(op)
+    except ValueError as error:
+        raise ProtocolViolation(f"unknown op {op}") from error
+    if meta_len > MAX_META_BYTES or num_pieces > MAX_PIECES:
+        raise ProtocolViolation(f"frame too large: {num_pieces} pieces, {meta_len} meta bytes")
+    return Header(op, request_id, num_pieces, meta_len, payload_len, flags)
+
+
+def pack_pieces(pieces: list[tuple[int, int, int]]) -> bytes:
+    table = bytearray(PIECE.size * len(pieces))
+    for index, piece in enumerate(pieces):
+        PIECE.pack_into(table, index * PIECE.size, *piece)
+    return bytes(table)
+
+
+def unpack_pieces(table: bytes | memoryview) -> list[tuple[int, int, int]]:
+    return list(PIECE.iter_unpack(table))
+
+
+class Compression(msgspec.Struct, frozen=True):
+    """How a WRITE payload was quantized (see compression.py)."""
+
+    scheme: str
+    dtype: str
+    block_elems: int
+
+
+class FrameMeta(msgspec.Struct, frozen=True):
+    notifications: list[bytes] = []
+    compression: Compression | None = None
+
+
+class Hello(msgspec.Struct, frozen=True):
+    engine_id: str
+    challenge: bytes
+    mac: bytes
+
+
+class Welcome(msgspec.Struct, frozen=True):
+    endpoint: TransferEndpoint
+    mac: bytes
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    kind: ErrorKind
+    message: str
+
+
+def sign(secret: bytes, challenge: bytes, engine_id: str) -> bytes:
+    return hmac.new(secret, challenge + engine_id.encode(), hashlib.sha256).digest()
+
+
+def is_signed(secret: bytes, challenge: bytes, engine_id: str, mac: bytes) -> bool:
+    return hmac.compare_digest(sign(secret, challenge, engine_id), mac)
+
+
+encode = msgspec.msgpack.encode
+
+
+def decode(data: bytes | memoryview, kind: type[T]) -> T:
+    try:
+        return msgspec.msgpack.decode(data, type=kind)
+    except msgspec.DecodeError as error:
+        raise ProtocolViolation(f"malformed {kind.__name__}: {error}") from error
