@@ -106,6 +106,9 @@ class Link:
         for task in self._tasks:
             if task is not current:
                 task.cancel()
+        # Drop the tasks: a cancelled task's traceback holds its frame (and the views it was
+        # sending); keeping it here would tie that to this link in a reference cycle.
+        self._tasks.clear()
         self._sock.close()
         jobs = [*self._queue, *itertools.chain(*self._pending.values())]
         self._queue.clear()

@@ -1,0 +1,155 @@
+"""One suite, every transport: what any transport must do for the engine's callers."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tests.transfer.conftest import SEGMENT_BYTES, Pair
+from transfer_engine import compression
+from transfer_engine.errors import InvalidTransfer, PeerNotFound
+
+
+def fill(view: memoryview, seed: int) -> None:
+    view[:] = random.Random(seed).randbytes(view.nbytes)
+
+
+async def test_write_lands_the_bytes_and_reports_the_transport(pair: Pair) -> None:
+    fill(pair.source_kv, 1)
+    result = await pair.source.write("target-" + pair.transport,
+                                     [("kv", 4096, "kv", 65536, 100_000)])
+    assert pair.target_kv[65536:165536] == pair.source_kv[4096:104096]
+    assert pair.target_kv[:65536] == bytes(65536)  # nothing outside the piece changed
+    assert (result.transport, result.num_bytes, result.num_pieces) == (
+        pair.transport, 100_000, 1)
+    assert result.seconds > 0
+
+
+async def test_read_fetches_the_peers_bytes(pair: Pair) -> None:
+    fill(pair.target_kv, 2)
+    result = await pair.source.read(pair.target.config.engine_id,
+                                    [("kv", 0, "kv", 12345, 5000), ("kv", 9000, "kv", 0, 77)])
+    assert pair.source_kv[:5000] == pair.target_kv[12345:17345]
+    assert pair.source_kv[9000:9077] == pair.target_kv[:77]
+    assert result.transport == pair.transport
+
+
+async def test_notification_arrives_after_its_data(pair: Pair) -> None:
+    fill(pair.source_kv, 3)
+    await pair.source.write(pair.target.config.engine_id, [("kv", 0, "kv", 0, SEGMENT_BYTES)],
+                            notify=b"request r1 layer 3")
+    note = await asyncio.wait_for(pair.target.notifications.get(), 5)
+    assert note.payload == b"request r1 layer 3"
+    assert note.peer_id == pair.source.config.engine_id
+    assert pair.target_kv == pair.source_kv  # already landed when the note is read
+
+
+async def test_contiguous_pieces_are_coalesced(pair: Pair) -> None:
+    fill(pair.source_kv, 4)
+    batch = [("kv", i * 4096, "kv", i * 4096, 4096) for i in range(16)]
+    result = await pair.source.write(pair.target.config.engine_id, batch)
+    assert result.num_pieces == 1
+    assert pair.target_kv[:65536] == pair.source_kv[:65536]
+
+
+async def test_scattered_pieces_each_land_where_named(pair: Pair) -> None:
+    fill(pair.source_kv, 5)
+    rng = random.Random(5)
+    slots = rng.sample(range(0, SEGMENT_BYTES // 4096, 2), 100)  # never adjacent
+    batch = [("kv", i * 4096, "kv", slot * 4096, 4096) for i, slot in enumerate(slots)]
+    result = await pair.source.write(pair.target.config.engine_id, batch)
+    assert result.num_pieces == 100
+    for i, slot in enumerate(slots):
+        assert pair.target_kv[slot * 4096:(slot + 1) * 4096] == \
+            pair.source_kv[i * 4096:(i + 1) * 4096]
+
+
+async def test_many_concurrent_batches_all_land(pair: Pair) -> None:
+    fill(pair.source_kv, 6)
+    size = SEGMENT_BYTES // 64
+    writes = [pair.source.write(pair.target.config.engine_id,
+                                [("kv", i * size, "kv", (63 - i) * size, size)],
+                                notify=str(i).encode())
+              for i in range(64)]
+    results = await asyncio.gather(*writes)
+    assert sum(result.num_bytes for result in results) == SEGMENT_BYTES
+    for i in range(64):
+        assert pair.target_kv[(63 - i) * size:(64 - i) * size] == \
+            pair.source_kv[i * size:(i + 1) * size]
+    notes = {pair.target.notifications.get_nowait().payload for _ in range(64)}
+    assert notes == {str(i).encode() for i in range(64)}
+
+
+async def test_random_offsets_and_lengths(pair: Pair) -> None:
+    rng = random.Random(7)
+    fill(pair.source_kv, 7)
+    for _ in range(30):
+        length = rng.randint(1, 70_000)
+        local, remote = rng.randint(0, SEGMENT_BYTES - length), rng.randint(
+            0, SEGMENT_BYTES - length)
+        await pair.source.write(pair.target.config.engine_id,
+                                [("kv", local, "kv", remote, length)])
+        assert pair.target_kv[remote:remote + length] == pair.source_kv[local:local + length]
+
+
+async def test_torch_and_numpy_buffers_can_be_registered(pair: Pair) -> None:
+    tensor = torch.arange(1024, dtype=torch.bfloat16)
+    array = np.zeros(1024, dtype=np.float32)
+    await pair.source.register("tensor", tensor)
+    await pair.target.register("array", array)
+    await pair.source.write(pair.target.config.engine_id, [("tensor", 0, "array", 0, 2048)])
+    landed = torch.frombuffer(bytearray(array.tobytes()[:2048]), dtype=torch.bfloat16)
+    assert torch.equal(landed, tensor)
+
+
+@pytest.mark.parametrize(("scheme", "dtype", "torch_dtype"),
+                         [("fp8", "bfloat16", torch.bfloat16), ("int8", "float32", torch.float32)])
+async def test_compressed_write_lands_within_the_error_bound(
+        pair: Pair, scheme: str, dtype: str, torch_dtype: torch.dtype) -> None:
+    values = torch.frombuffer(pair.source_kv, dtype=torch_dtype)
+    values.copy_(torch.randn(values.numel()))
+    codec = compression.make(scheme, dtype)
+    result = await pair.source.write(pair.target.config.engine_id,
+                                     [("kv", 0, "kv", 0, SEGMENT_BYTES)], compression=codec)
+    landed = torch.frombuffer(pair.target_kv, dtype=torch_dtype).float()
+    error = (landed - values.float()).abs().max().item()
+    # Shared memory moves bytes as they are: exact, and it says so.
+    expected = None if pair.transport == "shm" else scheme
+    assert result.compression == expected
+    if expected is None:
+        assert error == 0
+    else:
+        assert 0 < error < 0.5
+
+
+async def test_a_piece_outside_the_remote_segment_is_refused_before_sending(
+        pair: Pair) -> None:
+    fill(pair.source_kv, 8)
+    with pytest.raises(InvalidTransfer, match="outside segment 'kv'"):
+        await pair.source.write(pair.target.config.engine_id,
+                                [("kv", 0, "kv", SEGMENT_BYTES - 10, 11)])
+    assert pair.target_kv == bytes(SEGMENT_BYTES)
+
+
+async def test_an_unknown_segment_is_refused(pair: Pair) -> None:
+    with pytest.raises(InvalidTransfer, match="no segment 'nope'"):
+        await pair.source.write(pair.target.config.engine_id, [("kv", 0, "nope", 0, 10)])
+    with pytest.raises(InvalidTransfer, match="no local segment named 'nope'"):
+        await pair.source.write(pair.target.config.engine_id, [("nope", 0, "kv", 0, 10)])
+
+
+async def test_an_unknown_peer_is_refused(pair: Pair) -> None:
+    with pytest.raises(PeerNotFound, match="'ghost'"):
+        await pair.source.write("ghost", [("kv", 0, "kv", 0, 10)])
+
+
+async def test_writes_after_close_are_refused(pair: Pair) -> None:
+    await pair.source.close()
+    with pytest.raises(InvalidTransfer, match="not running"):
+        await pair.source.write(pair.target.config.engine_id, [("kv", 0, "kv", 0, 10)])
+
+
