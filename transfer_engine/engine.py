@@ -34,7 +34,7 @@ from transfer_engine.memory import LocalMemory
 from transfer_engine.registry import EndpointRegistry
 from transfer_engine.segment import check_bounds, sweep_orphans
 from transfer_engine.shm import ShmTransport
-from transfer_engine.tcp import TcpOptions, TcpTransport
+from transfer_engine.tcp import TcpOptions, TcpStats, TcpTransport
 from transfer_engine.transport import Plan, PlannedPiece, Transport
 from transfer_engine.wire import Compression
 
@@ -62,6 +62,9 @@ class TransferConfig:
     advertise_host: str | None = None  # what peers dial; defaults to listen_host
     transports: tuple[str, ...] = ("rdma", "shm", "tcp")  # preference order
     timeout_s: float = 30.0
+    rdma_device: str | None = None  # default: the first device found
+    rdma_port_num: int = 1
+    rdma_gid_index: int = 0
     tcp: TcpOptions = field(default_factory=TcpOptions)
 
 
@@ -122,6 +125,12 @@ class TransferEngine:
         return None
 
     @property
+    def tcp_stats(self) -> TcpStats:
+        if self._tcp is None:
+            raise InvalidTransfer("the transfer engine is not running")
+        return self._tcp.stats
+
+    @property
     def transport_names(self) -> list[str]:
         return [transport.name for transport in self._transports]
 
@@ -180,8 +189,9 @@ class TransferEngine:
         endpoint = await self._resolve(peer, {piece.remote_segment for piece in pieces})
         planned = self._plan(endpoint, pieces)
         transport = self._choose(endpoint, [piece.remote for piece in planned])
-        if compression is not None and transport.name == "shm":
-            compression = None  # nothing crosses a wire; quantizing would only lose precision
+        if compression is not None and transport.name in ("shm", "rdma"):
+            # One-sided transports leave the receiver's CPU out: nothing could dequantize.
+            compression = None
         if compression is not None:
             for piece in planned:
                 quantization.compressed_size(piece.length, compression)  # checks alignment

@@ -10,11 +10,14 @@ which refuses anything outside the segment.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from shared.messages import SegmentInfo
 from transfer_engine.errors import InvalidTransfer
@@ -35,6 +38,13 @@ def as_byte_view(buffer: Any) -> memoryview:
     if not view.c_contiguous:
         raise InvalidTransfer("cannot register a non-contiguous buffer")
     return view.cast("B")
+
+
+def buffer_address(view: memoryview) -> int:
+    """The address of a C-contiguous, non-empty byte view's first byte."""
+    if view.readonly:  # ctypes maps only writable buffers; numpy takes either
+        return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _is_torch_tensor(buffer: Any) -> bool:

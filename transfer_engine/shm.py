@@ -11,11 +11,9 @@ from __future__ import annotations
 import asyncio
 import ctypes
 
-import numpy as np
-
 from shared.messages import SegmentInfo, TransferEndpoint
 from transfer_engine.errors import TransferFailed
-from transfer_engine.segment import SharedMemoryRegion
+from transfer_engine.segment import SharedMemoryRegion, buffer_address
 from transfer_engine.tcp import TcpTransport
 from transfer_engine.transport import Plan
 
@@ -71,7 +69,7 @@ class ShmTransport:
             except OSError as error:
                 raise TransferFailed(f"cannot map {peer.engine_id!r}'s segment "
                                      f"{info.name!r}: {error}") from error
-            mapped = self._mapped[key] = (region, _address(region.buffer))
+            mapped = self._mapped[key] = (region, buffer_address(region.buffer))
         return mapped[1]
 
     def forget(self, engine_id: str) -> None:
@@ -91,15 +89,8 @@ Copy = tuple[int, memoryview, bool]  # (remote address, local view, is_write)
 
 def _copy_all(copies: list[Copy]) -> None:
     for remote, local, is_write in copies:
-        here = _address(local)
+        here = buffer_address(local)
         if is_write:
             ctypes.memmove(remote, here, local.nbytes)
         else:
             ctypes.memmove(here, remote, local.nbytes)
-
-
-def _address(view: memoryview) -> int:
-    """The address of a view's first byte (views here are C-contiguous and never empty)."""
-    if view.readonly:  # ctypes maps only writable buffers; numpy takes either
-        return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))

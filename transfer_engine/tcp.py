@@ -45,6 +45,15 @@ class TcpOptions:
     frame_timeout_s: float = 30.0
 
 
+@dataclass
+class TcpStats:
+    """Counters of the outbound side, for metrics and tests."""
+
+    num_frames_sent: int = 0
+    num_transfers_sent: int = 0  # > num_frames_sent when writes were merged
+    num_links_opened: int = 0
+
+
 @dataclass(eq=False)
 class _Job:
     op: wire.Op
@@ -53,6 +62,8 @@ class _Job:
     notifications: list[bytes] = field(default_factory=list)
     compression: wire.Compression | None = None
     payload: list[bytes] | None = None  # compressed pieces, when compressing
+    meta: bytes = b""  # the body of a control request (RDMA_CONNECT)
+    reply: bytes = b""  # the body of its ACK
 
     @property
     def is_mergeable(self) -> bool:
@@ -70,9 +81,10 @@ class _Job:
 class Link:
     """One authenticated connection to a peer."""
 
-    def __init__(self, sock: socket.socket, peer_id: str) -> None:
+    def __init__(self, sock: socket.socket, peer_id: str, stats: TcpStats) -> None:
         self.peer_id = peer_id
         self._sock = sock
+        self._stats = stats
         self._queue: deque[_Job] = deque()
         self._has_work = asyncio.Event()
         self._pending: dict[int, list[_Job]] = {}
@@ -126,6 +138,8 @@ class Link:
                     self._has_work.clear()
                 request_id = next(self._request_ids)
                 self._pending[request_id] = jobs
+                self._stats.num_frames_sent += 1
+                self._stats.num_transfers_sent += len(jobs)
                 await sock_io.send(self._sock, _frame(request_id, jobs))
         except OSError as error:
             self.close(TransferFailed(f"connection to {self.peer_id!r} lost: {error}"))
@@ -163,6 +177,8 @@ class Link:
         if jobs is None or header.op not in (wire.Op.ACK, wire.Op.DATA):
             raise ProtocolViolation(f"unexpected {header.op.name} for request "
                                     f"{header.request_id} from {self.peer_id!r}")
+        if header.op == wire.Op.ACK and header.meta_len:
+            jobs[0].reply = await _recv_bytes(self._sock, header.meta_len)
         if header.op == wire.Op.DATA:
             views = [piece.local for piece in jobs[0].pieces]
             if header.payload_len != sum(view.nbytes for view in views):
@@ -202,7 +218,9 @@ def _frame(request_id: int, jobs: list[_Job]) -> list[memoryview | bytes]:
     meta = (wire.encode(wire.FrameMeta(notifications, first.compression))
             if notifications or first.compression else b"")
     if first.op == wire.Op.READ:
-        return [wire.Header(wire.Op.READ, request_id, len(jobs[0].pieces)).pack(), table]
+        return [wire.Header(wire.Op.READ, request_id, len(first.pieces)).pack(), table]
+    if first.op == wire.Op.RDMA_CONNECT:
+        return [wire.Header(first.op, request_id, meta_len=len(first.meta)).pack(), first.meta]
     payload = [view for job in jobs for view in job.payload_views()]
     header = wire.Header(first.op, request_id, num_pieces=len(table) // wire.PIECE.size,
                          meta_len=len(meta), payload_len=sum(len(v) for v in payload))
@@ -227,6 +245,7 @@ class TcpTransport:
         self._options = options
         self._server = TcpServer(secret, memory, deliver, endpoint, options.frame_timeout_s)
         self._links: dict[str, list[Link]] = {}
+        self.stats = TcpStats()
         self._connecting: dict[str, asyncio.Lock] = {}
 
     async def start(self, host: str, port: int) -> int:
@@ -260,6 +279,18 @@ class TcpTransport:
                      timeout_s: float) -> None:
         """Deliver notifications alone (after a one-sided transfer by another transport)."""
         await self._run(peer, timeout_s, [self._job(wire.Op.NOTIFY, [], notifications)])
+
+    async def request(self, peer: TransferEndpoint, op: wire.Op, meta: bytes,
+                      timeout_s: float) -> bytes:
+        """Send one control request on a link to `peer`; return the body of its ACK."""
+        job = self._job(op, [])
+        job.meta = meta
+        await self._run(peer, timeout_s, [job])
+        return job.reply
+
+    @property
+    def server(self) -> TcpServer:
+        return self._server
 
     def _job(self, op: wire.Op, pieces: list[PlannedPiece], notifications: list[bytes] = (),
              compress: wire.Compression | None = None,
@@ -304,7 +335,8 @@ class TcpTransport:
             sock.close()
             raise TransferFailed(f"{peer.tcp_host}:{peer.tcp_port} is {endpoint.engine_id!r}, "
                                  f"not {peer.engine_id!r}")
-        return Link(sock, peer.engine_id)
+        self.stats.num_links_opened += 1
+        return Link(sock, peer.engine_id, self.stats)
 
     async def handshake(self, host: str, port: int) -> tuple[socket.socket, TransferEndpoint]:
         """Connect and authenticate both ways; return the socket and the peer's descriptor

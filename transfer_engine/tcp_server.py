@@ -19,7 +19,12 @@ import structlog
 
 from shared.messages import TransferEndpoint
 from transfer_engine import compression, sock_io, wire
-from transfer_engine.errors import AuthenticationRefused, InvalidTransfer, ProtocolViolation
+from transfer_engine.errors import (
+    AuthenticationRefused,
+    InvalidTransfer,
+    ProtocolViolation,
+    TransferFailed,
+)
 from transfer_engine.memory import LocalMemory, WirePiece
 from transfer_engine.transport import Deliver
 
@@ -39,6 +44,8 @@ class TcpServer:
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._socks: set[socket.socket] = set()
+        # Set by the RDMA transport: make a queue pair for a connecting peer, return its info.
+        self.accept_rdma: Callable[[str, wire.QpInfo], wire.QpInfo] | None = None
 
     async def start(self, host: str, port: int) -> int:
         """Listen; return the bound port."""
@@ -117,6 +124,9 @@ class TcpServer:
     async def _handle(self, sock: socket.socket, peer_id: str, header: wire.Header) -> None:
         table = wire.unpack_pieces(await _recv_bytes(sock, header.num_pieces * wire.PIECE.size))
         meta_bytes = await _recv_bytes(sock, header.meta_len)
+        if header.op == wire.Op.RDMA_CONNECT:
+            await self._connect_rdma(sock, peer_id, header, meta_bytes)
+            return
         meta = wire.decode(meta_bytes, wire.FrameMeta) if meta_bytes else wire.FrameMeta()
         match header.op:
             case wire.Op.WRITE:
@@ -131,6 +141,20 @@ class TcpServer:
                 await sock_io.send(sock, [wire.Header(wire.Op.ACK, header.request_id).pack()])
             case _:
                 raise ProtocolViolation(f"unexpected {header.op.name} from a peer")
+
+    async def _connect_rdma(self, sock: socket.socket, peer_id: str, header: wire.Header,
+                            meta_bytes: bytes) -> None:
+        if self.accept_rdma is None:
+            await _send_error(sock, header.request_id, wire.ErrorKind.INVALID,
+                              "this engine has no RDMA device")
+            return
+        try:
+            reply = wire.encode(self.accept_rdma(peer_id, wire.decode(meta_bytes, wire.QpInfo)))
+        except TransferFailed as error:
+            await _send_error(sock, header.request_id, wire.ErrorKind.INVALID, error.message)
+            return
+        await sock_io.send(sock, [wire.Header(wire.Op.ACK, header.request_id,
+                                              meta_len=len(reply)).pack(), reply])
 
     async def _land(self, sock: socket.socket, header: wire.Header,
                     table: list[WirePiece], meta: wire.FrameMeta) -> bool:

@@ -8,8 +8,9 @@ Every frame starts with a fixed 32-byte header; what follows depends on the op:
     READ    = header | pieces                     answer DATA with those bytes
     DATA    = header | payload                    bytes of a READ, in piece order
     NOTIFY  = header | meta                       deliver meta after earlier data, then ACK
-    ACK     = header
-    ERROR   = header | meta                       meta = ErrorBody (JSON)
+    ACK     = header [| meta]                     meta = QpInfo, answering RDMA_CONNECT
+    ERROR   = header | meta                       meta = ErrorBody
+    RDMA_CONNECT = header | meta                  meta = QpInfo of the connector's queue pair
     piece   = segment_id u32 | offset u64 | length u64
 
 `meta` of WRITE and NOTIFY is `FrameMeta` (msgpack): the notifications of the writes merged
@@ -54,6 +55,7 @@ class Op(enum.IntEnum):
     NOTIFY = 6
     ACK = 7
     ERROR = 8
+    RDMA_CONNECT = 9
 
 
 class ErrorKind(enum.StrEnum):
@@ -114,6 +116,16 @@ class Compression(msgspec.Struct, frozen=True):
 class FrameMeta(msgspec.Struct, frozen=True):
     notifications: list[bytes] = []
     compression: Compression | None = None
+
+
+class QpInfo(msgspec.Struct, frozen=True):
+    """One side of an RDMA RC queue-pair connection, exchanged over the TCP handshake."""
+
+    qp_num: int
+    psn: int
+    lid: int
+    gid: str
+    mtu: int
 
 
 class Hello(msgspec.Struct, frozen=True):

@@ -9,14 +9,18 @@ from dataclasses import dataclass
 import pytest
 
 from transfer_engine.engine import TransferConfig, TransferEngine
+from transfer_engine.rdma import detect_devices
 from transfer_engine.registry import LocalEndpointRegistry
 from transfer_engine.tcp import TcpOptions
 
 SECRET = b"test-secret"
 SEGMENT_BYTES = 1 << 20
 
-# The transports the conformance suite runs against; rdma joins where hardware exists.
-TRANSPORTS = ["shm", "tcp", "loopback"]
+# The transports the conformance suite runs against; rdma runs where a device exists.
+TRANSPORTS = ["shm", "tcp", "loopback", pytest.param("rdma", marks=[
+    pytest.mark.rdma,
+    pytest.mark.skipif(not detect_devices(), reason="no RDMA device: pyverbs is missing or "
+                       "get_device_list() found none; the rdma transport is untested here")])]
 
 
 def make_engine(engine_id: str, transports: tuple[str, ...], registry: LocalEndpointRegistry,
@@ -41,7 +45,7 @@ class Pair:
 
 
 async def start_pair(transport: str, **options: object) -> Pair:
-    transports = (transport, "tcp") if transport == "shm" else (transport,)
+    transports = (transport, "tcp") if transport in ("shm", "rdma") else (transport,)
     registry = LocalEndpointRegistry()
     source = make_engine(f"source-{transport}", transports, registry, **options)
     target = make_engine(f"target-{transport}", transports, registry, **options)

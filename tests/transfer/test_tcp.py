@@ -1,0 +1,101 @@
+"""What only the TCP transport does: merging queued writes, striping large ones, the direct
+handshake, and random batches (hypothesis) against a reference copy."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.transfer.conftest import SECRET, SEGMENT_BYTES, Pair, start_pair
+from transfer_engine.engine import TransferConfig, TransferEngine
+from transfer_engine.errors import PeerNotFound
+
+
+@pytest.fixture
+async def tcp_pair() -> Pair:
+    running = await start_pair("tcp", stripe_min_bytes=256 << 10, num_streams=4)
+    yield running
+    await running.source.close()
+    await running.target.close()
+
+
+async def test_concurrent_small_writes_to_one_peer_are_merged(tcp_pair: Pair) -> None:
+    tcp_pair.source_kv[:] = os.urandom(SEGMENT_BYTES)
+    target = tcp_pair.target.config.engine_id
+    await tcp_pair.source.write(target, [("kv", 0, "kv", 0, 16)])  # open the link
+    stats = tcp_pair.source.tcp_stats
+    frames_before, transfers_before = stats.num_frames_sent, stats.num_transfers_sent
+    await asyncio.gather(*(tcp_pair.source.write(target, [("kv", i * 4096, "kv", i * 4096, 4096)],
+                                                 notify=b"%d" % i) for i in range(100)))
+    assert stats.num_transfers_sent - transfers_before == 100
+    assert stats.num_frames_sent - frames_before < 100
+    assert tcp_pair.target_kv[:409600] == tcp_pair.source_kv[:409600]
+    assert tcp_pair.target.notifications.qsize() == 100
+
+
+async def test_a_large_write_is_striped_over_several_connections(tcp_pair: Pair) -> None:
+    tcp_pair.source_kv[:] = os.urandom(SEGMENT_BYTES)
+    result = await tcp_pair.source.write(tcp_pair.target.config.engine_id,
+                                         [("kv", 0, "kv", 0, SEGMENT_BYTES)], notify=b"done")
+    assert tcp_pair.source.tcp_stats.num_links_opened == 4
+    assert tcp_pair.target_kv == tcp_pair.source_kv
+    assert result.num_bytes == SEGMENT_BYTES
+    assert (await tcp_pair.target.notifications.get()).payload == b"done"
+
+
+async def test_a_peer_is_reachable_by_address_without_a_registry(tcp_pair: Pair) -> None:
+    loner = TransferEngine(TransferConfig(engine_id="loner", secret=SECRET,
+                                          transports=("tcp",)))
+    await loner.start()
+    try:
+        await loner.register("buf", bytearray(b"hello world"))
+        with pytest.raises(PeerNotFound):
+            await loner.write(tcp_pair.target.config.engine_id, [("buf", 0, "kv", 0, 11)])
+        port = tcp_pair.target.endpoint().tcp_port
+        result = await loner.write(f"tcp://127.0.0.1:{port}", [("buf", 0, "kv", 0, 11)])
+        assert result.transport == "tcp"
+        assert tcp_pair.target_kv[:11] == b"hello world"
+    finally:
+        await loner.close()
+
+
+@pytest.fixture(scope="module")
+def own_loop_pair() -> Iterator[tuple[asyncio.AbstractEventLoop, Pair]]:
+    """Hypothesis drives a synchronous test, so this pair runs on its own event loop."""
+    loop = asyncio.new_event_loop()
+    pair = loop.run_until_complete(start_pair("tcp", stripe_min_bytes=64 << 10))
+    yield loop, pair
+    loop.run_until_complete(pair.source.close())
+    loop.run_until_complete(pair.target.close())
+    loop.close()
+
+
+pieces = st.lists(st.tuples(st.integers(0, SEGMENT_BYTES - 1), st.integers(0, SEGMENT_BYTES - 1),
+                            st.integers(1, 200_000)), min_size=1, max_size=40)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=pieces, seed=st.integers(0, 1 << 30))
+def test_random_batches_land_exactly_as_a_reference_copy_says(
+        own_loop_pair: tuple[asyncio.AbstractEventLoop, Pair],
+        batch: list[tuple[int, int, int]], seed: int) -> None:
+    loop, pair = own_loop_pair
+    pair.source_kv[:] = seed.to_bytes(4, "little") * (SEGMENT_BYTES // 4)
+    pair.source_kv[:SEGMENT_BYTES // 2] = os.urandom(SEGMENT_BYTES // 2)
+    expected = bytearray(pair.target_kv)
+    used: list[tuple[int, int]] = []
+    transfer = []
+    for local, remote, length in batch:
+        length = min(length, SEGMENT_BYTES - local, SEGMENT_BYTES - remote)
+        if any(remote < end and start < remote + length for start, end in used):
+            continue  # a batch's targets must not overlap; the order would be unspecified
+        used.append((remote, remote + length))
+        expected[remote:remote + length] = pair.source_kv[local:local + length]
+        transfer.append(("kv", local, "kv", remote, length))
+    loop.run_until_complete(pair.source.write(pair.target.config.engine_id, transfer))
+    assert pair.target_kv == expected
