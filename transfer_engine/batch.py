@@ -1,9 +1,29 @@
-"""What a transfer is made of: pieces, their coalescing, and the result of a transfer."""
+"""What a transfer is made of: pieces, runs of pieces as arrays, and the result.
+
+A caller names pieces as `TransferPiece` tuples, or, for thousands of KV blocks at once, as a
+`PieceArrays` (numpy offsets and lengths between one local and one remote segment). Either
+way the engine turns them into `Run`s: numpy arrays, coalesced and bounds-checked with a few
+vector operations, so planning a 1,000-piece batch costs microseconds, not a Python loop.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from functools import cached_property
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from transfer_engine.errors import InvalidTransfer
+from transfer_engine.segment import check_bounds
+
+# Below this many pieces, plain Python loops beat numpy's per-call overhead.
+_SMALL_BATCH = 16
+
+if TYPE_CHECKING:
+    from shared.messages import SegmentInfo
+    from transfer_engine.segment import Segment
 
 
 class TransferPiece(NamedTuple):
@@ -15,6 +35,17 @@ class TransferPiece(NamedTuple):
     remote_segment: str
     remote_offset: int
     length: int
+
+
+@dataclass(frozen=True)
+class PieceArrays:
+    """Many pieces between one local and one remote segment, as equal-length integer arrays."""
+
+    local_segment: str
+    remote_segment: str
+    local_offsets: np.ndarray
+    remote_offsets: np.ndarray
+    lengths: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -43,23 +74,123 @@ class Notification:
     payload: bytes
 
 
-def coalesce(pieces: list[TransferPiece]) -> list[TransferPiece]:
-    """Merge pieces that are contiguous on both sides into one; drop empty pieces. Order is
-    kept otherwise, so a caller's batch with overlapping targets lands as written."""
-    merged: list[TransferPiece] = []
-    for piece in pieces:
-        if piece.length == 0:
-            continue
-        if merged and _continues(merged[-1], piece):
-            last = merged[-1]
-            merged[-1] = last._replace(length=last.length + piece.length)
-        else:
-            merged.append(piece)
-    return merged
+@dataclass(frozen=True)
+class Run:
+    """Checked pieces between one local segment and one remote segment (int64 arrays)."""
+
+    local: Segment
+    remote: SegmentInfo
+    local_offsets: np.ndarray
+    remote_offsets: np.ndarray
+    lengths: np.ndarray
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.lengths)
+
+    @cached_property
+    def num_bytes(self) -> int:
+        return int(self.lengths.sum())
+
+    def local_views(self) -> list[memoryview]:
+        data = self.local.data
+        return [data[offset:offset + length] for offset, length
+                in zip(self.local_offsets.tolist(), self.lengths.tolist(), strict=True)]
+
+    def take(self, start: int, stop: int) -> Run:
+        return Run(self.local, self.remote, self.local_offsets[start:stop],
+                   self.remote_offsets[start:stop], self.lengths[start:stop])
 
 
-def _continues(last: TransferPiece, piece: TransferPiece) -> bool:
-    return (piece.local_segment == last.local_segment
-            and piece.remote_segment == last.remote_segment
-            and piece.local_offset == last.local_offset + last.length
-            and piece.remote_offset == last.remote_offset + last.length)
+def group(batch: object) -> list[PieceArrays]:
+    """Split a batch of `TransferPiece`s (or one `PieceArrays`) into arrays per pair of
+    segments, keeping the pieces' order within each pair."""
+    if isinstance(batch, PieceArrays):
+        return [batch]
+    pieces: list[tuple[str, int, str, int, int]] = list(batch)  # type: ignore[call-overload]
+    if not pieces:
+        return []
+    if any(len(piece) != 5 for piece in pieces):
+        raise InvalidTransfer("a piece is (local segment, local offset, remote segment, "
+                              "remote offset, length)")
+    names = [(piece[0], piece[2]) for piece in pieces]
+    numbers = np.array([(piece[1], piece[3], piece[4]) for piece in pieces])
+    if numbers.dtype.kind not in "iu" or numbers.ndim != 2:
+        raise InvalidTransfer("offsets and lengths must be integers that fit in 64 bits")
+    numbers = numbers.astype(np.int64)
+    groups = []
+    for local, remote in dict.fromkeys(names):
+        mine = np.array([name == (local, remote) for name in names]) if len(
+            set(names)) > 1 else slice(None)
+        groups.append(PieceArrays(local, remote, numbers[mine, 0], numbers[mine, 1],
+                                  numbers[mine, 2]))
+    return groups
+
+
+def coalesce(local_offsets: np.ndarray, remote_offsets: np.ndarray,
+             lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Drop empty pieces and merge each piece into the one before it when both sides are
+    contiguous. Order is kept, so overlapping targets land as listed."""
+    if len(lengths) == 1:
+        return (local_offsets, remote_offsets, lengths) if lengths[0] else (
+            local_offsets[:0], remote_offsets[:0], lengths[:0])
+    keep = lengths != 0
+    if not keep.all():
+        local_offsets, remote_offsets, lengths = (local_offsets[keep], remote_offsets[keep],
+                                                  lengths[keep])
+    if len(lengths) < 2:
+        return local_offsets, remote_offsets, lengths
+    ends_local = local_offsets[:-1] + lengths[:-1]
+    joins = (ends_local == local_offsets[1:]) & (
+        remote_offsets[:-1] + lengths[:-1] == remote_offsets[1:])
+    if not joins.any():
+        return local_offsets, remote_offsets, lengths
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return local_offsets[starts], remote_offsets[starts], np.add.reduceat(lengths, starts)
+
+
+def check_ranges(name: str, size_bytes: int, offsets: np.ndarray, lengths: np.ndarray) -> None:
+    """`InvalidTransfer` naming the first piece outside `[0, size_bytes)`."""
+    if len(lengths) <= _SMALL_BATCH:  # a few numpy calls cost more than a short loop
+        for offset, length in zip(offsets.tolist(), lengths.tolist(), strict=True):
+            check_bounds(name, size_bytes, offset, length)
+        return
+    # Written so that no sum can overflow int64 (a peer controls these numbers).
+    bad = (offsets < 0) | (lengths < 0) | (offsets > size_bytes) | (lengths > size_bytes - offsets)
+    if bad.any():
+        index = int(np.argmax(bad))
+        start, length = int(offsets[index]), int(lengths[index])
+        raise InvalidTransfer(f"piece [{start}, {start + length}) is outside segment {name!r} "
+                              f"of {size_bytes} bytes")
+
+
+def stripe(runs: list[Run], num_parts: int) -> list[list[Run]]:
+    """Cut runs into up to `num_parts` parts of about equal bytes (splitting a piece where a
+    boundary falls inside it): one part per connection."""
+    total = sum(run.num_bytes for run in runs)
+    if num_parts <= 1 or total == 0:
+        return [runs]
+    target = -(-total // num_parts)
+    parts: list[list[Run]] = [[] for _ in range(num_parts)]
+    for run, start_byte in _with_start_bytes(runs):
+        ends = start_byte + np.cumsum(run.lengths)
+        starts = ends - run.lengths
+        for part in range(int(starts[0] // target), int((ends[-1] - 1) // target) + 1):
+            low, high = part * target, (part + 1) * target
+            cut_start = np.clip(low - starts, 0, run.lengths)
+            cut_end = np.clip(high - starts, 0, run.lengths)
+            inside = cut_end > cut_start
+            if inside.any():
+                parts[part].append(Run(run.local, run.remote,
+                                       (run.local_offsets + cut_start)[inside],
+                                       (run.remote_offsets + cut_start)[inside],
+                                       (cut_end - cut_start)[inside]))
+    return [part for part in parts if part]
+
+
+def _with_start_bytes(runs: list[Run]) -> Iterator[tuple[Run, int]]:
+    start = 0
+    for run in runs:
+        if run.num_pieces:
+            yield run, start
+            start += run.num_bytes

@@ -37,6 +37,15 @@ def make(scheme: str, dtype: str, block_elems: int = DEFAULT_BLOCK_ELEMS) -> Com
     return Compression(scheme=scheme, dtype=dtype, block_elems=block_elems)
 
 
+def check_lengths(lengths: Any, compression: Compression) -> None:
+    """`InvalidTransfer` unless every piece length is whole elements of the dtype."""
+    itemsize = _itemsize(compression)
+    bad = lengths % itemsize != 0
+    if bad.any():
+        raise InvalidTransfer(f"a {compression.dtype} piece cannot be "
+                              f"{int(lengths[bad][0])} bytes long")
+
+
 def compressed_size(num_bytes: int, compression: Compression) -> int:
     num_elems = _num_elems(num_bytes, compression)
     return num_elems + _SCALE_BYTES * -(-num_elems // compression.block_elems)
@@ -78,10 +87,14 @@ def decompress_into(payload: memoryview, compression: Compression,
 
 
 def _num_elems(num_bytes: int, compression: Compression) -> int:
-    itemsize = 4 if compression.dtype == "float32" else 2
+    itemsize = _itemsize(compression)
     if num_bytes % itemsize:
         raise InvalidTransfer(f"a {compression.dtype} piece cannot be {num_bytes} bytes long")
     return num_bytes // itemsize
+
+
+def _itemsize(compression: Compression) -> int:
+    return 4 if compression.dtype == "float32" else 2
 
 
 def _as_tensor(view: memoryview, dtype: Any) -> Any:

@@ -23,26 +23,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import structlog
 
 from shared.messages import SegmentInfo, TransferEndpoint
 from transfer_engine import compression as quantization
-from transfer_engine.batch import Notification, TransferPiece, TransferResult, coalesce
+from transfer_engine.batch import (
+    Notification,
+    PieceArrays,
+    Run,
+    TransferPiece,
+    TransferResult,
+    check_ranges,
+    coalesce,
+    group,
+)
 from transfer_engine.errors import InvalidTransfer, PeerNotFound
 from transfer_engine.loopback import LoopbackTransport
 from transfer_engine.memory import LocalMemory
 from transfer_engine.registry import EndpointRegistry
-from transfer_engine.segment import check_bounds, sweep_orphans
+from transfer_engine.segment import sweep_orphans
 from transfer_engine.shm import ShmTransport
 from transfer_engine.tcp import TcpOptions, TcpStats, TcpTransport
-from transfer_engine.transport import Plan, PlannedPiece, Transport
+from transfer_engine.transport import Plan, Transport
 from transfer_engine.wire import Compression
 
 log = structlog.get_logger(__name__)
 
 TRANSPORTS = ("rdma", "shm", "tcp", "loopback")
 Peer = str | TransferEndpoint  # an engine id, "tcp://host:port", or a descriptor
-Batch = Sequence[TransferPiece | tuple[str, int, str, int, int]]
+Batch = Sequence[TransferPiece | tuple[str, int, str, int, int]] | PieceArrays
 
 
 def default_host_id() -> str:
@@ -185,21 +195,21 @@ class TransferEngine:
         if self._is_closed or self._tcp is None:
             raise InvalidTransfer("the transfer engine is not running")
         started = time.perf_counter()
-        pieces = coalesce([TransferPiece(*piece) for piece in batch])
-        endpoint = await self._resolve(peer, {piece.remote_segment for piece in pieces})
-        planned = self._plan(endpoint, pieces)
-        transport = self._choose(endpoint, [piece.remote for piece in planned])
+        groups = group(batch)
+        endpoint = await self._resolve(peer, {pieces.remote_segment for pieces in groups})
+        runs = self._plan(endpoint, groups, is_read=not is_write)
+        transport = self._choose(endpoint, [run.remote for run in runs])
         if compression is not None and transport.name in ("shm", "rdma"):
             # One-sided transports leave the receiver's CPU out: nothing could dequantize.
             compression = None
         if compression is not None:
-            for piece in planned:
-                quantization.compressed_size(piece.length, compression)  # checks alignment
-        plan = Plan(endpoint, planned, notifications, compression,
+            for run in runs:
+                quantization.check_lengths(run.lengths, compression)
+        plan = Plan(endpoint, runs, notifications, compression,
                     timeout_s or self.config.timeout_s)
         await (transport.write(plan) if is_write else transport.read(plan))
         return TransferResult(num_bytes=plan.num_bytes, seconds=time.perf_counter() - started,
-                              transport=transport.name, num_pieces=len(planned),
+                              transport=transport.name, num_pieces=plan.num_pieces,
                               compression=compression.scheme if compression else None)
 
     async def _resolve(self, peer: Peer, segment_names: set[str]) -> TransferEndpoint:
@@ -233,20 +243,27 @@ class TransferEngine:
         self._peers[endpoint.engine_id] = endpoint
         return endpoint
 
-    def _plan(self, endpoint: TransferEndpoint,
-              pieces: list[TransferPiece]) -> list[PlannedPiece]:
+    def _plan(self, endpoint: TransferEndpoint, groups: list[PieceArrays],
+              *, is_read: bool) -> list[Run]:
+        """Coalesce and bounds-check every group against both segments."""
         remote_segments = {info.name: info for info in endpoint.segments}
-        planned = []
-        for piece in pieces:
-            local = self._memory.get(piece.local_segment).view(
-                piece.local_offset, piece.length)
-            remote = remote_segments.get(piece.remote_segment)
+        runs = []
+        for pieces in groups:
+            local = self._memory.get(pieces.local_segment)
+            if is_read and not local.is_writable:
+                raise InvalidTransfer(f"segment {local.name!r} is read-only")
+            remote = remote_segments.get(pieces.remote_segment)
             if remote is None:
                 raise InvalidTransfer(f"{endpoint.engine_id!r} has no segment "
-                                      f"{piece.remote_segment!r}")
-            check_bounds(remote.name, remote.size_bytes, piece.remote_offset, piece.length)
-            planned.append(PlannedPiece(local, remote, piece.remote_offset))
-        return planned
+                                      f"{pieces.remote_segment!r}")
+            local_offsets, remote_offsets, lengths = coalesce(
+                *(np.asarray(numbers, dtype=np.int64) for numbers in (
+                    pieces.local_offsets, pieces.remote_offsets, pieces.lengths)))
+            check_ranges(local.name, local.size_bytes, local_offsets, lengths)
+            check_ranges(remote.name, remote.size_bytes, remote_offsets, lengths)
+            if len(lengths):
+                runs.append(Run(local, remote, local_offsets, remote_offsets, lengths))
+        return runs
 
     def _choose(self, endpoint: TransferEndpoint, remote: list[SegmentInfo]) -> Transport:
         for transport in self._transports:

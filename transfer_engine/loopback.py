@@ -8,7 +8,7 @@ undone as on a wire, so its error shows here too.
 from __future__ import annotations
 
 from shared.messages import SegmentInfo, TransferEndpoint
-from transfer_engine import compression
+from transfer_engine import compression, wire
 from transfer_engine.errors import TransferFailed
 from transfer_engine.memory import LocalMemory
 from transfer_engine.transport import Deliver, Plan
@@ -28,20 +28,22 @@ class LoopbackTransport:
 
     async def write(self, plan: Plan) -> None:
         memory, deliver = self._peer(plan.peer)
-        targets = memory.views([piece.wire for piece in plan.pieces], for_write=True)
-        for piece, target in zip(plan.pieces, targets, strict=True):
+        targets = memory.views(wire.unpack_pieces(wire.table_of(plan.runs)), for_write=True)
+        sources = [view for run in plan.runs for view in run.local_views()]
+        for source, target in zip(sources, targets, strict=True):
             if plan.compression is None:
-                target[:] = piece.local
+                target[:] = source
             else:
-                wire_bytes = compression.compress(piece.local, plan.compression)
+                wire_bytes = compression.compress(source, plan.compression)
                 compression.decompress_into(memoryview(wire_bytes), plan.compression, target)
         deliver(self._engine_id, plan.notifications)
 
     async def read(self, plan: Plan) -> None:
         memory, _ = self._peer(plan.peer)
-        sources = memory.views([piece.wire for piece in plan.pieces], for_write=False)
-        for piece, source in zip(plan.pieces, sources, strict=True):
-            piece.local[:] = source
+        sources = memory.views(wire.unpack_pieces(wire.table_of(plan.runs)), for_write=False)
+        targets = [view for run in plan.runs for view in run.local_views()]
+        for source, target in zip(sources, targets, strict=True):
+            target[:] = source
 
     def _peer(self, peer: TransferEndpoint) -> tuple[LocalMemory, Deliver]:
         try:

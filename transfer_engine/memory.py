@@ -6,11 +6,20 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from shared.messages import SegmentInfo
-from transfer_engine.errors import InvalidTransfer
-from transfer_engine.segment import Segment, SharedMemoryRegion, as_byte_view, shm_name_for
+import numpy as np
 
-WirePiece = tuple[int, int, int]  # (segment_id, offset, length) on the wire
+from shared.messages import SegmentInfo
+from transfer_engine.batch import check_ranges
+from transfer_engine.errors import InvalidTransfer
+from transfer_engine.segment import (
+    Segment,
+    SharedMemoryRegion,
+    as_byte_view,
+    check_bounds,
+    shm_name_for,
+)
+
+_SMALL_TABLE = 16  # fewer pieces than this are checked in a loop: numpy calls cost more
 
 
 class LocalMemory:
@@ -71,16 +80,43 @@ class LocalMemory:
     def infos(self) -> list[SegmentInfo]:
         return [segment.info() for segment in self._by_name.values()]
 
-    def views(self, pieces: list[WirePiece], *, for_write: bool) -> list[memoryview]:
-        """Views of the pieces a peer named; `InvalidTransfer` if any is not ours or out of
-        bounds (then none is touched)."""
-        views = []
+    def views(self, table: np.ndarray, *, for_write: bool) -> list[memoryview]:
+        """Views of the pieces a peer named (a `wire.PIECE_DTYPE` table), in order;
+        `InvalidTransfer` if any is not ours or out of bounds, and then none is touched."""
+        if len(table) <= _SMALL_TABLE:
+            return self._few_views(table.tolist(), for_write=for_write)
+        segment_ids = table["segment_id"]
+        offsets = table["offset"].astype(np.int64)  # u8 values >= 2**63 turn negative: refused
+        lengths = table["length"].astype(np.int64)
+        segments = {}
+        for segment_id in np.unique(segment_ids).tolist():
+            segment = self._by_id.get(segment_id)
+            if segment is None:
+                raise InvalidTransfer(f"no segment with id {segment_id}")
+            if for_write and not segment.is_writable:
+                raise InvalidTransfer(f"segment {segment.name!r} is read-only")
+            mine = segment_ids == segment_id
+            check_ranges(segment.name, segment.size_bytes, offsets[mine], lengths[mine])
+            segments[segment_id] = segment.data
+        if len(segments) == 1:
+            (data,) = segments.values()
+            return [data[offset:offset + length]
+                    for offset, length in zip(offsets.tolist(), lengths.tolist(), strict=True)]
+        return [segments[segment_id][offset:offset + length] for segment_id, offset, length
+                in zip(segment_ids.tolist(), offsets.tolist(), lengths.tolist(), strict=True)]
+
+    def _few_views(self, pieces: list[tuple[int, int, int]], *,
+                   for_write: bool) -> list[memoryview]:
+        checked = []
         for segment_id, offset, length in pieces:
             segment = self._by_id.get(segment_id)
             if segment is None:
                 raise InvalidTransfer(f"no segment with id {segment_id}")
-            views.append(segment.view(offset, length, for_write=for_write))
-        return views
+            if for_write and not segment.is_writable:
+                raise InvalidTransfer(f"segment {segment.name!r} is read-only")
+            check_bounds(segment.name, segment.size_bytes, offset, length)
+            checked.append(segment.data[offset:offset + length])
+        return checked
 
     def close(self) -> None:
         """Release every shared-memory name this engine created."""

@@ -28,10 +28,11 @@ import structlog
 
 from shared.messages import RdmaPort, SegmentInfo, TransferEndpoint
 from transfer_engine import wire
+from transfer_engine.batch import Run
 from transfer_engine.errors import TransferFailed, TransferTimeout
 from transfer_engine.memory import LocalMemory
-from transfer_engine.segment import Segment, buffer_address
-from transfer_engine.transport import Plan, PlannedPiece
+from transfer_engine.segment import Segment
+from transfer_engine.transport import Plan
 
 if TYPE_CHECKING:
     from transfer_engine.engine import TransferConfig
@@ -118,7 +119,7 @@ class RdmaTransport:
         """Register the segment as a memory region; its descriptor then carries addr/rkey."""
         from pyverbs.mr import MR
 
-        start = buffer_address(segment.data)
+        start = segment.address
         region = MR(self._pd, segment.size_bytes, _access_flags(), address=start)
         self._regions.append((start, start + segment.size_bytes, region))
         segment.rdma_addr, segment.rdma_rkey = start, int(region.rkey)
@@ -139,8 +140,7 @@ class RdmaTransport:
         peer_id = plan.peer.engine_id
         try:
             async with asyncio.timeout(plan.timeout_s):
-                for start in range(0, len(plan.pieces), _MAX_SEND_WR):
-                    window = plan.pieces[start:start + _MAX_SEND_WR]
+                for window in windows(plan.runs, _MAX_SEND_WR):
                     wr_id = next(self._wr_ids)
                     done = self._loop.create_future()
                     self._waiters[wr_id] = done
@@ -253,7 +253,24 @@ def _settle(done: asyncio.Future[None], is_ok: bool, status: int) -> None:
         done.set_exception(TransferFailed(f"RDMA work completion failed with status {status}"))
 
 
-def build_work_requests(pieces: list[PlannedPiece], lkey: Any, wr_id: int,
+def windows(runs: list[Run], size: int) -> list[list[Run]]:
+    """The runs cut into windows of at most `size` pieces (a send queue's depth)."""
+    result: list[list[Run]] = [[]]
+    room = size
+    for run in runs:
+        start = 0
+        while start < run.num_pieces:
+            if room == 0:
+                result.append([])
+                room = size
+            stop = min(run.num_pieces, start + room)
+            result[-1].append(run.take(start, stop))
+            room -= stop - start
+            start = stop
+    return [window for window in result if window]
+
+
+def build_work_requests(window: list[Run], lkey: Any, wr_id: int,
                         *, is_write: bool) -> list[Any]:
     """One RDMA WRITE (or READ) per piece; only the last is signaled and carries `wr_id`."""
     from pyverbs import enums
@@ -261,16 +278,19 @@ def build_work_requests(pieces: list[PlannedPiece], lkey: Any, wr_id: int,
 
     opcode = enums.IBV_WR_RDMA_WRITE if is_write else enums.IBV_WR_RDMA_READ
     requests = []
-    for index, piece in enumerate(pieces):
-        is_last = index == len(pieces) - 1
-        address = buffer_address(piece.local)
-        request = SendWR(wr_id=wr_id if is_last else 0, opcode=opcode, num_sge=1,
-                         sg=[SGE(address, piece.length, lkey(address, piece.length))],
-                         send_flags=enums.IBV_SEND_SIGNALED if is_last else 0)
-        if piece.remote.rdma_addr is None or piece.remote.rdma_rkey is None:
-            raise TransferFailed(f"segment {piece.remote.name!r} is not an RDMA region")
-        request.set_wr_rdma(piece.remote.rdma_rkey, piece.remote.rdma_addr + piece.remote_offset)
-        requests.append(request)
+    for run in window:
+        if run.remote.rdma_addr is None or run.remote.rdma_rkey is None:
+            raise TransferFailed(f"segment {run.remote.name!r} is not an RDMA region")
+        key = lkey(run.local.address, run.local.size_bytes)
+        local = (run.local.address + run.local_offsets).tolist()
+        remote = (run.remote.rdma_addr + run.remote_offsets).tolist()
+        for address, target, length in zip(local, remote, run.lengths.tolist(), strict=True):
+            request = SendWR(wr_id=0, opcode=opcode, num_sge=1,
+                             sg=[SGE(address, length, key)], send_flags=0)
+            request.set_wr_rdma(run.remote.rdma_rkey, target)
+            requests.append(request)
+    requests[-1].wr_id = wr_id
+    requests[-1].send_flags = enums.IBV_SEND_SIGNALED
     return requests
 
 

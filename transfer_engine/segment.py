@@ -3,8 +3,8 @@
 A segment is a flat byte range that peers address by `(segment_id, offset, length)`. Any
 writable buffer can be registered (bytearray, numpy array, CPU torch tensor); memory made by
 `SharedMemoryRegion` can in addition be mapped by a same-host peer, which is what makes the
-shm transport one-sided. Invariant: every access goes through `Segment.view(offset, length)`,
-which refuses anything outside the segment.
+shm transport one-sided. Invariant: every range is checked with `check_bounds` (by the engine
+for its own batches, by `LocalMemory.views` for a peer's) before a byte moves.
 """
 
 from __future__ import annotations
@@ -73,21 +73,22 @@ class Segment:
     shm_name: str | None = None
     rdma_addr: int | None = None
     rdma_rkey: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    _address: int | None = field(default=None, repr=False)
 
     @property
     def size_bytes(self) -> int:
         return self.data.nbytes
 
     @property
+    def address(self) -> int:
+        """Where the segment's first byte is in this process (for memmove and RDMA)."""
+        if self._address is None:
+            self._address = buffer_address(self.data)
+        return self._address
+
+    @property
     def is_writable(self) -> bool:
         return not self.data.readonly
-
-    def view(self, offset: int, length: int, *, for_write: bool = False) -> memoryview:
-        check_bounds(self.name, self.size_bytes, offset, length)
-        if for_write and self.data.readonly:
-            raise InvalidTransfer(f"segment {self.name!r} is read-only")
-        return self.data[offset:offset + length]
 
     def info(self) -> SegmentInfo:
         return SegmentInfo(name=self.name, segment_id=self.segment_id,
@@ -96,7 +97,7 @@ class Segment:
 
 
 def check_bounds(name: str, size_bytes: int, offset: int, length: int) -> None:
-    if offset < 0 or length < 0 or offset + length > size_bytes:
+    if not 0 <= offset <= offset + length <= size_bytes:
         raise InvalidTransfer(f"piece [{offset}, {offset + length}) is outside segment "
                               f"{name!r} of {size_bytes} bytes")
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+from dataclasses import dataclass
+
+import numpy as np
 
 from shared.messages import SegmentInfo, TransferEndpoint
 from transfer_engine.errors import TransferFailed
@@ -17,6 +20,8 @@ from transfer_engine.segment import SharedMemoryRegion, buffer_address
 from transfer_engine.tcp import TcpTransport
 from transfer_engine.transport import Plan
 
+# Equal pieces up to this size are copied as numpy rows (see _copy_rows).
+_ROW_COPY_MAX_BYTES = 16 << 10
 # Copies above this size run in a worker thread (ctypes.memmove releases the GIL), so a large
 # transfer never stalls the event loop.
 _INLINE_COPY_BYTES = 256 << 10
@@ -28,23 +33,19 @@ class ShmTransport:
     def __init__(self, host_id: str, tcp: TcpTransport) -> None:
         self._host_id = host_id
         self._tcp = tcp
-        self._mapped: dict[tuple[str, int], tuple[SharedMemoryRegion, int]] = {}
+        self._mapped: dict[tuple[str, int], SharedMemoryRegion] = {}
         self._copying: set[asyncio.Future[None]] = set()
 
     def can_reach(self, peer: TransferEndpoint, remote: list[SegmentInfo]) -> bool:
         return peer.host_id == self._host_id and all(info.shm_name for info in remote)
 
     async def write(self, plan: Plan) -> None:
-        copies = [(self._map(plan.peer, piece.remote) + piece.remote_offset, piece.local, True)
-                  for piece in plan.pieces]
-        await self._copy(copies, plan.num_bytes)
+        await self._copy(self._copies(plan, is_write=True), plan.num_bytes)
         if plan.notifications:
             await self._tcp.notify(plan.peer, plan.notifications, plan.timeout_s)
 
     async def read(self, plan: Plan) -> None:
-        copies = [(self._map(plan.peer, piece.remote) + piece.remote_offset, piece.local, False)
-                  for piece in plan.pieces]
-        await self._copy(copies, plan.num_bytes)
+        await self._copy(self._copies(plan, is_write=False), plan.num_bytes)
 
     async def _copy(self, copies: list[Copy], num_bytes: int) -> None:
         if num_bytes <= _INLINE_COPY_BYTES:
@@ -56,8 +57,20 @@ class ShmTransport:
         copying.add_done_callback(self._copying.discard)
         await asyncio.shield(copying)
 
-    def _map(self, peer: TransferEndpoint, info: SegmentInfo) -> int:
-        """The address at which the peer's segment is mapped here (mapping it once)."""
+    def _copies(self, plan: Plan, *, is_write: bool) -> list[Copy]:
+        copies = []
+        for run in plan.runs:
+            local, remote = run.local.data, self._map(plan.peer, run.remote)
+            if is_write:
+                copies.append(Copy(local, remote, run.local_offsets, run.remote_offsets,
+                                   run.lengths))
+            else:
+                copies.append(Copy(remote, local, run.remote_offsets, run.local_offsets,
+                                   run.lengths))
+        return copies
+
+    def _map(self, peer: TransferEndpoint, info: SegmentInfo) -> memoryview:
+        """The peer's segment, mapped here (once)."""
         key = (peer.engine_id, info.segment_id)
         mapped = self._mapped.get(key)
         if mapped is None:
@@ -69,28 +82,59 @@ class ShmTransport:
             except OSError as error:
                 raise TransferFailed(f"cannot map {peer.engine_id!r}'s segment "
                                      f"{info.name!r}: {error}") from error
-            mapped = self._mapped[key] = (region, buffer_address(region.buffer))
-        return mapped[1]
+            mapped = self._mapped[key] = region
+        return mapped.buffer
 
     def forget(self, engine_id: str) -> None:
         """Unmap a peer's segments (it left, or re-registered its memory)."""
         for key in [key for key in self._mapped if key[0] == engine_id]:
-            self._mapped.pop(key)[0].close()
+            self._mapped.pop(key).close()
 
     async def close(self) -> None:
         await asyncio.gather(*self._copying, return_exceptions=True)
-        for region, _ in self._mapped.values():
+        for region in self._mapped.values():
             region.close()
         self._mapped.clear()
 
 
-Copy = tuple[int, memoryview, bool]  # (remote address, local view, is_write)
+@dataclass(frozen=True)
+class Copy:
+    """One run's pieces from `source` to `target` (whole segments, byte offsets)."""
+
+    source: memoryview
+    target: memoryview
+    source_offsets: np.ndarray
+    target_offsets: np.ndarray
+    lengths: np.ndarray
 
 
 def _copy_all(copies: list[Copy]) -> None:
-    for remote, local, is_write in copies:
-        here = buffer_address(local)
-        if is_write:
-            ctypes.memmove(remote, here, local.nbytes)
-        else:
-            ctypes.memmove(here, remote, local.nbytes)
+    for copy in copies:
+        if not _copy_rows(copy):
+            _copy_pieces(copy)
+
+
+def _copy_rows(copy: Copy) -> bool:
+    """Small equal pieces at multiples of their size (KV blocks): one vectorized gather and
+    scatter, which beats a call per piece; False if the run is not of that shape."""
+    size = int(copy.lengths[0])
+    if len(copy.lengths) < 16 or size > _ROW_COPY_MAX_BYTES or (copy.lengths != size).any() \
+            or (copy.source_offsets % size).any() or (copy.target_offsets % size).any():
+        return False
+    source = _rows(copy.source, size)
+    target = _rows(copy.target, size)
+    target[copy.target_offsets // size] = source[copy.source_offsets // size]
+    return True
+
+
+def _rows(data: memoryview, size: int) -> np.ndarray:
+    flat = np.frombuffer(data, dtype=np.uint8)
+    return flat[:len(flat) - len(flat) % size].reshape(-1, size)
+
+
+def _copy_pieces(copy: Copy) -> None:
+    memmove = ctypes.memmove
+    sources = (buffer_address(copy.source) + copy.source_offsets).tolist()
+    targets = (buffer_address(copy.target) + copy.target_offsets).tolist()
+    for source, target, length in zip(sources, targets, copy.lengths.tolist(), strict=True):
+        memmove(target, source, length)

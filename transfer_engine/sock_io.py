@@ -3,13 +3,26 @@
 asyncio has `sock_recv_into` for one buffer; a transfer lands in many (one per piece), so
 these helpers call `recvmsg_into` / `sendmsg` with the whole list of views and wait for
 readiness only when the kernel would block. No byte is copied in user space.
+
+Payloads of `THREAD_MIN_BYTES` or more move in a worker thread instead (`recv_into_large`,
+`send_large`): the kernel copy runs without the GIL while the event loop keeps serving, and
+stripes on several connections copy in parallel. The thread works on a duplicate of the
+socket's descriptor, so closing the socket can never redirect it to a reused descriptor;
+`abort()` (shutdown) wakes it, and it also gives up at its deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import select
 import socket
+import time
+
+THREAD_MIN_BYTES = 1 << 20
+_POLL_SLICE_S = 0.1
+_BATCH_BYTES = 512 << 10
 
 # Linux caps one sendmsg/recvmsg at IOV_MAX (1024) buffers.
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -20,40 +33,113 @@ class ConnectionClosed(ConnectionError):
 
 
 async def recv_into(sock: socket.socket, views: list[memoryview]) -> None:
-    """Fill every view, in order, from `sock`."""
-    views = [v for v in views if v.nbytes]
-    while views:
+    """Fill every view (byte-format memoryviews), in order, from `sock`."""
+    pending = [view for view in views if view.nbytes]
+    index = 0
+    while index < len(pending):
+        batch = _next_batch(pending, index)
         try:
-            received = sock.recvmsg_into(views[:_IOV_MAX])[0]
+            received = sock.recvmsg_into(batch)[0]
         except (BlockingIOError, InterruptedError):
             await _ready(sock, is_write=False)
             continue
         if received == 0:
             raise ConnectionClosed("peer closed the connection")
-        views = _advance(views, received)
+        index = _advance(pending, index, batch, received)
 
 
 async def send(sock: socket.socket, views: list[memoryview | bytes]) -> None:
-    """Send every view, in order, on `sock`."""
-    pending = [memoryview(v).cast("B") for v in views if len(v)]
-    while pending:
+    """Send every buffer (bytes or byte-format memoryviews), in order, on `sock`."""
+    pending = [view for view in views if len(view)]
+    index = 0
+    while index < len(pending):
+        batch = _next_batch(pending, index)
         try:
-            sent = sock.sendmsg(pending[:_IOV_MAX])
+            sent = sock.sendmsg(batch)
         except (BlockingIOError, InterruptedError):
             await _ready(sock, is_write=True)
             continue
-        pending = _advance(pending, sent)
+        index = _advance(pending, index, batch, sent)
 
 
-def _advance(views: list[memoryview], num_bytes: int) -> list[memoryview]:
-    index = 0
-    while index < len(views) and num_bytes >= views[index].nbytes:
-        num_bytes -= views[index].nbytes
+async def recv_into_large(sock: socket.socket, views: list[memoryview],
+                          timeout_s: float) -> None:
+    """`recv_into`, in a worker thread when the views hold at least THREAD_MIN_BYTES."""
+    if sum(view.nbytes for view in views) < THREAD_MIN_BYTES:
+        await recv_into(sock, views)
+        return
+    await asyncio.to_thread(_in_thread, sock, views, timeout_s, is_send=False)
+
+
+async def send_large(sock: socket.socket, views: list[memoryview | bytes],
+                     timeout_s: float) -> None:
+    """`send`, in a worker thread when the buffers hold at least THREAD_MIN_BYTES."""
+    if sum(len(view) for view in views) < THREAD_MIN_BYTES:
+        await send(sock, views)
+        return
+    await asyncio.to_thread(_in_thread, sock, views, timeout_s, is_send=True)
+
+
+def abort(sock: socket.socket) -> None:
+    """Shut the connection down (waking any thread blocked on it), then close it."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+def _in_thread(sock: socket.socket, views: list, timeout_s: float, *, is_send: bool) -> None:
+    deadline = time.monotonic() + timeout_s
+    with sock.dup() as own:
+        pending = [view for view in views if len(view)]
+        index = 0
+        while index < len(pending):
+            batch = _next_batch(pending, index)
+            try:
+                done = own.sendmsg(batch) if is_send else own.recvmsg_into(batch)[0]
+            except (BlockingIOError, InterruptedError):
+                _wait(own, select.POLLOUT if is_send else select.POLLIN, deadline)
+                continue
+            if done == 0 and not is_send:
+                raise ConnectionClosed("peer closed the connection")
+            index = _advance(pending, index, batch, done)
+
+
+def _wait(sock: socket.socket, event: int, deadline: float) -> None:
+    poller = select.poll()
+    poller.register(sock, event)
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("socket stalled")
+        if poller.poll(min(remaining, _POLL_SLICE_S) * 1000):
+            return
+
+
+def _next_batch(pending: list, index: int) -> list:
+    """The buffers for one syscall: at most IOV_MAX, and no more than about _BATCH_BYTES.
+    Python acquires every buffer it passes, on every call; passing a thousand small pieces
+    when the socket holds a few of them would cost more than the copy."""
+    stop = min(len(pending), index + _IOV_MAX)
+    num_bytes = 0
+    for position in range(index, stop):
+        num_bytes += len(pending[position])
+        if num_bytes >= _BATCH_BYTES:
+            return pending[index:position + 1]
+    return pending[index:stop]
+
+
+def _advance(pending: list, index: int, batch: list, num_bytes: int) -> int:
+    """Skip the buffers of `batch` (= pending[index:]) that `num_bytes` covered; trim the
+    one it ended inside. Returns the index of the first buffer still to go."""
+    for buffer in batch:
+        size = len(buffer)
+        if num_bytes < size:
+            if num_bytes:
+                pending[index] = memoryview(buffer)[num_bytes:]
+            break
+        num_bytes -= size
         index += 1
-    rest = views[index:]
-    if num_bytes:
-        rest[0] = rest[0][num_bytes:]
-    return rest
+    return index
 
 
 async def _ready(sock: socket.socket, *, is_write: bool) -> None:

@@ -21,6 +21,7 @@ import structlog
 
 from shared.messages import SegmentInfo, TransferEndpoint
 from transfer_engine import compression, sock_io, wire
+from transfer_engine.batch import Run, stripe
 from transfer_engine.errors import (
     AuthenticationRefused,
     InvalidTransfer,
@@ -30,7 +31,7 @@ from transfer_engine.errors import (
 )
 from transfer_engine.memory import LocalMemory
 from transfer_engine.tcp_server import TcpServer
-from transfer_engine.transport import Deliver, Plan, PlannedPiece
+from transfer_engine.transport import Deliver, Plan
 
 log = structlog.get_logger(__name__)
 
@@ -39,7 +40,7 @@ _MERGE_MAX_BYTES = 4 << 20
 
 @dataclass(frozen=True)
 class TcpOptions:
-    num_streams: int = 4
+    num_streams: int = 2  # connections a large batch is striped over (each copies in a thread)
     stripe_min_bytes: int = 8 << 20
     connect_timeout_s: float = 5.0
     frame_timeout_s: float = 30.0
@@ -57,7 +58,7 @@ class TcpStats:
 @dataclass(eq=False)
 class _Job:
     op: wire.Op
-    pieces: list[PlannedPiece]
+    runs: list[Run]
     future: asyncio.Future[None]
     notifications: list[bytes] = field(default_factory=list)
     compression: wire.Compression | None = None
@@ -71,19 +72,22 @@ class _Job:
 
     @property
     def num_bytes(self) -> int:
-        return sum(piece.length for piece in self.pieces)
+        return sum(run.num_bytes for run in self.runs)
 
     def payload_views(self) -> list[memoryview | bytes]:
-        return list(self.payload) if self.payload is not None else [
-            piece.local for piece in self.pieces]
+        if self.payload is not None:
+            return list(self.payload)
+        return [view for run in self.runs for view in run.local_views()]
 
 
 class Link:
     """One authenticated connection to a peer."""
 
-    def __init__(self, sock: socket.socket, peer_id: str, stats: TcpStats) -> None:
+    def __init__(self, sock: socket.socket, peer_id: str, stats: TcpStats,
+                 timeout_s: float) -> None:
         self.peer_id = peer_id
         self._sock = sock
+        self._timeout_s = timeout_s  # the most one frame may take to send or receive
         self._stats = stats
         self._queue: deque[_Job] = deque()
         self._has_work = asyncio.Event()
@@ -121,7 +125,7 @@ class Link:
         # Drop the tasks: a cancelled task's traceback holds its frame (and the views it was
         # sending); keeping it here would tie that to this link in a reference cycle.
         self._tasks.clear()
-        self._sock.close()
+        sock_io.abort(self._sock)
         jobs = [*self._queue, *itertools.chain(*self._pending.values())]
         self._queue.clear()
         self._pending.clear()
@@ -140,7 +144,8 @@ class Link:
                 self._pending[request_id] = jobs
                 self._stats.num_frames_sent += 1
                 self._stats.num_transfers_sent += len(jobs)
-                await sock_io.send(self._sock, _frame(request_id, jobs))
+                await sock_io.send_large(self._sock, _frame(request_id, jobs),
+                                         self._timeout_s)
         except OSError as error:
             self.close(TransferFailed(f"connection to {self.peer_id!r} lost: {error}"))
 
@@ -163,6 +168,7 @@ class Link:
         except TransferFailed as error:
             self.close(error)
         except (OSError, sock_io.ConnectionClosed) as error:
+            # TimeoutError is an OSError: a frame that stalled in a worker thread.
             self.close(TransferFailed(f"connection to {self.peer_id!r} lost: {error}"))
 
     async def _on_frame(self, header: wire.Header) -> None:
@@ -180,11 +186,11 @@ class Link:
         if header.op == wire.Op.ACK and header.meta_len:
             jobs[0].reply = await _recv_bytes(self._sock, header.meta_len)
         if header.op == wire.Op.DATA:
-            views = [piece.local for piece in jobs[0].pieces]
+            views = [view for run in jobs[0].runs for view in run.local_views()]
             if header.payload_len != sum(view.nbytes for view in views):
                 raise ProtocolViolation(f"{self.peer_id!r} answered a read with "
                                         f"{header.payload_len} bytes")
-            await sock_io.recv_into(self._sock, views)
+            await sock_io.recv_into_large(self._sock, views, self._timeout_s)
         _settle(jobs, None)
 
 
@@ -213,12 +219,14 @@ def _error_from(body: wire.ErrorBody, peer_id: str) -> TransferFailed:
 
 def _frame(request_id: int, jobs: list[_Job]) -> list[memoryview | bytes]:
     first = jobs[0]
-    table = wire.pack_pieces([piece.wire for job in jobs for piece in job.pieces])
+    runs = [run for job in jobs for run in job.runs]
+    table = wire.table_of(runs)
     notifications = [note for job in jobs for note in job.notifications]
     meta = (wire.encode(wire.FrameMeta(notifications, first.compression))
             if notifications or first.compression else b"")
     if first.op == wire.Op.READ:
-        return [wire.Header(wire.Op.READ, request_id, len(first.pieces)).pack(), table]
+        return [wire.Header(wire.Op.READ, request_id, len(table) // wire.PIECE.size).pack(),
+                table]
     if first.op == wire.Op.RDMA_CONNECT:
         return [wire.Header(first.op, request_id, meta_len=len(first.meta)).pack(), first.meta]
     payload = [view for job in jobs for view in job.payload_views()]
@@ -256,11 +264,11 @@ class TcpTransport:
 
     async def write(self, plan: Plan) -> None:
         if plan.compression is not None:
-            payload = await asyncio.to_thread(_compress_all, plan.pieces, plan.compression)
-            jobs = [self._job(wire.Op.WRITE, plan.pieces, plan.notifications,
+            payload = await asyncio.to_thread(_compress_all, plan.runs, plan.compression)
+            jobs = [self._job(wire.Op.WRITE, plan.runs, plan.notifications,
                               plan.compression, payload)]
         else:
-            stripes = _stripe(plan.pieces, self._num_stripes(plan.num_bytes))
+            stripes = stripe(plan.runs, self._num_stripes(plan.num_bytes))
             jobs = [self._job(wire.Op.WRITE, stripe) for stripe in stripes]
             if len(jobs) == 1:
                 jobs[0].notifications = list(plan.notifications)
@@ -271,7 +279,7 @@ class TcpTransport:
             await self.notify(plan.peer, plan.notifications, plan.timeout_s)
 
     async def read(self, plan: Plan) -> None:
-        stripes = _stripe(plan.pieces, self._num_stripes(plan.num_bytes))
+        stripes = stripe(plan.runs, self._num_stripes(plan.num_bytes))
         await self._run(plan.peer, plan.timeout_s,
                         [self._job(wire.Op.READ, stripe) for stripe in stripes])
 
@@ -292,11 +300,11 @@ class TcpTransport:
     def server(self) -> TcpServer:
         return self._server
 
-    def _job(self, op: wire.Op, pieces: list[PlannedPiece], notifications: list[bytes] = (),
+    def _job(self, op: wire.Op, runs: list[Run], notifications: list[bytes] = (),
              compress: wire.Compression | None = None,
              payload: list[bytes] | None = None) -> _Job:
         future = asyncio.get_running_loop().create_future()
-        return _Job(op, pieces, future, list(notifications), compress, payload)
+        return _Job(op, runs, future, list(notifications), compress, payload)
 
     def _num_stripes(self, num_bytes: int) -> int:
         return self._options.num_streams if num_bytes >= self._options.stripe_min_bytes else 1
@@ -308,7 +316,8 @@ class TcpTransport:
                 links = await self._links_to(peer, len(jobs))
                 for job, link in zip(jobs, links, strict=False):
                     link.submit(job)
-                await asyncio.gather(*(job.future for job in jobs))
+                for job in jobs:
+                    await job.future
         except TimeoutError:
             error = TransferTimeout(f"transfer to {peer.engine_id!r} did not finish within "
                                     f"{timeout_s:g} s")
@@ -336,7 +345,7 @@ class TcpTransport:
             raise TransferFailed(f"{peer.tcp_host}:{peer.tcp_port} is {endpoint.engine_id!r}, "
                                  f"not {peer.engine_id!r}")
         self.stats.num_links_opened += 1
-        return Link(sock, peer.engine_id, self.stats)
+        return Link(sock, peer.engine_id, self.stats, self._options.frame_timeout_s)
 
     async def handshake(self, host: str, port: int) -> tuple[socket.socket, TransferEndpoint]:
         """Connect and authenticate both ways; return the socket and the peer's descriptor
@@ -388,25 +397,5 @@ class TcpTransport:
         await self._server.close()
 
 
-def _stripe(pieces: list[PlannedPiece], num_parts: int) -> list[list[PlannedPiece]]:
-    """Cut pieces into up to `num_parts` runs of about equal bytes."""
-    if num_parts <= 1:
-        return [pieces]
-    room = target = -(-sum(piece.length for piece in pieces) // num_parts)
-    parts: list[list[PlannedPiece]] = [[]]
-    for piece in pieces:
-        while piece.length > room:
-            if room:
-                parts[-1].append(PlannedPiece(piece.local[:room], piece.remote,
-                                              piece.remote_offset))
-                piece = PlannedPiece(piece.local[room:], piece.remote,
-                                     piece.remote_offset + room)
-            parts.append([])
-            room = target
-        parts[-1].append(piece)
-        room -= piece.length
-    return [part for part in parts if part]
-
-
-def _compress_all(pieces: list[PlannedPiece], compress: wire.Compression) -> list[bytes]:
-    return [compression.compress(piece.local, compress) for piece in pieces]
+def _compress_all(runs: list[Run], compress: wire.Compression) -> list[bytes]:
+    return [compression.compress(view, compress) for run in runs for view in run.local_views()]

@@ -15,6 +15,7 @@ import os
 import socket
 from collections.abc import Callable
 
+import numpy as np
 import structlog
 
 from shared.messages import TransferEndpoint
@@ -25,7 +26,7 @@ from transfer_engine.errors import (
     ProtocolViolation,
     TransferFailed,
 )
-from transfer_engine.memory import LocalMemory, WirePiece
+from transfer_engine.memory import LocalMemory
 from transfer_engine.transport import Deliver
 
 log = structlog.get_logger(__name__)
@@ -60,7 +61,7 @@ class TcpServer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for sock in list(self._socks):
-            sock.close()
+            sock_io.abort(sock)
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -102,7 +103,7 @@ class TcpServer:
             log.exception("transfer.serve_failed", peer_id=peer_id)
         finally:
             self._socks.discard(sock)
-            sock.close()
+            sock_io.abort(sock)
 
     async def _handshake(self, sock: socket.socket) -> str:
         challenge = os.urandom(wire.CHALLENGE_BYTES)
@@ -157,7 +158,7 @@ class TcpServer:
                                               meta_len=len(reply)).pack(), reply])
 
     async def _land(self, sock: socket.socket, header: wire.Header,
-                    table: list[WirePiece], meta: wire.FrameMeta) -> bool:
+                    table: np.ndarray, meta: wire.FrameMeta) -> bool:
         """Receive a WRITE's payload into its pieces; False if it was refused (and drained)."""
         try:
             views = self._memory.views(table, for_write=True)
@@ -170,23 +171,24 @@ class TcpServer:
             await _send_error(sock, header.request_id, wire.ErrorKind.INVALID, error.message)
             return False
         if meta.compression is None:
-            await sock_io.recv_into(sock, views)
+            await sock_io.recv_into_large(sock, views, self._frame_timeout_s)
             return True
         payload = memoryview(bytearray(header.payload_len))
-        await sock_io.recv_into(sock, [payload])
+        await sock_io.recv_into_large(sock, [payload], self._frame_timeout_s)
         await asyncio.to_thread(_decompress_all, payload, sizes, views, meta.compression)
         return True
 
     async def _serve_read(self, sock: socket.socket, header: wire.Header,
-                          table: list[WirePiece]) -> None:
+                          table: np.ndarray) -> None:
         try:
             views = self._memory.views(table, for_write=False)
         except InvalidTransfer as error:
             await _send_error(sock, header.request_id, wire.ErrorKind.INVALID, error.message)
             return
         total = sum(view.nbytes for view in views)
-        await sock_io.send(sock, [wire.Header(wire.Op.DATA, header.request_id,
-                                              payload_len=total).pack(), *views])
+        await sock_io.send_large(sock, [wire.Header(wire.Op.DATA, header.request_id,
+                                                    payload_len=total).pack(), *views],
+                                 self._frame_timeout_s)
 
 
 def _wire_size(num_bytes: int, compress: wire.Compression | None) -> int:

@@ -1,7 +1,7 @@
 """The protocol every transport implements, and the plan it is handed.
 
-The engine resolves a batch before a transport sees it: pieces are coalesced, local views are
-bounds-checked, remote pieces are checked against the peer's descriptor. A transport only
+The engine resolves a batch before a transport sees it: pieces are coalesced into runs and
+bounds-checked on both sides (the remote side against the peer's descriptor). A transport only
 moves bytes and reports failures as `TransferFailed` / `TransferTimeout`.
 """
 
@@ -12,22 +12,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from shared.messages import SegmentInfo, TransferEndpoint
+from transfer_engine.batch import Run
 from transfer_engine.wire import Compression
-
-
-@dataclass(frozen=True)
-class PlannedPiece:
-    local: memoryview
-    remote: SegmentInfo
-    remote_offset: int
-
-    @property
-    def length(self) -> int:
-        return self.local.nbytes
-
-    @property
-    def wire(self) -> tuple[int, int, int]:
-        return (self.remote.segment_id, self.remote_offset, self.local.nbytes)
 
 
 @dataclass(frozen=True)
@@ -35,14 +21,18 @@ class Plan:
     """A resolved transfer to one peer."""
 
     peer: TransferEndpoint
-    pieces: list[PlannedPiece]
+    runs: list[Run]
     notifications: list[bytes]
     compression: Compression | None
     timeout_s: float
 
     @property
     def num_bytes(self) -> int:
-        return sum(piece.length for piece in self.pieces)
+        return sum(run.num_bytes for run in self.runs)
+
+    @property
+    def num_pieces(self) -> int:
+        return sum(run.num_pieces for run in self.runs)
 
 
 # How a transport hands inbound notifications to the engine: (peer id, payloads).

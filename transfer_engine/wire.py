@@ -28,12 +28,16 @@ import enum
 import hashlib
 import hmac
 import struct
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
+import numpy as np
 
 from shared.messages import TransferEndpoint
 from transfer_engine.errors import ProtocolViolation
+
+if TYPE_CHECKING:
+    from transfer_engine.batch import Run
 
 MAGIC = b"HMTE"
 VERSION = 1
@@ -94,15 +98,32 @@ def unpack_header(data: bytes | memoryview) -> Header:
     return Header(op, request_id, num_pieces, meta_len, payload_len, flags)
 
 
-def pack_pieces(pieces: list[tuple[int, int, int]]) -> bytes:
-    table = bytearray(PIECE.size * len(pieces))
-    for index, piece in enumerate(pieces):
-        PIECE.pack_into(table, index * PIECE.size, *piece)
-    return bytes(table)
+# The piece table as a numpy record array: the same bytes as PIECE, packed or parsed at once.
+PIECE_DTYPE = np.dtype([("segment_id", ">u4"), ("offset", ">u8"), ("length", ">u8")])
 
 
-def unpack_pieces(table: bytes | memoryview) -> list[tuple[int, int, int]]:
-    return list(PIECE.iter_unpack(table))
+def pack_pieces(segment_ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> bytes:
+    table = np.empty(len(lengths), dtype=PIECE_DTYPE)
+    table["segment_id"], table["offset"], table["length"] = segment_ids, offsets, lengths
+    return table.tobytes()
+
+
+def unpack_pieces(table: bytes | memoryview) -> np.ndarray:
+    return np.frombuffer(table, dtype=PIECE_DTYPE)
+
+
+def table_of(runs: list[Run]) -> bytes:
+    """The piece table naming each run's remote ranges."""
+    return b"".join(_run_table(run) for run in runs)
+
+
+def _run_table(run: Run) -> bytes:
+    if run.num_pieces <= 4:  # struct beats numpy's per-call cost for a handful of pieces
+        segment_id = run.remote.segment_id
+        return b"".join(PIECE.pack(segment_id, offset, length) for offset, length
+                        in zip(run.remote_offsets.tolist(), run.lengths.tolist(), strict=True))
+    return pack_pieces(np.full(run.num_pieces, run.remote.segment_id), run.remote_offsets,
+                       run.lengths)
 
 
 class Compression(msgspec.Struct, frozen=True):

@@ -8,14 +8,22 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from shared.messages import SegmentInfo
 from tests.transfer.conftest import SECRET
 from transfer_engine import wire
+from transfer_engine.batch import Run
 from transfer_engine.engine import TransferConfig, TransferEngine
-from transfer_engine.rdma import build_work_requests, detect_devices, qp_attr, qp_init_attr
-from transfer_engine.transport import PlannedPiece
+from transfer_engine.rdma import (
+    build_work_requests,
+    detect_devices,
+    qp_attr,
+    qp_init_attr,
+    windows,
+)
+from transfer_engine.segment import Segment
 
 _DEBIAN_DIST = Path("/usr/lib/python3/dist-packages")
 
@@ -66,23 +74,31 @@ def remote(name: str = "kv") -> SegmentInfo:
 def test_a_window_is_one_request_per_piece_and_only_the_last_is_signaled(
         pyverbs: object) -> None:
     enums = pyverbs
-    local = memoryview(bytearray(8192))
-    pieces = [PlannedPiece(local[:4096], remote(), 0), PlannedPiece(local[4096:], remote(), 65536)]
+    local = Segment(name="kv", segment_id=1, data=memoryview(bytearray(8192)))
+    run = Run(local, remote(), np.array([0, 4096]), np.array([0, 65536]), np.array([4096, 4096]))
     keys = []
-    requests = build_work_requests(pieces, lambda addr, n: keys.append((addr, n)) or 7, 99,
+    requests = build_work_requests([run], lambda addr, n: keys.append((addr, n)) or 7, 99,
                                    is_write=True)
     assert [r.opcode for r in requests] == [enums.IBV_WR_RDMA_WRITE] * 2
     assert [r.wr_id for r in requests] == [0, 99]
     assert [r.send_flags for r in requests] == [0, enums.IBV_SEND_SIGNALED]
     assert [r.num_sge for r in requests] == [1, 1]
-    assert [n for _, n in keys] == [4096, 4096]
-    assert keys[1][0] - keys[0][0] == 4096  # the second piece starts 4 KiB into the buffer
+    assert keys == [(local.address, 8192)]  # the local key of the segment's region
+
+
+def test_a_batch_is_posted_in_windows_of_the_send_queue_depth() -> None:
+    local = Segment(name="kv", segment_id=1, data=memoryview(bytearray(8192)))
+    run = Run(local, remote(), np.arange(5), np.arange(5) * 2, np.ones(5, dtype=np.int64))
+    parts = windows([run, run], 4)
+    assert [sum(r.num_pieces for r in window) for window in parts] == [4, 4, 2]
+    assert parts[1][0].local_offsets.tolist() == [4]
 
 
 def test_reads_use_rdma_read(pyverbs: object) -> None:
     enums = pyverbs
-    local = memoryview(bytearray(64))
-    (request,) = build_work_requests([PlannedPiece(local, remote(), 8)], lambda a, n: 1, 5,
+    local = Segment(name="kv", segment_id=1, data=memoryview(bytearray(64)))
+    run = Run(local, remote(), np.array([0]), np.array([8]), np.array([64]))
+    (request,) = build_work_requests([run], lambda a, n: 1, 5,
                                      is_write=False)
     assert request.opcode == enums.IBV_WR_RDMA_READ
 

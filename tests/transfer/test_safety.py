@@ -55,7 +55,7 @@ class RawPeer:
 
     async def write(self, segment_id: int, offset: int, length: int, payload: bytes,
                     request_id: int = 1) -> tuple[wire.Header, bytes]:
-        table = wire.pack_pieces([(segment_id, offset, length)])
+        table = wire.PIECE.pack(segment_id, offset, length)
         header = wire.Header(wire.Op.WRITE, request_id, 1, payload_len=len(payload))
         await self.send(header.pack(), table, payload)
         return await self.frame()
@@ -163,9 +163,16 @@ async def test_an_unknown_segment_id_is_refused(tcp_pair: Pair) -> None:
     assert tcp_pair.target_kv == bytes(SEGMENT_BYTES)
 
 
-async def test_an_oversized_length_is_refused(tcp_pair: Pair) -> None:
+@pytest.mark.parametrize(("offset", "length"), [
+    (0, 1 << 62),
+    (1 << 62, 1 << 62),  # offset + length overflows a signed 64-bit sum
+    ((1 << 64) - 8, 16),  # an offset that is negative as int64
+    (8, (1 << 64) - 4),
+])
+async def test_an_oversized_length_or_offset_is_refused(
+        tcp_pair: Pair, offset: int, length: int) -> None:
     peer = await welcomed(tcp_pair.target)
-    header, body = await peer.write(kv_id(tcp_pair.target), 0, 1 << 62, b"")
+    header, body = await peer.write(kv_id(tcp_pair.target), offset, length, b"")
     assert header.op == wire.Op.ERROR
     assert wire.decode(body, wire.ErrorBody).kind == wire.ErrorKind.INVALID
     await assert_still_serves(tcp_pair)
