@@ -171,6 +171,8 @@ def stripe(runs: list[Run], num_parts: int) -> list[list[Run]]:
     if num_parts <= 1 or total == 0:
         return [runs]
     target = -(-total // num_parts)
+    if sum(run.num_pieces for run in runs) <= _SMALL_BATCH:
+        return _stripe_few(runs, target)
     parts: list[list[Run]] = [[] for _ in range(num_parts)]
     for run, start_byte in _with_start_bytes(runs):
         ends = start_byte + np.cumsum(run.lengths)
@@ -186,6 +188,26 @@ def stripe(runs: list[Run], num_parts: int) -> list[list[Run]]:
                                        (run.remote_offsets + cut_start)[inside],
                                        (cut_end - cut_start)[inside]))
     return [part for part in parts if part]
+
+
+def _stripe_few(runs: list[Run], target: int) -> list[list[Run]]:
+    """`stripe` for a handful of pieces, in plain Python (numpy calls cost more here)."""
+    parts: list[list[tuple[Run, int, int, int]]] = [[]]
+    room = target
+    for run in runs:
+        for local, remote, length in zip(run.local_offsets.tolist(), run.remote_offsets.tolist(),
+                                         run.lengths.tolist(), strict=True):
+            while length > room:
+                if room:
+                    parts[-1].append((run, local, remote, room))
+                    local, remote, length = local + room, remote + room, length - room
+                parts.append([])
+                room = target
+            parts[-1].append((run, local, remote, length))
+            room -= length
+    return [[Run(run.local, run.remote, np.array([local]), np.array([remote]),
+                 np.array([length])) for run, local, remote, length in part]
+            for part in parts if part]
 
 
 def _with_start_bytes(runs: list[Run]) -> Iterator[tuple[Run, int]]:

@@ -4,11 +4,9 @@ asyncio has `sock_recv_into` for one buffer; a transfer lands in many (one per p
 these helpers call `recvmsg_into` / `sendmsg` with the whole list of views and wait for
 readiness only when the kernel would block. No byte is copied in user space.
 
-Payloads of `THREAD_MIN_BYTES` or more move in a worker thread instead (`recv_into_large`,
-`send_large`): the kernel copy runs without the GIL while the event loop keeps serving, and
-stripes on several connections copy in parallel. The thread works on a duplicate of the
-socket's descriptor, so closing the socket can never redirect it to a reused descriptor;
-`abort()` (shutdown) wakes it, and it also gives up at its deadline.
+Large receives raise SO_RCVLOWAT while they wait, so the loop wakes once per ~1 MiB queued
+rather than once per packet: that, not threads, is what brings a single connection to the
+plain-socket rate (worker threads were tried and measured slower here, see the README).
 """
 
 from __future__ import annotations
@@ -16,13 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import select
 import socket
-import time
 
-THREAD_MIN_BYTES = 1 << 20
-_POLL_SLICE_S = 0.1
 _BATCH_BYTES = 512 << 10
+_RCVLOWAT_BYTES = 1 << 20
 
 # Linux caps one sendmsg/recvmsg at IOV_MAX (1024) buffers.
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -35,17 +30,30 @@ class ConnectionClosed(ConnectionError):
 async def recv_into(sock: socket.socket, views: list[memoryview]) -> None:
     """Fill every view (byte-format memoryviews), in order, from `sock`."""
     pending = [view for view in views if view.nbytes]
+    remaining = sum(view.nbytes for view in pending)
     index = 0
-    while index < len(pending):
-        batch = _next_batch(pending, index)
-        try:
-            received = sock.recvmsg_into(batch)[0]
-        except (BlockingIOError, InterruptedError):
-            await _ready(sock, is_write=False)
-            continue
-        if received == 0:
-            raise ConnectionClosed("peer closed the connection")
-        index = _advance(pending, index, batch, received)
+    lowat = 1
+    try:
+        while index < len(pending):
+            batch = _next_batch(pending, index)
+            try:
+                received = sock.recvmsg_into(batch)[0]
+            except (BlockingIOError, InterruptedError):
+                # Wake only when a good chunk is queued: one wake-up per ~RCVLOWAT bytes,
+                # not one per packet (the kernel honours SO_RCVLOWAT in poll/epoll).
+                wanted = min(remaining, _RCVLOWAT_BYTES)
+                if wanted != lowat:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, wanted)
+                    lowat = wanted
+                await _ready(sock, is_write=False)
+                continue
+            if received == 0:
+                raise ConnectionClosed("peer closed the connection")
+            remaining -= received
+            index = _advance(pending, index, batch, received)
+    finally:
+        if lowat != 1 and sock.fileno() >= 0:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
 
 async def send(sock: socket.socket, views: list[memoryview | bytes]) -> None:
@@ -62,57 +70,11 @@ async def send(sock: socket.socket, views: list[memoryview | bytes]) -> None:
         index = _advance(pending, index, batch, sent)
 
 
-async def recv_into_large(sock: socket.socket, views: list[memoryview],
-                          timeout_s: float) -> None:
-    """`recv_into`, in a worker thread when the views hold at least THREAD_MIN_BYTES."""
-    if sum(view.nbytes for view in views) < THREAD_MIN_BYTES:
-        await recv_into(sock, views)
-        return
-    await asyncio.to_thread(_in_thread, sock, views, timeout_s, is_send=False)
-
-
-async def send_large(sock: socket.socket, views: list[memoryview | bytes],
-                     timeout_s: float) -> None:
-    """`send`, in a worker thread when the buffers hold at least THREAD_MIN_BYTES."""
-    if sum(len(view) for view in views) < THREAD_MIN_BYTES:
-        await send(sock, views)
-        return
-    await asyncio.to_thread(_in_thread, sock, views, timeout_s, is_send=True)
-
-
 def abort(sock: socket.socket) -> None:
     """Shut the connection down (waking any thread blocked on it), then close it."""
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
     sock.close()
-
-
-def _in_thread(sock: socket.socket, views: list, timeout_s: float, *, is_send: bool) -> None:
-    deadline = time.monotonic() + timeout_s
-    with sock.dup() as own:
-        pending = [view for view in views if len(view)]
-        index = 0
-        while index < len(pending):
-            batch = _next_batch(pending, index)
-            try:
-                done = own.sendmsg(batch) if is_send else own.recvmsg_into(batch)[0]
-            except (BlockingIOError, InterruptedError):
-                _wait(own, select.POLLOUT if is_send else select.POLLIN, deadline)
-                continue
-            if done == 0 and not is_send:
-                raise ConnectionClosed("peer closed the connection")
-            index = _advance(pending, index, batch, done)
-
-
-def _wait(sock: socket.socket, event: int, deadline: float) -> None:
-    poller = select.poll()
-    poller.register(sock, event)
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("socket stalled")
-        if poller.poll(min(remaining, _POLL_SLICE_S) * 1000):
-            return
 
 
 def _next_batch(pending: list, index: int) -> list:

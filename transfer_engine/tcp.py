@@ -83,11 +83,9 @@ class _Job:
 class Link:
     """One authenticated connection to a peer."""
 
-    def __init__(self, sock: socket.socket, peer_id: str, stats: TcpStats,
-                 timeout_s: float) -> None:
+    def __init__(self, sock: socket.socket, peer_id: str, stats: TcpStats) -> None:
         self.peer_id = peer_id
         self._sock = sock
-        self._timeout_s = timeout_s  # the most one frame may take to send or receive
         self._stats = stats
         self._queue: deque[_Job] = deque()
         self._has_work = asyncio.Event()
@@ -144,8 +142,7 @@ class Link:
                 self._pending[request_id] = jobs
                 self._stats.num_frames_sent += 1
                 self._stats.num_transfers_sent += len(jobs)
-                await sock_io.send_large(self._sock, _frame(request_id, jobs),
-                                         self._timeout_s)
+                await sock_io.send(self._sock, _frame(request_id, jobs))
         except OSError as error:
             self.close(TransferFailed(f"connection to {self.peer_id!r} lost: {error}"))
 
@@ -168,7 +165,6 @@ class Link:
         except TransferFailed as error:
             self.close(error)
         except (OSError, sock_io.ConnectionClosed) as error:
-            # TimeoutError is an OSError: a frame that stalled in a worker thread.
             self.close(TransferFailed(f"connection to {self.peer_id!r} lost: {error}"))
 
     async def _on_frame(self, header: wire.Header) -> None:
@@ -190,7 +186,7 @@ class Link:
             if header.payload_len != sum(view.nbytes for view in views):
                 raise ProtocolViolation(f"{self.peer_id!r} answered a read with "
                                         f"{header.payload_len} bytes")
-            await sock_io.recv_into_large(self._sock, views, self._timeout_s)
+            await sock_io.recv_into(self._sock, views)
         _settle(jobs, None)
 
 
@@ -345,7 +341,7 @@ class TcpTransport:
             raise TransferFailed(f"{peer.tcp_host}:{peer.tcp_port} is {endpoint.engine_id!r}, "
                                  f"not {peer.engine_id!r}")
         self.stats.num_links_opened += 1
-        return Link(sock, peer.engine_id, self.stats, self._options.frame_timeout_s)
+        return Link(sock, peer.engine_id, self.stats)
 
     async def handshake(self, host: str, port: int) -> tuple[socket.socket, TransferEndpoint]:
         """Connect and authenticate both ways; return the socket and the peer's descriptor

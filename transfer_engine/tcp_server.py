@@ -171,10 +171,10 @@ class TcpServer:
             await _send_error(sock, header.request_id, wire.ErrorKind.INVALID, error.message)
             return False
         if meta.compression is None:
-            await sock_io.recv_into_large(sock, views, self._frame_timeout_s)
+            await sock_io.recv_into(sock, views)
             return True
         payload = memoryview(bytearray(header.payload_len))
-        await sock_io.recv_into_large(sock, [payload], self._frame_timeout_s)
+        await sock_io.recv_into(sock, [payload])
         await asyncio.to_thread(_decompress_all, payload, sizes, views, meta.compression)
         return True
 
@@ -186,9 +186,8 @@ class TcpServer:
             await _send_error(sock, header.request_id, wire.ErrorKind.INVALID, error.message)
             return
         total = sum(view.nbytes for view in views)
-        await sock_io.send_large(sock, [wire.Header(wire.Op.DATA, header.request_id,
-                                                    payload_len=total).pack(), *views],
-                                 self._frame_timeout_s)
+        await sock_io.send(sock, [wire.Header(wire.Op.DATA, header.request_id,
+                                              payload_len=total).pack(), *views])
 
 
 def _wire_size(num_bytes: int, compress: wire.Compression | None) -> int:
