@@ -2,6 +2,7 @@
 
     halfmoon up                      embedded NATS + conductor + prefill + decode + gateway
     halfmoon gateway|conductor|prefill|decode --nats-url URL ...   one service per process
+    halfmoon bench transfer [--max-mib N]     transfer-engine benchmark (two processes)
 
 Every service flag is also an environment variable `HALFMOON_<FLAG>` and a key of the TOML
 file given with `--config`.
@@ -77,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("directory", nargs="?", default=None,
                       help="default: the built-in model's cache directory")
     init.add_argument("--force", action="store_true", help="overwrite an existing model")
+    bench = commands.add_parser("bench", help="benchmarks (bench transfer --help)")
+    bench.add_argument("target", choices=["transfer"], help="what to measure")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER,
+                       help="options of that benchmark")
     return parser
 
 
@@ -87,6 +92,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_up(UpOptions.from_args(args))
         if args.command == "model":
             return init_model(args.directory, is_forced=args.force)
+        if args.command == "bench":
+            from transfer_engine.bench import main as bench_transfer
+
+            bench_transfer(args.bench_args)
+            return 0
         return run_service(args.command, vars(args))
     except ConfigError as exc:
         print(f"halfmoon: {exc.message}", file=sys.stderr)

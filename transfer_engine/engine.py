@@ -152,9 +152,12 @@ class TransferEngine:
                                 tcp_port=self._port, segments=self._memory.infos(),
                                 rdma=self._rdma_port)
 
-    async def register(self, name: str, buffer: Any) -> SegmentInfo:
-        """Register a buffer (bytes-like, numpy array, CPU tensor) that peers may address."""
-        segment = self._memory.register(name, buffer)
+    async def register(self, name: str, buffer: Any, *,
+                       is_staged: bool | None = None) -> SegmentInfo:
+        """Register a buffer (bytes-like, numpy array, torch tensor) that peers may address.
+        Device tensors move through a pinned host mirror (staging.py): peers reach them over
+        tcp only."""
+        segment = self._memory.register(name, buffer, is_staged=is_staged)
         for transport in self._transports:
             if hasattr(transport, "register_memory"):
                 transport.register_memory(segment)
@@ -207,7 +210,12 @@ class TransferEngine:
                 quantization.check_lengths(run.lengths, compression)
         plan = Plan(endpoint, runs, notifications, compression,
                     timeout_s or self.config.timeout_s)
+        staged = [run for run in runs if run.local.staging is not None]
+        if staged and is_write:
+            await asyncio.to_thread(_stage, staged, to_device=False)
         await (transport.write(plan) if is_write else transport.read(plan))
+        if staged and not is_write:
+            await asyncio.to_thread(_stage, staged, to_device=True)
         return TransferResult(num_bytes=plan.num_bytes, seconds=time.perf_counter() - started,
                               transport=transport.name, num_pieces=plan.num_pieces,
                               compression=compression.scheme if compression else None)
@@ -302,3 +310,10 @@ class TransferEngine:
             except Exception as error:  # the registry may be gone first; the TTL cleans up
                 log.warning("transfer.unpublish_failed", error=str(error))
         log.info("transfer.closed", engine_id=self.config.engine_id)
+
+
+def _stage(runs: list[Run], *, to_device: bool) -> None:
+    for run in runs:
+        assert run.local.staging is not None  # the caller picked staged runs
+        move = run.local.staging.to_device if to_device else run.local.staging.to_host
+        move(run.local_offsets, run.lengths)

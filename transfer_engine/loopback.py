@@ -28,7 +28,8 @@ class LoopbackTransport:
 
     async def write(self, plan: Plan) -> None:
         memory, deliver = self._peer(plan.peer)
-        targets = memory.views(wire.unpack_pieces(wire.table_of(plan.runs)), for_write=True)
+        table = wire.unpack_pieces(wire.table_of(plan.runs))
+        targets = memory.views(table, for_write=True)
         sources = [view for run in plan.runs for view in run.local_views()]
         for source, target in zip(sources, targets, strict=True):
             if plan.compression is None:
@@ -36,11 +37,14 @@ class LoopbackTransport:
             else:
                 wire_bytes = compression.compress(source, plan.compression)
                 compression.decompress_into(memoryview(wire_bytes), plan.compression, target)
+        memory.landed(table)
         deliver(self._engine_id, plan.notifications)
 
     async def read(self, plan: Plan) -> None:
         memory, _ = self._peer(plan.peer)
-        sources = memory.views(wire.unpack_pieces(wire.table_of(plan.runs)), for_write=False)
+        table = wire.unpack_pieces(wire.table_of(plan.runs))
+        sources = memory.views(table, for_write=False)
+        memory.before_read(table)
         targets = [view for run in plan.runs for view in run.local_views()]
         for source, target in zip(sources, targets, strict=True):
             target[:] = source

@@ -16,8 +16,10 @@ from transfer_engine.segment import (
     SharedMemoryRegion,
     as_byte_view,
     check_bounds,
+    is_device_tensor,
     shm_name_for,
 )
+from transfer_engine.staging import DeviceStaging
 
 _SMALL_TABLE = 16  # fewer pieces than this are checked in a loop: numpy calls cost more
 
@@ -32,9 +34,19 @@ class LocalMemory:
         self._by_id: dict[int, Segment] = {}
         self._ids = itertools.count(1)
         self._regions: dict[str, SharedMemoryRegion] = {}
+        self._staged: set[int] = set()  # ids of segments with device staging
 
-    def register(self, name: str, buffer: Any) -> Segment:
-        """Register `buffer` (bytes-like, numpy array, CPU tensor) under `name`."""
+    def register(self, name: str, buffer: Any, *, is_staged: bool | None = None) -> Segment:
+        """Register `buffer` (bytes-like, numpy array, torch tensor) under `name`. A device
+        tensor goes through a host mirror (`is_staged`, the default for them; a CPU tensor
+        can be staged too, which is how the mirror logic is tested without a GPU)."""
+        if is_staged or (is_staged is None and is_device_tensor(buffer)):
+            if not hasattr(buffer, "is_contiguous") or not buffer.is_contiguous():
+                raise InvalidTransfer("only a contiguous torch tensor can be staged")
+            staging = DeviceStaging(buffer)
+            segment = self._add(name, staging.host, owner=buffer, staging=staging)
+            self._staged.add(segment.segment_id)
+            return segment
         return self._add(name, as_byte_view(buffer), owner=buffer)
 
     def allocate(self, name: str, size_bytes: int) -> Segment:
@@ -53,6 +65,7 @@ class LocalMemory:
         if segment is None:
             raise InvalidTransfer(f"no segment named {name!r}")
         del self._by_id[segment.segment_id]
+        self._staged.discard(segment.segment_id)
         region = self._regions.pop(name, None)
         if region is not None:
             region.close()
@@ -104,6 +117,26 @@ class LocalMemory:
                     for offset, length in zip(offsets.tolist(), lengths.tolist(), strict=True)]
         return [segments[segment_id][offset:offset + length] for segment_id, offset, length
                 in zip(segment_ids.tolist(), offsets.tolist(), lengths.tolist(), strict=True)]
+
+    def landed(self, table: np.ndarray) -> None:
+        """A peer's bytes are in these pieces: push staged ones to their device."""
+        self._stage(table, to_device=True)
+
+    def before_read(self, table: np.ndarray) -> None:
+        """A peer is about to read these pieces: pull staged ones from their device."""
+        self._stage(table, to_device=False)
+
+    def _stage(self, table: np.ndarray, *, to_device: bool) -> None:
+        if not self._staged:
+            return
+        for segment_id in self._staged:
+            mine = table["segment_id"] == segment_id
+            if mine.any():
+                staging = self._by_id[segment_id].staging
+                assert staging is not None  # invariant: _staged holds staged segments only
+                move = staging.to_device if to_device else staging.to_host
+                move(table["offset"][mine].astype(np.int64),
+                     table["length"][mine].astype(np.int64))
 
     def _few_views(self, pieces: list[tuple[int, int, int]], *,
                    for_write: bool) -> list[memoryview]:

@@ -122,7 +122,10 @@ class RdmaTransport:
         start = segment.address
         region = MR(self._pd, segment.size_bytes, _access_flags(), address=start)
         self._regions.append((start, start + segment.size_bytes, region))
-        segment.rdma_addr, segment.rdma_rkey = start, int(region.rkey)
+        if segment.staging is None:
+            # A staged segment's mirror is only a source or sink of our own transfers: a
+            # peer's one-sided write there would never reach the device, so no rkey is shown.
+            segment.rdma_addr, segment.rdma_rkey = start, int(region.rkey)
 
     def can_reach(self, peer: TransferEndpoint, remote: list[SegmentInfo]) -> bool:
         return peer.rdma is not None and all(info.rdma_rkey is not None for info in remote)

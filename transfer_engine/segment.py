@@ -21,13 +21,14 @@ import numpy as np
 
 from shared.messages import SegmentInfo
 from transfer_engine.errors import InvalidTransfer
+from transfer_engine.staging import DeviceStaging
 
 SHM_DIR = Path("/dev/shm")
 
 
 def as_byte_view(buffer: Any) -> memoryview:
     """A flat byte view of `buffer` without copying it. Torch tensors must be contiguous and on
-    the CPU (CUDA memory is not host-addressable; it needs the cuda transport)."""
+    the CPU (device tensors are registered through a host mirror: see staging.py)."""
     if _is_torch_tensor(buffer):
         return _tensor_bytes(buffer)
     try:
@@ -45,6 +46,10 @@ def buffer_address(view: memoryview) -> int:
     if view.readonly:  # ctypes maps only writable buffers; numpy takes either
         return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def is_device_tensor(buffer: Any) -> bool:
+    return _is_torch_tensor(buffer) and buffer.device.type != "cpu"
 
 
 def _is_torch_tensor(buffer: Any) -> bool:
@@ -73,6 +78,7 @@ class Segment:
     shm_name: str | None = None
     rdma_addr: int | None = None
     rdma_rkey: int | None = None
+    staging: DeviceStaging | None = None  # device memory behind a host mirror (`data`)
     _address: int | None = field(default=None, repr=False)
 
     @property

@@ -133,6 +133,7 @@ class TcpServer:
             case wire.Op.WRITE:
                 if not await self._land(sock, header, table, meta):
                     return
+                self._memory.landed(table)
                 self._deliver(peer_id, meta.notifications)
                 await sock_io.send(sock, [wire.Header(wire.Op.ACK, header.request_id).pack()])
             case wire.Op.READ:
@@ -185,6 +186,7 @@ class TcpServer:
         except InvalidTransfer as error:
             await _send_error(sock, header.request_id, wire.ErrorKind.INVALID, error.message)
             return
+        self._memory.before_read(table)
         total = sum(view.nbytes for view in views)
         await sock_io.send(sock, [wire.Header(wire.Op.DATA, header.request_id,
                                               payload_len=total).pack(), *views])

@@ -153,3 +153,25 @@ async def test_writes_after_close_are_refused(pair: Pair) -> None:
         await pair.source.write(pair.target.config.engine_id, [("kv", 0, "kv", 0, 10)])
 
 
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA device here")]),
+])
+async def test_a_staged_tensor_is_read_from_and_written_to_its_device(
+        pair: Pair, device: str) -> None:
+    """Device tensors move through a host mirror; a CPU tensor can take the same path, which
+    checks the mirror bookkeeping where there is no GPU."""
+    source = torch.arange(4096, dtype=torch.float32, device=device)
+    target = torch.zeros(4096, dtype=torch.float32, device=device)
+    await pair.source.register("dev-src", source, is_staged=True)
+    await pair.target.register("dev-dst", target, is_staged=True)
+    peer = pair.target.config.engine_id
+    result = await pair.source.write(peer, [("dev-src", 0, "dev-dst", 4096, 8192)])
+    assert torch.equal(target[1024:3072], source[:2048])  # on the device, not just the mirror
+    assert result.transport == ("tcp" if pair.transport == "shm" else pair.transport)
+    target[:16] = 7.0  # changed on the device after registration: a read must see it
+    await pair.source.read(peer, [("dev-src", 0, "dev-dst", 0, 64)])
+    assert torch.equal(source[:16], torch.full((16,), 7.0, device=device))

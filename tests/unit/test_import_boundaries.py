@@ -30,6 +30,7 @@ FORBIDDEN = {
     "services/gateway": ("engine", "torch", "transfer_engine"),
     "services/conductor": ("engine", "torch", "transfer_engine"),
     "engine": ("nats", "services", "aiohttp"),
+    "transfer_engine": ("services", "aiohttp"),
 }
 
 

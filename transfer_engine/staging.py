@@ -1,0 +1,43 @@
+"""Device memory (CUDA tensors) registered through a pinned host mirror.
+
+The transports move host bytes, so a device tensor is registered as a host mirror of the
+same size plus this staging object. The engine copies the pieces a transfer touches between
+device and mirror: before it sends them (device to host), after bytes land in them (host to
+device), and before it serves a peer's read. Peers then reach such a segment over tcp (not
+shm or rdma, which would write the mirror without the owner noticing). GPUDirect RDMA and
+CUDA IPC would skip the mirror; they are not built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class DeviceStaging:
+    def __init__(self, tensor: Any) -> None:
+        import torch
+
+        self.device = tensor.device
+        self._device_bytes = tensor.reshape(-1).view(torch.uint8)
+        self._mirror = torch.empty(self._device_bytes.numel(), dtype=torch.uint8,
+                                   pin_memory=tensor.device.type == "cuda")
+        self.host = memoryview(self._mirror.numpy())
+
+    def to_host(self, offsets: np.ndarray, lengths: np.ndarray) -> None:
+        """Device to mirror, for the pieces about to be sent."""
+        self._copy(self._mirror, self._device_bytes, offsets, lengths)
+
+    def to_device(self, offsets: np.ndarray, lengths: np.ndarray) -> None:
+        """Mirror to device, for the pieces that just landed."""
+        self._copy(self._device_bytes, self._mirror, offsets, lengths)
+
+    def _copy(self, target: Any, source: Any, offsets: np.ndarray, lengths: np.ndarray) -> None:
+        import torch
+
+        for offset, length in zip(offsets.tolist(), lengths.tolist(), strict=True):
+            target[offset:offset + length].copy_(source[offset:offset + length],
+                                                 non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
