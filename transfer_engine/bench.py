@@ -204,8 +204,9 @@ async def _memcpy(target: memoryview, source: memoryview, batch: PieceArrays) ->
     memmove per piece, or one numpy gather/scatter for small equal pieces (faster there)."""
     size = int(batch.lengths[0])
     if len(batch.lengths) > 1 and size <= 16 << 10:
-        rows_in = np.frombuffer(source, np.uint8).reshape(-1, size)
-        rows_out = np.frombuffer(target, np.uint8).reshape(-1, size)
+        item = np.dtype((np.void, size))
+        rows_in = np.frombuffer(source, np.uint8).view(item)
+        rows_out = np.frombuffer(target, np.uint8).view(item)
         rows_out[batch.remote_offsets // size] = rows_in[batch.local_offsets // size]
         return
     sources = (buffer_address(source) + batch.local_offsets).tolist()

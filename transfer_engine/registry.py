@@ -11,9 +11,11 @@ from typing import Protocol
 
 import msgspec
 import nats.js.errors
+from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from shared.messages import TransferEndpoint
+from shared.nats_client import ensure_bucket
 from transfer_engine.errors import InvalidTransfer
 
 _KEY = re.compile(r"^[-/_=.a-zA-Z0-9]+$")
@@ -30,8 +32,16 @@ class EndpointRegistry(Protocol):
 
 
 class NatsEndpointRegistry:
+    """Descriptors in a NATS KV bucket (`Subjects.transfer_bucket`), keyed by engine id."""
+
     def __init__(self, bucket: KeyValue) -> None:
         self._bucket = bucket
+
+    @classmethod
+    async def open(cls, js: JetStreamContext, bucket: str) -> NatsEndpointRegistry:
+        """The registry in `bucket`, created if missing. No TTL: a dead engine's descriptor
+        stays until it is replaced, and reaching it fails fast with `TransferFailed`."""
+        return cls(await ensure_bucket(js, bucket, ttl_s=0))
 
     async def put(self, endpoint: TransferEndpoint) -> None:
         await self._bucket.put(_key(endpoint.engine_id), msgspec.json.encode(endpoint))

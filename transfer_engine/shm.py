@@ -128,8 +128,10 @@ def _copy_rows(copy: Copy) -> bool:
 
 
 def _rows(data: memoryview, size: int) -> np.ndarray:
+    """The segment as an array of `size`-byte opaque items: numpy then moves each piece with
+    one memcpy (as uint8 rows it copies byte by byte, 2-3x slower)."""
     flat = np.frombuffer(data, dtype=np.uint8)
-    return flat[:len(flat) - len(flat) % size].reshape(-1, size)
+    return flat[:len(flat) - len(flat) % size].view(np.dtype((np.void, size)))
 
 
 def _copy_pieces(copy: Copy) -> None:

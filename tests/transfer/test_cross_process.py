@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 import nats
 import pytest
 
-from shared.nats_client import ensure_bucket
 from tests.transfer.conftest import SECRET
 from transfer_engine.engine import TransferConfig, TransferEngine
 from transfer_engine.errors import TransferFailed, TransferTimeout
@@ -52,7 +51,7 @@ class PeerProcess:
 @pytest.fixture
 async def registry(nats_url: str) -> AsyncIterator[NatsEndpointRegistry]:
     client = await nats.connect(nats_url)
-    yield NatsEndpointRegistry(await ensure_bucket(client.jetstream(), BUCKET, ttl_s=0))
+    yield await NatsEndpointRegistry.open(client.jetstream(), BUCKET)
     await client.close()
 
 
@@ -91,6 +90,7 @@ async def test_bytes_cross_processes_intact_both_ways(
     finally:
         peer.stop()
         await engine.close()
+    assert await registry.get(engine.config.engine_id) is None  # close() unpublished it
 
 
 async def test_a_stalled_peer_ends_in_transfer_timeout(
