@@ -169,6 +169,12 @@ class FakeEngine:
     def drain_kv_events(self) -> list[tuple[str, bytes]]:
         return []  # the fake engine keeps no prefix cache
 
+    def kv_layout(self) -> None:
+        return None  # no KV exists: decode regenerates its state, nothing is moved
+
+    def use_kv_buffer(self, buffer: memoryview) -> None:
+        raise InvalidRequest("the fake engine keeps no KV")
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self._running),

@@ -7,7 +7,9 @@ cache once computed, and freeing blocks.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +19,7 @@ from engine.kv_cache import KvCache
 from engine.model import AttentionMetadata, CausalLM, SequenceSlice
 from engine.sampler import sample
 from engine.scheduler import ScheduledBatch
-from engine.sequence import LayerListener, Sequence
+from engine.sequence import Sequence
 from shared.block_hash import block_hashes
 
 
@@ -93,7 +95,12 @@ class ModelRunner:
             offset += count
         meta = AttentionMetadata(torch.cat(slots), slices,
                                  torch.cat(contexts) if contexts else None)
-        listeners = [s.on_layer for s in batch.sequences if s.on_layer is not None]
+        # Only sequences whose prompt completes in this step: their KV is then whole per layer.
+        listeners = [
+            functools.partial(seq.on_layer, block_ids=list(seq.block_ids))
+            for seq, count in zip(batch.sequences, batch.num_new_tokens, strict=True)
+            if seq.on_layer is not None and seq.num_computed + count >= seq.num_prompt_tokens
+        ]
         hidden = self.model(torch.cat(ids), torch.cat(positions), meta, self.kv,
                             on_layer=_fan_out(listeners) if listeners else None)
         return self._advance_and_sample(batch, slices, hidden)
@@ -129,7 +136,7 @@ class ModelRunner:
         seq.num_registered = max(seq.num_registered, full)
 
 
-def _fan_out(listeners: list[LayerListener]) -> LayerListener:
+def _fan_out(listeners: list[Callable[[int], None]]) -> Callable[[int], None]:
     def notify(layer: int) -> None:
         for listener in listeners:
             listener(layer)

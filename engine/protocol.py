@@ -26,14 +26,29 @@ from shared.messages import FinishReason, SamplingParams
 
 @dataclass(frozen=True)
 class PrefillRequest:
-    """`on_layer(i)` is called, from the engine's compute thread, once layer i's K/V of this
-    request is in its blocks (layer-wise KV transfer starts there); it must be quick and
-    thread-safe (hand off to the event loop with `call_soon_threadsafe`)."""
+    """`on_layer(i, block_ids)` is called, from the engine's compute thread, in the step that
+    completes the prompt, once layer i's K/V of the whole prompt is in `block_ids` (layer-wise
+    KV transfer starts there); it must be quick and thread-safe (hand off to the event loop
+    with `call_soon_threadsafe`)."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    on_layer: Callable[[int], None] | None = None
+    on_layer: Callable[[int, list[int]], None] | None = None
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """Where a block's K or V of one layer lies in the KV pool's bytes:
+    `((layer * 2 + kind) * num_blocks + block_id) * block_bytes`, kind 0 = K, 1 = V."""
+
+    num_layers: int
+    num_blocks: int
+    block_bytes: int
+
+    @property
+    def size_bytes(self) -> int:
+        return self.num_layers * 2 * self.num_blocks * self.block_bytes
 
 
 @dataclass(frozen=True)
@@ -116,6 +131,13 @@ class Engine(Protocol):
         """Drop the request wherever it is; return whether it was known."""
 
     def stats(self) -> EngineStats: ...
+
+    def kv_layout(self) -> KvLayout | None:
+        """The KV pool's byte layout, or None for an engine with no KV to move."""
+
+    def use_kv_buffer(self, buffer: memoryview) -> None:
+        """Before start(): keep the KV pool in `buffer` (`kv_layout().size_bytes` long, e.g.
+        transfer-engine shared memory) instead of allocating it."""
 
     def drain_kv_events(self) -> list[tuple[str, bytes]]:
         """Prefix-cache changes since the last call, in order: ("stored" | "removed", hash)."""

@@ -9,7 +9,7 @@ import torch
 
 from shared.messages import FinishReason, SamplingParams
 
-LayerListener = Callable[[int], None]
+LayerListener = Callable[[int, list[int]], None]  # (layer, the request's block ids)
 
 
 @dataclass

@@ -31,6 +31,7 @@ from engine.prefill_cost import PrefillCostFit
 from engine.protocol import (
     DecodeRequest,
     EngineStats,
+    KvLayout,
     PrefillRequest,
     PrefillResult,
     TokenOutput,
@@ -115,6 +116,7 @@ class TorchEngine:
         self._prefill_tokens_per_s = 0.0
         self._decode_step_s = 0.0
         self._prefill_cost = PrefillCostFit()
+        self._kv_buffer: memoryview | None = None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -127,12 +129,36 @@ class TorchEngine:
             num_layers=self.config.num_layers, num_blocks=self.options.num_blocks,
             block_size=self.options.block_size, num_kv_heads=self.config.num_kv_heads,
             head_dim=self.config.head_dim, dtype=self.options.dtype, device=self.device,
+            storage=self._kv_storage(),
         )
         self._runner = ModelRunner(model, self.kv, self.allocator, device=self.device,
                                    is_prefix_caching=self.options.is_prefix_caching)
         self._thread = EngineThread(asyncio.get_running_loop(), self._step, self._on_crash,
                                     name="engine")
         self._thread.start()
+
+    def kv_layout(self) -> KvLayout:
+        itemsize = torch.empty((), dtype=self.options.dtype).element_size()
+        return KvLayout(num_layers=self.config.num_layers, num_blocks=self.options.num_blocks,
+                        block_bytes=self.options.block_size * self.config.num_kv_heads
+                        * self.config.head_dim * itemsize)
+
+    def use_kv_buffer(self, buffer: memoryview) -> None:
+        if self.device.type != "cpu":
+            raise InvalidRequest("an external KV buffer is host memory; the engine runs on "
+                                 f"{self.device}")
+        if buffer.nbytes < self.kv_layout().size_bytes:
+            raise InvalidRequest(f"KV buffer of {buffer.nbytes} bytes is smaller than the "
+                                 f"pool ({self.kv_layout().size_bytes} bytes)")
+        self._kv_buffer = buffer
+
+    def _kv_storage(self) -> torch.Tensor | None:
+        if self._kv_buffer is None:
+            return None
+        shape = (self.config.num_layers, 2, self.options.num_blocks, self.options.block_size,
+                 self.config.num_kv_heads, self.config.head_dim)
+        flat = torch.frombuffer(self._kv_buffer, dtype=torch.uint8)
+        return flat[:self.kv_layout().size_bytes].view(self.options.dtype).view(shape)
 
     def _load_model(self) -> CausalLM:
         torch.manual_seed(0)

@@ -133,19 +133,23 @@ async def test_prompt_larger_than_the_pool_fails_that_request_only(engine: Torch
     check_blocks(engine)
 
 
-async def test_each_layer_reports_once_per_prefill_step(llama_dir: Path) -> None:
+async def test_each_layer_reports_once_when_the_prompt_completes(llama_dir: Path) -> None:
     engine = TorchEngine(EngineOptions(model_dir=llama_dir, num_blocks=64, block_size=4,
                                        max_batch_tokens=8))
     await engine.start()
-    layers: list[int] = []
+    reports: list[tuple[int, list[int]]] = []
     try:
-        await engine.prefill(PrefillRequest("p", PROMPT, SamplingParams(max_tokens=1),
-                                            on_layer=layers.append))
+        result = await engine.prefill(PrefillRequest(
+            "p", PROMPT, SamplingParams(max_tokens=1),
+            on_layer=lambda layer, block_ids: reports.append((layer, block_ids))))
     finally:
         await engine.close()
     num_layers = engine.config.num_layers
-    # 20 tokens in chunks of 8: three steps, each reporting every layer in order.
-    assert layers == list(range(num_layers)) * 3
+    # 20 tokens in chunks of 8: three steps; only the last one (the prompt is then whole)
+    # reports, every layer in order, with all five blocks.
+    assert [layer for layer, _ in reports] == list(range(num_layers))
+    assert all(block_ids == result.block_ids for _, block_ids in reports)
+    assert len(result.block_ids) == 5
 
 
 async def test_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path,
