@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import ipaddress
 import socket
 import time
 import uuid
@@ -21,6 +22,7 @@ from nats.js.kv import KeyValue
 from engine.factory import build_engine
 from engine.protocol import Engine
 from shared.config import WorkerConfig
+from shared.errors import ConfigError
 from shared.messages import (
     AbortRequest,
     DispatchReply,
@@ -31,6 +33,9 @@ from shared.messages import (
 )
 from shared.nats_client import encode, ensure_bucket, ensure_kv_event_stream
 from shared.service import Service
+from transfer_engine.engine import TransferConfig, TransferEngine
+from transfer_engine.handoff import KV_SEGMENT
+from transfer_engine.registry import NatsEndpointRegistry
 
 # Registry entries outlive a few missed heartbeats, then the bucket drops them.
 REGISTRY_TTL_HEARTBEATS = 10
@@ -48,6 +53,7 @@ class WorkerService(Service):
         self._registry: KeyValue | None = None
         self._work_subscriptions: list[Any] = []
         self._is_engine_started = False
+        self.transfer: TransferEngine | None = None  # for engines with a KV pool
 
     @property
     def instance_id(self) -> str:
@@ -62,6 +68,12 @@ class WorkerService(Service):
     async def _setup(self) -> None:
         if self._engine is None:  # built here, not in __init__: it reads (or writes) files
             self._engine = await asyncio.to_thread(build_engine, self.config)
+        layout = self.engine.kv_layout()
+        if layout is not None:
+            self.transfer = await self._start_transfer_engine()
+            # The KV pool lives in the transfer engine's shared memory: same-host peers write
+            # into it one-sidedly, others land in it straight from their sockets.
+            self.engine.use_kv_buffer(await self.transfer.allocate(KV_SEGMENT, layout.size_bytes))
         await self.engine.start()
         self._is_engine_started = True
         self._registry = await ensure_bucket(
@@ -75,6 +87,25 @@ class WorkerService(Service):
         await self.serve(self.subjects.abort, AbortRequest, self._on_abort)
         await self._heartbeat()
         self.spawn(self._heartbeat_loop(), "heartbeat")
+
+    async def _start_transfer_engine(self) -> TransferEngine:
+        config = self.config
+        secret = config.transfer_secret
+        if not secret:
+            if not ipaddress.ip_address(config.transfer_host).is_loopback:
+                raise ConfigError("set transfer_secret (HALFMOON_TRANSFER_SECRET) when the "
+                                  "transfer engine listens beyond loopback")
+            secret = f"halfmoon-local-{self.config.cluster}"  # loopback only: same machine
+        registry = await NatsEndpointRegistry.open(self.nc.jetstream(),
+                                                   self.subjects.transfer_bucket)
+        transfer = TransferEngine(TransferConfig(
+            engine_id=self.worker_id, secret=secret.encode(), listen_host=config.transfer_host,
+            listen_port=config.transfer_port, advertise_host=config.transfer_advertise_host,
+            transports=tuple(t.strip() for t in config.transfer_transports.split(",")),
+            timeout_s=config.kv_wait_timeout_s,
+        ), registry)
+        await transfer.start()
+        return transfer
 
     @abc.abstractmethod
     async def _subscribe_work(self) -> list[Any]:
@@ -146,6 +177,8 @@ class WorkerService(Service):
     async def _close(self) -> None:
         if self._is_engine_started:
             await self.engine.close()
+        if self.transfer is not None:
+            await self.transfer.close()
         if self._registry is not None:
             with contextlib.suppress(Exception):
                 await self._registry.delete(self.worker_id)

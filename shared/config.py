@@ -84,6 +84,15 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     zone: str = ""
     fake_prefill_delay_s: float = 0.0
     fake_token_delay_s: float = 0.0
+    # KV transfer (engines with a KV pool): where this worker's transfer engine listens, what
+    # peers dial, the transports it may use (in preference order), the shared secret every
+    # worker of the cluster holds, and whether KV streams layer by layer or after prefill.
+    transfer_host: str = "127.0.0.1"
+    transfer_port: int = 0
+    transfer_advertise_host: str | None = None
+    transfer_transports: str = "shm,tcp"
+    transfer_secret: str = ""
+    kv_streaming: Literal["layerwise", "whole"] = "layerwise"
 
 
 C = TypeVar("C", bound="ServiceConfig")

@@ -91,11 +91,15 @@ class DispatchReply(Message, frozen=True, kw_only=True):
 
 class KvTarget(Message, frozen=True, kw_only=True):
     """Fact from a decode worker to a prefill worker (`Subjects.kv_target`): the blocks
-    reserved for the request, where prefill must write its KV."""
+    reserved for the request, where prefill must write its KV. `kv_num_blocks` and
+    `kv_block_bytes` give the decode pool's layout (engine.protocol.KvLayout) in its transfer
+    engine's segment `kv` (engine id = `decode_worker_id`); 0 when it has no KV pool."""
 
     request_id: str
     decode_worker_id: str
     block_ids: list[int]
+    kv_num_blocks: int = 0
+    kv_block_bytes: int = 0
 
 
 class KvCommitted(Message, frozen=True, kw_only=True):

@@ -1,17 +1,34 @@
 """The KV-handoff step: how a prefill worker moves a request's KV into the decode worker's
-reserved blocks before committing the request to decode.
+reserved blocks.
 
-The prefill service calls `send(result, target)` after the engine returns the first token and
-the decode worker's `KvTarget` has arrived; the returned report is carried in `KvCommitted`.
+The prefill service opens a stream per request before prefill starts, passes the stream's
+`on_layer` to the engine, and calls `finish(result)` once the engine returned the first
+token; the report (bytes, seconds, transport, and the tail: last layer computed to last byte
+landed) travels in `KvCommitted`.
+
+`LayerwiseKvHandoff` writes each layer's K and V blocks as soon as the engine reports the
+layer done (or, with `is_layerwise=False`, all layers after the last one: the baseline that
+layer-wise streaming is measured against). The decode side's `KvTarget` (its blocks and pool
+layout) may arrive while prefill computes; layers wait for it, compute does not.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.protocol import PrefillResult
+import numpy as np
+
+from engine.protocol import KvLayout, PrefillResult
 from shared.messages import KvTarget
+from transfer_engine.batch import PieceArrays
+from transfer_engine.engine import TransferEngine
+from transfer_engine.errors import InvalidTransfer, TransferTimeout
+
+KV_SEGMENT = "kv"
 
 
 @dataclass(frozen=True)
@@ -19,12 +36,22 @@ class HandoffReport:
     num_bytes: int
     seconds: float
     transport: str
+    tail_s: float = 0.0  # from the last layer computed to its KV landed at decode
+
+
+class KvStream(Protocol):
+    on_layer: Callable[[int, list[int]], None] | None
+
+    async def finish(self, result: PrefillResult, timeout_s: float) -> HandoffReport:
+        """Wait until every layer of `result`'s KV landed at decode; raise `TransferFailed`
+        or `TransferTimeout`."""
+
+    def cancel(self) -> None: ...
 
 
 class KvHandoff(Protocol):
-    async def send(self, result: PrefillResult, target: KvTarget) -> HandoffReport:
-        """Move the KV of `result` into `target`'s blocks; raise `TransferFailed` or
-        `TransferTimeout` on failure."""
+    def open(self, request_id: str, target: asyncio.Future[KvTarget]) -> KvStream:
+        """A stream for one request; `target` resolves when decode names its blocks."""
 
     async def close(self) -> None: ...
 
@@ -33,8 +60,111 @@ class NoKvHandoff:
     """For engines that keep no KV to move (the fake engine): the decode side regenerates
     its state from the prompt, so nothing crosses and the report says so."""
 
-    async def send(self, result: PrefillResult, target: KvTarget) -> HandoffReport:
-        return HandoffReport(num_bytes=0, seconds=0.0, transport="none")
+    def open(self, request_id: str, target: asyncio.Future[KvTarget]) -> KvStream:
+        return _NoStream()
 
     async def close(self) -> None:
         return None
+
+
+class _NoStream:
+    on_layer = None
+
+    async def finish(self, result: PrefillResult, timeout_s: float) -> HandoffReport:
+        return HandoffReport(num_bytes=0, seconds=0.0, transport="none")
+
+    def cancel(self) -> None:
+        return None
+
+
+class LayerwiseKvHandoff:
+    def __init__(self, transfer: TransferEngine, layout: KvLayout, *,
+                 is_layerwise: bool = True) -> None:
+        self._transfer = transfer
+        self._layout = layout
+        self._is_layerwise = is_layerwise
+
+    def open(self, request_id: str, target: asyncio.Future[KvTarget]) -> KvStream:
+        return _LayerStream(self._transfer, self._layout, target, self._is_layerwise)
+
+    async def close(self) -> None:
+        return None  # the worker owns and closes the transfer engine
+
+
+class _LayerStream:
+    def __init__(self, transfer: TransferEngine, layout: KvLayout,
+                 target: asyncio.Future[KvTarget], is_layerwise: bool) -> None:
+        self._transfer = transfer
+        self._layout = layout
+        self._target = target
+        self._is_layerwise = is_layerwise
+        self._loop = asyncio.get_running_loop()
+        self._layers: asyncio.Queue[tuple[int, list[int]]] = asyncio.Queue()
+        self._last_layer_at = 0.0
+        self._num_bytes = 0
+        self._transport = "none"
+        self._started = time.perf_counter()
+        self._task = self._loop.create_task(self._run())
+
+    def on_layer(self, layer: int, block_ids: list[int]) -> None:
+        """Engine thread: layer `layer` of the prompt is in `block_ids`."""
+        if layer == self._layout.num_layers - 1:
+            self._last_layer_at = time.perf_counter()
+        self._loop.call_soon_threadsafe(self._layers.put_nowait, (layer, block_ids))
+
+    async def finish(self, result: PrefillResult, timeout_s: float) -> HandoffReport:
+        try:
+            landed_at = await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+        except TimeoutError:
+            self._task.cancel()
+            raise TransferTimeout(f"KV of {result.request_id} not at decode within "
+                                  f"{timeout_s:g} s") from None
+        return HandoffReport(num_bytes=self._num_bytes,
+                             seconds=landed_at - self._started, transport=self._transport,
+                             tail_s=max(0.0, landed_at - self._last_layer_at))
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+    async def _run(self) -> float:
+        target = await self._target
+        self._check(target)
+        pending: list[tuple[int, list[int]]] = []
+        for _ in range(self._layout.num_layers):
+            pending.append(await self._layers.get())
+            if self._is_layerwise or len(pending) == self._layout.num_layers:
+                await self._write(pending, target)
+                pending = []
+        return time.perf_counter()
+
+    def _check(self, target: KvTarget) -> None:
+        if target.kv_block_bytes != self._layout.block_bytes:
+            raise InvalidTransfer(
+                f"decode worker {target.decode_worker_id} has KV blocks of "
+                f"{target.kv_block_bytes} bytes, this worker {self._layout.block_bytes}: "
+                "they must run the same model, dtype and block size")
+
+    async def _write(self, layers: list[tuple[int, list[int]]], target: KvTarget) -> None:
+        pieces = [self._pieces(layer, block_ids, target) for layer, block_ids in layers]
+        local, remote = np.concatenate([p[0] for p in pieces]), np.concatenate(
+            [p[1] for p in pieces])
+        lengths = np.full(len(local), self._layout.block_bytes, dtype=np.int64)
+        result = await self._transfer.write(
+            target.decode_worker_id, PieceArrays(KV_SEGMENT, KV_SEGMENT, local, remote, lengths))
+        self._num_bytes += result.num_bytes
+        self._transport = result.transport
+
+    def _pieces(self, layer: int, block_ids: list[int],
+                target: KvTarget) -> tuple[np.ndarray, np.ndarray]:
+        """Byte offsets of the layer's K and V blocks here and at decode."""
+        if len(block_ids) > len(target.block_ids):
+            raise InvalidTransfer(f"decode reserved {len(target.block_ids)} blocks for a "
+                                  f"prompt that fills {len(block_ids)}")
+        source = np.asarray(block_ids, dtype=np.int64)
+        destination = np.asarray(target.block_ids[:len(block_ids)], dtype=np.int64)
+        block_bytes = self._layout.block_bytes
+        local = [((layer * 2 + kind) * self._layout.num_blocks + source) * block_bytes
+                 for kind in (0, 1)]
+        remote = [((layer * 2 + kind) * target.kv_num_blocks + destination) * block_bytes
+                  for kind in (0, 1)]
+        return np.concatenate(local), np.concatenate(remote)

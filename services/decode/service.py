@@ -14,7 +14,7 @@ the request at whatever step it is.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,7 @@ class DecodeService(WorkerService):
         super().__init__(*args, **kwargs)
         self._reservations: dict[str, Reservation] = {}
         self._active: dict[str, GenerateRequest] = {}
+        self.kv_commits: Counter[str] = Counter()  # committed requests by KV transport
 
     async def _subscribe_work(self) -> list[Any]:
         subscriptions = [
@@ -80,8 +81,11 @@ class DecodeService(WorkerService):
                                       time.monotonic())
             self._reservations[request.request_id] = reservation
         reservation.prefill_worker_id = message.prefill_worker_id
+        layout = self.engine.kv_layout()
         target = KvTarget(request_id=request.request_id, decode_worker_id=self.worker_id,
-                          block_ids=reservation.block_ids)
+                          block_ids=reservation.block_ids,
+                          kv_num_blocks=layout.num_blocks if layout else 0,
+                          kv_block_bytes=layout.block_bytes if layout else 0)
         await self.nc.publish(self.subjects.kv_target(message.prefill_worker_id), encode(target))
         return self.accept()
 
@@ -90,6 +94,10 @@ class DecodeService(WorkerService):
         if reservation is None:
             return self._refusal(f"no reservation for {message.request_id}")
         request = reservation.request
+        self.kv_commits[message.transport] += 1
+        self.log.info("decode.kv_committed", request_id=request.request_id,
+                      prefill_worker_id=message.prefill_worker_id,
+                      kv_bytes=message.num_kv_bytes, transport=message.transport)
         # No KV crossed (the handoff had nothing to move it with): recompute the prompt here.
         self.engine.join(DecodeRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,

@@ -40,7 +40,7 @@ from shared.messages import (
     TokenDelta,
 )
 from shared.nats_client import dispatch, encode
-from transfer_engine.handoff import KvHandoff, NoKvHandoff
+from transfer_engine.handoff import KvHandoff, KvStream, LayerwiseKvHandoff, NoKvHandoff
 
 COMMIT_TIMEOUT_S = 5.0
 
@@ -54,10 +54,19 @@ class PrefillService(WorkerService):
         handoff: KvHandoff | None = None,
     ) -> None:
         super().__init__(config, engine)
-        self.handoff: KvHandoff = handoff or NoKvHandoff()
+        self._handoff = handoff
         self._in_flight: dict[str, asyncio.Task[None]] = {}
         # request id -> (the decode side's KvTarget, when this worker first heard of it)
         self._targets: dict[str, tuple[asyncio.Future[KvTarget], float]] = {}
+
+    @property
+    def handoff(self) -> KvHandoff:
+        if self._handoff is None:
+            layout = self.engine.kv_layout()
+            self._handoff = NoKvHandoff() if self.transfer is None or layout is None else \
+                LayerwiseKvHandoff(self.transfer, layout,
+                                   is_layerwise=self.config.kv_streaming == "layerwise")
+        return self._handoff
 
     async def _subscribe_work(self) -> list[Any]:
         return [
@@ -134,8 +143,16 @@ class PrefillService(WorkerService):
             await self._fail(request, error)
 
     async def _prefill_and_hand_off(self, request: GenerateRequest) -> None:
+        stream = self.handoff.open(request.request_id, self._target_future(request.request_id))
+        try:
+            await self._prefill_and_stream(request, stream)
+        finally:
+            stream.cancel()  # a no-op once finished
+
+    async def _prefill_and_stream(self, request: GenerateRequest, stream: KvStream) -> None:
         result = await self.engine.prefill(PrefillRequest(
             request.request_id, request.prompt_token_ids, request.sampling,
+            on_layer=stream.on_layer,
         ))
         await self._send_first_token(request, result)
         if result.finish_reason is not None:
@@ -145,7 +162,7 @@ class PrefillService(WorkerService):
             await self._publish_abort(request.request_id, "finished at prefill")
             return
         target = await self._wait_for_target(request.request_id)
-        report = await self.handoff.send(result, target)
+        report = await stream.finish(result, self.config.kv_wait_timeout_s)
         reply = await dispatch(
             self.nc, self.subjects.kv_commit(target.decode_worker_id),
             KvCommitted(
@@ -158,9 +175,10 @@ class PrefillService(WorkerService):
         )
         if not reply.is_accepted:
             raise WorkerUnavailable(f"decode worker refused the commit: {reply.reason}")
-        self.log.debug("prefill.committed", request_id=request.request_id,
-                       decode_worker_id=target.decode_worker_id, kv_bytes=report.num_bytes,
-                       transport=report.transport)
+        self.log.info("prefill.committed", request_id=request.request_id,
+                      decode_worker_id=target.decode_worker_id, kv_bytes=report.num_bytes,
+                      transport=report.transport, kv_seconds=round(report.seconds, 6),
+                      kv_tail_seconds=round(report.tail_s, 6))
 
     async def _send_first_token(self, request: GenerateRequest, result: PrefillResult) -> None:
         delta = TokenDelta(request_id=request.request_id, index=request.output_offset,
@@ -194,5 +212,6 @@ class PrefillService(WorkerService):
         await self.wait_until(lambda: not self._in_flight)
 
     async def _close(self) -> None:
-        await self.handoff.close()
+        if self._handoff is not None:
+            await self._handoff.close()
         await super()._close()

@@ -26,11 +26,14 @@ from shared.messages import (
     KvTarget,
     Message,
     PrefillTask,
+    RdmaPort,
     RequestFailed,
     RequestPlaced,
     SamplingParams,
+    SegmentInfo,
     TokenBatch,
     TokenDelta,
+    TransferEndpoint,
     WorkerHeartbeat,
 )
 
@@ -47,7 +50,13 @@ SAMPLES: dict[str, Message] = {
     "prefill_task": PrefillTask(request=REQUEST),
     "decode_reservation": DecodeReservation(request=REQUEST, prefill_worker_id="prefill-a"),
     "dispatch_reply": DispatchReply(is_accepted=False, worker_id="decode-b", reason="full"),
-    "kv_target": KvTarget(request_id="cmpl-1", decode_worker_id="decode-b", block_ids=[3, 4]),
+    "kv_target": KvTarget(request_id="cmpl-1", decode_worker_id="decode-b", block_ids=[3, 4],
+                          kv_num_blocks=4096, kv_block_bytes=8192),
+    "transfer_endpoint": TransferEndpoint(
+        engine_id="decode-b", host_id="h1/boot", tcp_host="10.0.0.7", tcp_port=7100,
+        segments=[SegmentInfo(name="kv", segment_id=1, size_bytes=1 << 30,
+                              shm_name="halfmoon-te-42-decode-b-1")],
+        rdma=RdmaPort(device="mlx5_0", port_num=1, lid=0, gid="fe80::1")),
     "kv_committed": KvCommitted(request_id="cmpl-1", prefill_worker_id="prefill-a",
                                 first_token_id=97, num_prompt_tokens=2),
     "token_batch": TokenBatch(worker_id="decode-b", items=[
@@ -104,6 +113,13 @@ def test_old_payload_without_newer_defaulted_fields_still_decodes() -> None:
     del payload["num_kv_bytes"], payload["transport"]
     decoded = msgspec.json.decode(json.dumps(payload), type=KvCommitted)
     assert (decoded.num_kv_bytes, decoded.transport) == (0, "none")
+
+
+def test_a_kv_target_from_before_the_pool_layout_still_decodes() -> None:
+    payload = json.loads(msgspec.json.encode(SAMPLES["kv_target"]))
+    del payload["kv_num_blocks"], payload["kv_block_bytes"]
+    decoded = msgspec.json.decode(json.dumps(payload), type=KvTarget)
+    assert (decoded.kv_num_blocks, decoded.kv_block_bytes) == (0, 0)
 
 
 def test_unknown_fields_from_newer_peers_are_ignored() -> None:
