@@ -138,6 +138,17 @@ class FakeEngine:
     def reserve(self, request_id: str, num_tokens: int) -> list[int]:
         return list(self._allocate(request_id, num_tokens))
 
+    def generate(self, request: PrefillRequest) -> None:
+        if not request.prompt_token_ids:
+            raise InvalidRequest("empty prompt", param="prompt")
+        self._allocate(request.request_id,
+                       len(request.prompt_token_ids) + request.sampling.max_tokens)
+        as_decode = DecodeRequest(request.request_id, request.prompt_token_ids,
+                                  first_token_id=-1, sampling=request.sampling)
+        self._running[request.request_id] = _Running(
+            as_decode, prompt_digest(request.prompt_token_ids), num_generated=0)
+        self._has_work.set()
+
     def join(self, request: DecodeRequest) -> None:
         if request.request_id not in self._owned:
             raise InvalidRequest(f"request {request.request_id} has no reserved blocks")

@@ -117,6 +117,10 @@ class Engine(Protocol):
     def release(self, request_id: str) -> None:
         """The prefill KV of `request_id` has been handed off; the engine may reuse it."""
 
+    def generate(self, request: PrefillRequest) -> None:
+        """Prefill and decode here (colocated, no KV moves): every token, from index 0,
+        comes out of `next_step`."""
+
     def reserve(self, request_id: str, num_tokens: int) -> list[int]:
         """Set aside blocks for `num_tokens` tokens; raises `CapacityExhausted`."""
 

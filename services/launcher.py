@@ -37,6 +37,8 @@ class UpOptions:
     num_prefill: int
     num_decode: int
     cluster: str
+    mode: str  # "disaggregated" or "colocated"
+    num_workers: int  # colocated: workers that prefill and decode
     service_flags: tuple[tuple[str, str], ...]  # (flag, value) passed on to services
 
     @property
@@ -52,8 +54,18 @@ class UpOptions:
                             help="use this NATS server instead of an embedded one")
         parser.add_argument("--nats-port", type=int, default=None,
                             help="port of the embedded NATS server (default: a free one)")
-        parser.add_argument("--prefill", dest="num_prefill", type=int, default=1)
-        parser.add_argument("--decode", dest="num_decode", type=int, default=1)
+        parser.add_argument("--mode", default="disaggregated",
+                            choices=["disaggregated", "colocated"],
+                            help="colocated: every worker prefills and decodes (no KV moves)")
+        parser.add_argument("--prefill", dest="num_prefill", type=int, default=1,
+                            help="prefill workers (disaggregated)")
+        parser.add_argument("--decode", dest="num_decode", type=int, default=1,
+                            help="decode workers (disaggregated)")
+        parser.add_argument("--workers", dest="num_workers", type=int, default=2,
+                            help="workers (colocated)")
+        parser.add_argument("--local-prefill-max-tokens", default=None,
+                            help="disaggregated: decode workers prefill prompts up to this "
+                                 "many tokens themselves (conditional disaggregation)")
         parser.add_argument("--cluster", default="default")
         parser.add_argument("--engine", default=None, choices=["torch", "fake"])
         parser.add_argument("--model", dest="model_path", default=None,
@@ -67,7 +79,7 @@ class UpOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> UpOptions:
         passthrough = ("engine", "api_key", "log_level", "fake_token_delay_s",
-                       "fake_prefill_delay_s", "model_path", "dtype")
+                       "fake_prefill_delay_s", "model_path", "dtype", "local_prefill_max_tokens")
         flags = [("--" + name.replace("_", "-"), str(getattr(args, name)))
                  for name in passthrough if getattr(args, name) is not None]
         if args.engine == "fake":
@@ -76,8 +88,8 @@ class UpOptions:
             flags.append(("--model", Path(args.model_path).name))
         return cls(host=args.host, port=args.port, nats_url=args.nats_url,
                    nats_port=args.nats_port, num_prefill=args.num_prefill,
-                   num_decode=args.num_decode, cluster=args.cluster,
-                   service_flags=tuple(flags))
+                   num_decode=args.num_decode, cluster=args.cluster, mode=args.mode,
+                   num_workers=args.num_workers, service_flags=tuple(flags))
 
 
 # Flags each service understands, out of UpOptions.service_flags.
@@ -87,8 +99,10 @@ _ACCEPTS = {
     "gateway": {"--api-key", "--log-level", "--model-path", "--model", "--tokenizer"},
     "conductor": {"--log-level"},
     "prefill": _WORKER_FLAGS,
-    "decode": _WORKER_FLAGS,
+    "decode": _WORKER_FLAGS | {"--local-prefill-max-tokens"},
 }
+# A colocated worker prefills every prompt it could ever hold.
+_COLOCATED = ("--local-prefill-max-tokens", str(1 << 30))
 
 
 def _die_with_parent() -> None:
@@ -119,10 +133,14 @@ class Cluster:
 
     def start(self) -> None:
         self.spawn("conductor")
-        for _ in range(self.options.num_prefill):
-            self.spawn("prefill")
-        for _ in range(self.options.num_decode):
-            self.spawn("decode")
+        if self.options.mode == "colocated":
+            for _ in range(self.options.num_workers):
+                self.spawn("decode", *_COLOCATED)
+        else:
+            for _ in range(self.options.num_prefill):
+                self.spawn("prefill")
+            for _ in range(self.options.num_decode):
+                self.spawn("decode")
         self.spawn("gateway", "--host", self.options.host, "--port", str(self.options.port))
 
     def failed_child(self) -> str | None:
@@ -147,6 +165,9 @@ class Cluster:
                 body = json.loads(response.read())
         except (urllib.error.URLError, OSError, ValueError):
             return False
+        if self.options.mode == "colocated":
+            return (body.get("status") == "ok"
+                    and body.get("num_decode_workers", 0) >= self.options.num_workers)
         return (body.get("num_prefill_workers", 0) >= self.options.num_prefill
                 and body.get("num_decode_workers", 0) >= self.options.num_decode)
 

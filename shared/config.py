@@ -93,6 +93,9 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     transfer_transports: str = "shm,tcp"
     transfer_secret: str = ""
     kv_streaming: Literal["layerwise", "whole"] = "layerwise"
+    # Decode only: prompts of at most this many tokens are prefilled here, not on a prefill
+    # worker (conditional disaggregation; 0: off). Colocated mode sets it to the context size.
+    local_prefill_max_tokens: int = 0
 
 
 C = TypeVar("C", bound="ServiceConfig")

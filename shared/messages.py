@@ -75,10 +75,13 @@ class DecodeReservation(Message, frozen=True, kw_only=True):
     """Command from the conductor to one decode worker (`Subjects.decode_reserve`): reserve KV
     blocks for the request and tell `prefill_worker_id` where to write. Sent again with another
     prefill worker id if the first prefill worker refused; the decode worker then keeps its
-    blocks and re-sends the `KvTarget`."""
+    blocks and re-sends the `KvTarget`. With `is_local_prefill` the decode worker prefills the
+    prompt itself (colocated mode, or a prompt short enough for conditional disaggregation):
+    no prefill worker and no KV transfer take part."""
 
     request: GenerateRequest
     prefill_worker_id: str
+    is_local_prefill: bool = False
 
 
 class DispatchReply(Message, frozen=True, kw_only=True):
@@ -178,6 +181,7 @@ class WorkerHeartbeat(Message, frozen=True, kw_only=True):
     max_queue: int = 0  # requests the worker queues before refusing; 0: unknown
     prefill_overhead_s: float = 0.0  # fitted prefill cost: overhead + s_per_token * tokens
     prefill_s_per_token: float = 0.0  # 0 until fitted
+    local_prefill_max_tokens: int = 0  # decode: prompts up to this long it prefills itself
 
 
 class KvBlockEvent(msgspec.Struct, frozen=True, kw_only=True):

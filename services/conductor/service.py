@@ -168,6 +168,8 @@ class ConductorService(Service):
 
     async def _place(self, request: GenerateRequest) -> tuple[str, str]:
         """Place the request; return (prefill worker id, decode worker id)."""
+        if self._local_prefill_candidates(request):
+            return await self._place_local(request)
         excluded: set[str] = set()
         kept: dict[str, str | None] = {"prefill": None, "decode": None}
         num_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
@@ -200,6 +202,35 @@ class ConductorService(Service):
                     error = self._refusal_error(worker_id, reply)
             if kept["prefill"] and kept["decode"]:
                 return kept["prefill"], kept["decode"]
+        await self._abort(request.request_id, error.message)
+        raise error
+
+    def _local_prefill_candidates(self, request: GenerateRequest) -> list[WorkerHeartbeat]:
+        """Decode workers that prefill a prompt this short themselves (colocated workers, or
+        conditional disaggregation)."""
+        num_prompt_tokens = len(request.prompt_token_ids)
+        return [worker for worker in self.workers.healthy("decode")
+                if num_prompt_tokens <= worker.local_prefill_max_tokens]
+
+    async def _place_local(self, request: GenerateRequest) -> tuple[str, str]:
+        """One worker prefills and decodes; no KV moves. Returns (worker id, worker id)."""
+        excluded: set[str] = set()
+        num_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
+        error: HalfmoonError = WorkerUnavailable("no placement attempted")
+        for _ in range(self.config.max_placement_attempts):
+            try:
+                worker = pick_decode(self._local_prefill_candidates(request), excluded,
+                                     self._pending, num_tokens).worker_id
+            except HalfmoonError as exc:
+                error = exc
+                break
+            reply = await self._dispatch(self.subjects.decode_reserve(worker), DecodeReservation(
+                request=request, prefill_worker_id=worker, is_local_prefill=True))
+            if isinstance(reply, DispatchReply) and reply.is_accepted:
+                self._count_pending(worker, num_tokens)
+                return worker, worker
+            excluded.add(worker)
+            error = self._refusal_error(worker, reply)
         await self._abort(request.request_id, error.message)
         raise error
 

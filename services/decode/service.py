@@ -18,9 +18,9 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from engine.protocol import DecodeRequest, TokenOutput
+from engine.protocol import DecodeRequest, PrefillRequest, TokenOutput
 from services.worker import WorkerService
-from shared.errors import HalfmoonError, RequestAborted
+from shared.errors import HalfmoonError, RequestAborted, TransferTimeout
 from shared.messages import (
     DecodeReservation,
     DispatchReply,
@@ -73,6 +73,8 @@ class DecodeService(WorkerService):
         request = message.request
         if self.is_draining:
             return self._refusal("worker is draining")
+        if message.is_local_prefill:
+            return self._prefill_here(request)
         reservation = self._reservations.get(request.request_id)
         if reservation is None:
             num_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
@@ -87,6 +89,15 @@ class DecodeService(WorkerService):
                           kv_num_blocks=layout.num_blocks if layout else 0,
                           kv_block_bytes=layout.block_bytes if layout else 0)
         await self.nc.publish(self.subjects.kv_target(message.prefill_worker_id), encode(target))
+        return self.accept()
+
+    def _prefill_here(self, request: GenerateRequest) -> DispatchReply:
+        """Colocated: the engine prefills and decodes; every token comes from the step loop."""
+        if request.request_id not in self._active:
+            self.engine.generate(PrefillRequest(request.request_id, request.prompt_token_ids,
+                                                request.sampling))
+            self._active[request.request_id] = request
+            self.kv_commits["local"] += 1
         return self.accept()
 
     async def _on_commit(self, message: KvCommitted) -> DispatchReply:
@@ -150,6 +161,10 @@ class DecodeService(WorkerService):
                 self.log.warning("decode.reservation_expired", request_id=request_id,
                                  prefill_worker_id=reservation.prefill_worker_id)
                 self._abort(request_id)
+                # The client may hold a first token already: tell it the rest is not coming.
+                error = TransferTimeout(f"the KV from prefill worker "
+                                        f"{reservation.prefill_worker_id} never arrived")
+                self.spawn(self._fail(reservation.request, error), f"expire.{request_id}")
 
     async def _drain(self) -> None:
         await self.wait_until(lambda: self.num_open_requests == 0)

@@ -185,8 +185,11 @@ class GatewayService(Service):
 
     def health(self) -> dict[str, Any]:
         num_prefill = len(self.workers.healthy("prefill"))
-        num_decode = len(self.workers.healthy("decode"))
-        is_ok = self._is_accepting and num_prefill > 0 and num_decode > 0
+        decodes = self.workers.healthy("decode")
+        num_decode = len(decodes)
+        # Colocated decode workers prefill for themselves: no prefill worker is needed then.
+        can_prefill = num_prefill > 0 or any(d.local_prefill_max_tokens > 0 for d in decodes)
+        is_ok = self._is_accepting and can_prefill and num_decode > 0
         return {"status": "ok" if is_ok else "unavailable", "gateway_id": self.gateway_id,
                 "num_prefill_workers": num_prefill, "num_decode_workers": num_decode,
                 "num_open_requests": len(self.table)}

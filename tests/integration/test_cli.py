@@ -154,3 +154,20 @@ def test_up_with_an_existing_nats_server_starts_no_embedded_one(nats_url: str) -
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
+
+
+def test_up_in_colocated_mode_runs_workers_that_prefill_and_decode(nats_url: str) -> None:
+    port = free_port()
+    process = halfmoon("up", "--port", str(port), "--nats", nats_url, "--mode", "colocated",
+                       "--workers", "2", "--cluster", "cli-colocated")
+    try:
+        wait_for_line(process, "halfmoon is up", 90)
+        commands = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children_of(process.pid)]
+        roles = sorted(c.split(b"\0")[3].decode() for c in commands)  # python -m cli ROLE
+        assert roles == ["conductor", "decode", "decode", "gateway"]  # no prefill worker
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        response = client.completions.create(model=MODEL, prompt="a half moon", max_tokens=5)
+        assert response.usage is not None and response.usage.completion_tokens == 5
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0

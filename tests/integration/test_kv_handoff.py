@@ -5,17 +5,19 @@ shared memory or TCP; decode continues from it. Outputs must equal the engine al
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from engine.builtin_model import write_builtin_model
-from engine.protocol import PrefillRequest
+from engine.protocol import PrefillRequest, PrefillResult
 from engine.torch_engine import EngineOptions, TorchEngine
 from services.gateway.tokenizer import HfTokenizer
-from shared.messages import SamplingParams
-from tests.stack import Stack
+from shared.messages import KvTarget, SamplingParams
+from tests.stack import Stack, eventually
+from transfer_engine.handoff import HandoffReport, KvHandoff, KvStream
 
 pytestmark = pytest.mark.e2e
 
@@ -62,9 +64,10 @@ def expected(tiny_dir: Path) -> dict[str, list[int]]:
 async def make_stack(nats_url: str, tiny_dir: Path) -> AsyncIterator[object]:
     stacks: list[Stack] = []
 
-    async def make(**worker: object) -> Stack:
+    async def make(num_prefill: int = 1, num_decode: int = 1, **worker: object) -> Stack:
         options = {"engine": "torch", "model_path": str(tiny_dir), "num_blocks": 256, **worker}
-        stack = Stack(nats_url, worker=options, gateway_options={"model_path": str(tiny_dir)})
+        stack = Stack(nats_url, num_prefill=num_prefill, num_decode=num_decode, worker=options,
+                      gateway_options={"model_path": str(tiny_dir)})
         stacks.append(stack)
         return await stack.start()
 
@@ -103,3 +106,96 @@ async def test_streamed_kv_gives_the_engines_own_greedy_output(
     (decode,) = stack.decodes
     assert decode.kv_commits == {transport: 2 * len(PROMPTS)}  # the KV did cross, each time
     await stack.wait_blocks_free(timeout_s=10)
+
+
+async def test_colocated_workers_give_the_same_output_without_moving_kv(
+        make_stack, tiny_dir: Path, expected: dict[str, list[int]]) -> None:  # type: ignore[no-untyped-def]
+    stack: Stack = await make_stack(num_prefill=0, num_decode=2,
+                                    local_prefill_max_tokens=1 << 30)
+    tokenizer = HfTokenizer(tiny_dir)
+    outputs = await complete_all(stack, tokenizer)
+    assert {p: tokenizer.decode(t) for p, t in outputs.items()} == {
+        p: tokenizer.decode(t) for p, t in expected.items()}
+    commits = sum((d.kv_commits for d in stack.decodes), Counter())
+    assert commits == {"local": len(PROMPTS)}
+    await stack.wait_blocks_free(timeout_s=10)
+
+
+async def test_short_prompts_stay_on_decode_under_conditional_disaggregation(
+        make_stack, tiny_dir: Path, expected: dict[str, list[int]]) -> None:  # type: ignore[no-untyped-def]
+    tokenizer = HfTokenizer(tiny_dir)
+    threshold = 8
+    num_short = sum(len(tokenizer.encode(p)) <= threshold for p in PROMPTS)
+    assert 0 < num_short < len(PROMPTS)
+    stack: Stack = await make_stack(local_prefill_max_tokens=threshold)
+    outputs = await complete_all(stack, tokenizer)
+    assert {p: tokenizer.decode(t) for p, t in outputs.items()} == {
+        p: tokenizer.decode(t) for p, t in expected.items()}
+    (decode,) = stack.decodes
+    assert decode.kv_commits == {"local": num_short, "shm": len(PROMPTS) - num_short}
+    await stack.wait_blocks_free(timeout_s=10)
+
+
+async def test_a_lost_decode_data_plane_fails_the_request_and_frees_every_block(
+        make_stack) -> None:  # type: ignore[no-untyped-def]
+    stack: Stack = await make_stack(kv_wait_timeout_s=3.0)
+    (decode,) = stack.decodes
+    assert decode.transfer is not None
+    await decode.transfer.close()  # its KV pool can no longer be reached
+    status, body = await asyncio.wait_for(stack.post("/v1/completions", {
+        "model": MODEL, "prompt": "Once upon a time", "max_tokens": 8}), 20)
+    assert status >= 500, body
+    assert decode.kv_commits == {}
+    await stack.wait_blocks_free(timeout_s=10)
+
+
+class StallingHandoff:
+    """Implements `KvHandoff` around the real one: layer 0 crosses, then nothing: a prefill
+    worker frozen mid-transfer."""
+
+    def __init__(self, inner: KvHandoff) -> None:
+        self.inner = inner
+        self.is_stalled = asyncio.Event()
+
+    def open(self, request_id: str, target: asyncio.Future[KvTarget]) -> KvStream:
+        stream = self.inner.open(request_id, target)
+        handoff = self
+
+        class Stalled:
+            def on_layer(self, layer: int, block_ids: list[int]) -> None:
+                if layer == 0:
+                    stream.on_layer(layer, block_ids)  # type: ignore[misc]
+
+            async def finish(self, result: PrefillResult, timeout_s: float) -> HandoffReport:
+                handoff.is_stalled.set()
+                await asyncio.Event().wait()
+                raise AssertionError("unreachable")
+
+            def cancel(self) -> None:
+                stream.cancel()
+
+        return Stalled()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+async def test_a_prefill_worker_dying_mid_transfer_leaves_no_decode_block_held(
+        make_stack) -> None:  # type: ignore[no-untyped-def]
+    stack: Stack = await make_stack(kv_wait_timeout_s=1.5)
+    (prefill,), (decode,) = stack.prefills, stack.decodes
+    stalling = StallingHandoff(prefill.handoff)
+    prefill._handoff = stalling
+    request = asyncio.ensure_future(stack.post("/v1/completions", {
+        "model": MODEL, "prompt": "Once upon a time", "max_tokens": 8}))
+    await asyncio.wait_for(stalling.is_stalled.wait(), 20)
+    assert decode.engine.stats().num_free_blocks < decode.engine.stats().num_total_blocks
+    # The prefill worker dies: no goodbye on NATS, no heartbeat, nothing more from it.
+    await prefill.nc.close()
+    for task in list(prefill._tasks):
+        task.cancel()
+    status, _ = await asyncio.wait_for(request, 30)  # an answer, never a hang
+    assert status != 0
+    await eventually(lambda: decode.engine.stats().num_free_blocks
+                     == decode.engine.stats().num_total_blocks, timeout_s=10)
+    assert decode.kv_commits == {}

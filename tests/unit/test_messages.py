@@ -115,6 +115,13 @@ def test_old_payload_without_newer_defaulted_fields_still_decodes() -> None:
     assert (decoded.num_kv_bytes, decoded.transport) == (0, "none")
 
 
+def test_a_reservation_from_before_local_prefill_still_decodes() -> None:
+    payload = json.loads(msgspec.json.encode(SAMPLES["decode_reservation"]))
+    del payload["is_local_prefill"]
+    decoded = msgspec.json.decode(json.dumps(payload), type=DecodeReservation)
+    assert decoded.is_local_prefill is False
+
+
 def test_a_kv_target_from_before_the_pool_layout_still_decodes() -> None:
     payload = json.loads(msgspec.json.encode(SAMPLES["kv_target"]))
     del payload["kv_num_blocks"], payload["kv_block_bytes"]
@@ -138,7 +145,8 @@ def test_wrong_field_type_is_rejected() -> None:
 def test_heartbeat_from_a_worker_before_the_cost_fields_still_decodes() -> None:
     payload = json.loads(msgspec.json.encode(SAMPLES["worker_heartbeat"]))
     for newer in ("compute_score", "zone", "prefill_tokens_per_s", "num_waiting_tokens",
-                  "decode_step_s", "max_queue", "prefill_overhead_s", "prefill_s_per_token"):
+                  "decode_step_s", "max_queue", "prefill_overhead_s", "prefill_s_per_token",
+                  "local_prefill_max_tokens"):
         del payload[newer]
     decoded = msgspec.json.decode(json.dumps(payload), type=WorkerHeartbeat)
     assert (decoded.compute_score, decoded.zone, decoded.prefill_tokens_per_s) == (1.0, "", 0.0)
