@@ -66,6 +66,8 @@ class UpOptions:
         parser.add_argument("--local-prefill-max-tokens", default=None,
                             help="disaggregated: decode workers prefill prompts up to this "
                                  "many tokens themselves (conditional disaggregation)")
+        parser.add_argument("--kv-streaming", default=None, choices=["layerwise", "whole"],
+                            help="disaggregated: stream KV per layer (default) or after prefill")
         parser.add_argument("--cluster", default="default")
         parser.add_argument("--engine", default=None, choices=["torch", "fake"])
         parser.add_argument("--model", dest="model_path", default=None,
@@ -79,7 +81,8 @@ class UpOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> UpOptions:
         passthrough = ("engine", "api_key", "log_level", "fake_token_delay_s",
-                       "fake_prefill_delay_s", "model_path", "dtype", "local_prefill_max_tokens")
+                       "fake_prefill_delay_s", "model_path", "dtype", "local_prefill_max_tokens",
+                       "kv_streaming")
         flags = [("--" + name.replace("_", "-"), str(getattr(args, name)))
                  for name in passthrough if getattr(args, name) is not None]
         if args.engine == "fake":
@@ -98,7 +101,7 @@ _WORKER_FLAGS = {"--engine", "--log-level", "--fake-token-delay-s", "--fake-pref
 _ACCEPTS = {
     "gateway": {"--api-key", "--log-level", "--model-path", "--model", "--tokenizer"},
     "conductor": {"--log-level"},
-    "prefill": _WORKER_FLAGS,
+    "prefill": _WORKER_FLAGS | {"--kv-streaming"},
     "decode": _WORKER_FLAGS | {"--local-prefill-max-tokens"},
 }
 # A colocated worker prefills every prompt it could ever hold.
