@@ -47,6 +47,7 @@ SETUPS = {
 class Run:
     model: str
     setup: str
+    served_name: str  # the model id the gateway serves (the directory name, or the built-in)
     ttfts: list[float] = field(default_factory=list)
     itls: list[float] = field(default_factory=list)
     num_tokens: int = 0
@@ -95,7 +96,7 @@ def launch(model_dir: Path | None, setup: str, logs: list[str]) -> tuple[subproc
 
 async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int],
                       max_tokens: int, run: Run) -> None:
-    body = {"model": "halfmoon-tiny", "prompt": prompt, "max_tokens": max_tokens,
+    body = {"model": run.served_name, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}
     started = time.perf_counter()
     stamps: list[float] = []
@@ -147,7 +148,7 @@ def measure(model: str, model_dir: Path | None, setup: str, args: argparse.Names
             rate: float) -> Run:
     logs: list[str] = []
     process, url = launch(model_dir, setup, logs)
-    run = Run(model, setup)
+    run = Run(model, setup, model_dir.name if model_dir is not None else "halfmoon-tiny")
     try:
         asyncio.run(drive(url, run, args, rate))
     finally:
@@ -167,9 +168,10 @@ def report(runs: list[Run]) -> None:
     for run in runs:
         base = next(r for r in runs if r.model == run.model and r.setup == "colocated")
         tps = run.num_tokens / run.elapsed_s
+        base_tps = base.num_tokens / base.elapsed_s or float("nan")
         tail = ms(statistics.median(run.kv_tails)) if run.kv_tails else "       -"
         print(f"{run.model:>10} {run.setup:>14} {len(run.ttfts):5d} {run.num_errors:4d} "
-              f"{tps:7.1f} {tps / (base.num_tokens / base.elapsed_s):6.2f} "
+              f"{tps:7.1f} {tps / base_tps:6.2f} "
               f"{ms(percentile(run.ttfts, 0.5))} {ms(percentile(run.ttfts, 0.99))} "
               f"{ms(percentile(run.itls, 0.5))} {ms(percentile(run.itls, 0.99))} "
               f"{tail:>11} {','.join(sorted(run.kv_transports)) or '-':>5}")

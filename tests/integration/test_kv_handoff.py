@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from engine.builtin_model import write_builtin_model
@@ -199,3 +200,21 @@ async def test_a_prefill_worker_dying_mid_transfer_leaves_no_decode_block_held(
     await eventually(lambda: decode.engine.stats().num_free_blocks
                      == decode.engine.stats().num_total_blocks, timeout_s=10)
     assert decode.kv_commits == {}
+
+
+async def test_a_client_that_hangs_up_mid_stream_frees_every_block(
+        make_stack) -> None:  # type: ignore[no-untyped-def]
+    stack: Stack = await make_stack()
+    async with aiohttp.ClientSession() as session, session.post(
+        f"{stack.gateway.url}/v1/completions",
+        json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True,
+              "stream": True},
+    ) as response:
+        chunks = 0
+        async for line in response.content:
+            chunks += line.startswith(b"data: {")
+            if chunks == 3:
+                break  # leaving the block closes the connection mid-stream
+    (decode,) = stack.decodes
+    assert sum(decode.kv_commits.values()) == 1
+    await stack.wait_blocks_free(timeout_s=10)
