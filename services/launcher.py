@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -125,13 +127,17 @@ class Cluster:
         self.options = options
         self.nats_url = nats_url
         self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
+        # Workers authenticate each other's transfer engines with this; one per `up`, unless
+        # the caller set their own.
+        self.env = {**os.environ}
+        self.env.setdefault("HALFMOON_TRANSFER_SECRET", secrets.token_hex(16))
 
     def spawn(self, role: str, *extra: str) -> None:
         own = [part for flag, value in self.options.service_flags
                if flag in _ACCEPTS[role] for part in (flag, value)]
         command = [sys.executable, "-m", "services.cli", role, "--nats-url", self.nats_url,
                    "--cluster", self.options.cluster, *own, *extra]
-        process = subprocess.Popen(command, preexec_fn=_die_with_parent)
+        process = subprocess.Popen(command, preexec_fn=_die_with_parent, env=self.env)
         self.children.append((role, process))
 
     def start(self) -> None:

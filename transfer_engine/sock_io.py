@@ -56,6 +56,13 @@ async def recv_into(sock: socket.socket, views: list[memoryview]) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
 
+async def recv_bytes(sock: socket.socket, num_bytes: int) -> bytes:
+    """Exactly `num_bytes` from `sock` (headers, tables: small things)."""
+    buffer = bytearray(num_bytes)
+    await recv_into(sock, [memoryview(buffer)])
+    return bytes(buffer)
+
+
 async def send(sock: socket.socket, views: list[memoryview | bytes]) -> None:
     """Send every buffer (bytes or byte-format memoryviews), in order, on `sock`."""
     pending = [view for view in views if len(view)]

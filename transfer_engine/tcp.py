@@ -160,7 +160,7 @@ class Link:
     async def _receive_loop(self) -> None:
         try:
             while True:
-                header = wire.unpack_header(await _recv_bytes(self._sock, wire.HEADER.size))
+                header = wire.unpack_header(await sock_io.recv_bytes(self._sock, wire.HEADER.size))
                 await self._on_frame(header)
         except TransferFailed as error:
             self.close(error)
@@ -169,7 +169,8 @@ class Link:
 
     async def _on_frame(self, header: wire.Header) -> None:
         if header.op == wire.Op.ERROR:
-            body = wire.decode(await _recv_bytes(self._sock, header.meta_len), wire.ErrorBody)
+            meta = await sock_io.recv_bytes(self._sock, header.meta_len)
+            body = wire.decode(meta, wire.ErrorBody)
             error = _error_from(body, self.peer_id)
             if body.kind != wire.ErrorKind.INVALID or header.request_id not in self._pending:
                 raise error
@@ -180,7 +181,7 @@ class Link:
             raise ProtocolViolation(f"unexpected {header.op.name} for request "
                                     f"{header.request_id} from {self.peer_id!r}")
         if header.op == wire.Op.ACK and header.meta_len:
-            jobs[0].reply = await _recv_bytes(self._sock, header.meta_len)
+            jobs[0].reply = await sock_io.recv_bytes(self._sock, header.meta_len)
         if header.op == wire.Op.DATA:
             views = [view for run in jobs[0].runs for view in run.local_views()]
             if header.payload_len != sum(view.nbytes for view in views):
@@ -230,11 +231,6 @@ def _frame(request_id: int, jobs: list[_Job]) -> list[memoryview | bytes]:
                          meta_len=len(meta), payload_len=sum(len(v) for v in payload))
     return [header.pack(), table, meta, *payload]
 
-
-async def _recv_bytes(sock: socket.socket, num_bytes: int) -> bytes:
-    buffer = bytearray(num_bytes)
-    await sock_io.recv_into(sock, [memoryview(buffer)])
-    return bytes(buffer)
 
 
 class TcpTransport:
@@ -367,13 +363,13 @@ class TcpTransport:
         return sock, endpoint
 
     async def _authenticate(self, sock: socket.socket) -> TransferEndpoint:
-        challenge = await _recv_bytes(sock, wire.CHALLENGE_BYTES)
+        challenge = await sock_io.recv_bytes(sock, wire.CHALLENGE_BYTES)
         mine = os.urandom(wire.CHALLENGE_BYTES)
         hello = wire.encode(wire.Hello(self._engine_id, mine,
                                        wire.sign(self._secret, challenge, self._engine_id)))
         await sock_io.send(sock, [wire.Header(wire.Op.HELLO, meta_len=len(hello)).pack(), hello])
-        header = wire.unpack_header(await _recv_bytes(sock, wire.HEADER.size))
-        body = await _recv_bytes(sock, header.meta_len)
+        header = wire.unpack_header(await sock_io.recv_bytes(sock, wire.HEADER.size))
+        body = await sock_io.recv_bytes(sock, header.meta_len)
         if header.op == wire.Op.ERROR:
             raise _error_from(wire.decode(body, wire.ErrorBody), "peer")
         if header.op != wire.Op.WELCOME:

@@ -111,7 +111,7 @@ class TcpServer:
         header = await _recv_header(sock)
         if header.op != wire.Op.HELLO:
             raise ProtocolViolation(f"expected HELLO, got {header.op.name}")
-        hello = wire.decode(await _recv_bytes(sock, header.meta_len), wire.Hello)
+        hello = wire.decode(await sock_io.recv_bytes(sock, header.meta_len), wire.Hello)
         if not wire.is_signed(self._secret, challenge, hello.engine_id, hello.mac):
             raise AuthenticationRefused(f"peer {hello.engine_id!r} failed authentication")
         endpoint = self._endpoint()
@@ -123,8 +123,9 @@ class TcpServer:
         return hello.engine_id
 
     async def _handle(self, sock: socket.socket, peer_id: str, header: wire.Header) -> None:
-        table = wire.unpack_pieces(await _recv_bytes(sock, header.num_pieces * wire.PIECE.size))
-        meta_bytes = await _recv_bytes(sock, header.meta_len)
+        table_bytes = await sock_io.recv_bytes(sock, header.num_pieces * wire.PIECE.size)
+        table = wire.unpack_pieces(table_bytes)
+        meta_bytes = await sock_io.recv_bytes(sock, header.meta_len)
         if header.op == wire.Op.RDMA_CONNECT:
             await self._connect_rdma(sock, peer_id, header, meta_bytes)
             return
@@ -205,13 +206,8 @@ def _decompress_all(payload: memoryview, sizes: list[int], views: list[memoryvie
 
 
 async def _recv_header(sock: socket.socket) -> wire.Header:
-    return wire.unpack_header(await _recv_bytes(sock, wire.HEADER.size))
+    return wire.unpack_header(await sock_io.recv_bytes(sock, wire.HEADER.size))
 
-
-async def _recv_bytes(sock: socket.socket, num_bytes: int) -> bytes:
-    buffer = bytearray(num_bytes)
-    await sock_io.recv_into(sock, [memoryview(buffer)])
-    return bytes(buffer)
 
 
 async def _discard(sock: socket.socket, num_bytes: int) -> None:

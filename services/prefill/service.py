@@ -2,10 +2,11 @@
 
 A request's life here:
   1. `PrefillTask` arrives (request/reply): accepted at once unless the queue is full.
-  2. The engine prefills it (batched with whatever else waits) -> first token, KV blocks.
+  2. A KV stream opens and the engine prefills (batched with whatever else waits). As each
+     layer of the prompt completes, the stream writes its K/V blocks into the blocks named by
+     the decode worker's `KvTarget` (sent by decode while we compute).
   3. The first token goes straight to the gateway (this is TTFT).
-  4. The decode worker's `KvTarget` (sent by decode while we computed) names the blocks to
-     fill; the KV handoff moves the KV there.
+  4. The stream finishes: the last layer is at decode.
   5. `KvCommitted` (request/reply) tells decode to join the request to its batch.
   6. The engine releases the request's KV.
 Any failure sends `RequestFailed` to the gateway and an `AbortRequest` so decode frees its
