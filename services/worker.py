@@ -182,5 +182,5 @@ class WorkerService(Service):
         if self.transfer is not None:
             await self.transfer.close()
         if self._registry is not None:
-            with contextlib.suppress(Exception):
-                await self._registry.delete(self.worker_id)
+            with contextlib.suppress(Exception):  # briefly: NATS may be gone at shutdown
+                await asyncio.wait_for(self._registry.delete(self.worker_id), 1.0)

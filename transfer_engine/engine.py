@@ -51,6 +51,7 @@ from transfer_engine.wire import Compression
 log = structlog.get_logger(__name__)
 
 TRANSPORTS = ("rdma", "shm", "tcp", "loopback")
+_UNPUBLISH_TIMEOUT_S = 1.0
 Peer = str | TransferEndpoint  # an engine id, "tcp://host:port", or a descriptor
 Batch = Sequence[TransferPiece | tuple[str, int, str, int, int]] | PieceArrays
 
@@ -305,9 +306,10 @@ class TransferEngine:
         self._transports.clear()
         self._memory.close()
         if self._registry is not None:
-            try:
-                await self._registry.delete(self.config.engine_id)
-            except Exception as error:  # the registry may be gone first; the TTL cleans up
+            try:  # briefly: at shutdown NATS may be gone already
+                await asyncio.wait_for(self._registry.delete(self.config.engine_id),
+                                       _UNPUBLISH_TIMEOUT_S)
+            except Exception as error:  # then the next engine with this id overwrites it
                 log.warning("transfer.unpublish_failed", error=str(error))
         log.info("transfer.closed", engine_id=self.config.engine_id)
 
