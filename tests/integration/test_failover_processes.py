@@ -103,3 +103,53 @@ async def test_sigkilled_decode_worker_is_replaced_mid_stream(
                 process.send_signal(signal.SIGTERM)
         for process in [*decodes.values(), *others]:
             process.wait(timeout=30)
+
+
+async def test_sigkilled_conductor_loses_no_request(nats_url: str) -> None:
+    """Requests a conductor had fetched but not acknowledged when it died are redelivered by
+    JetStream (after ack_wait) to the surviving replica; every client gets its whole answer."""
+    cluster = "sigkill-conductor"
+
+    def start_fake(role: str, *extra: str) -> subprocess.Popen[bytes]:
+        engine = ["--engine", "fake"] if role in ("prefill", "decode") else []
+        return subprocess.Popen(
+            [sys.executable, "-m", "services.cli", role, "--nats-url", nats_url, "--cluster",
+             cluster, "--log-level", "warning", *engine, *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    port = free_port()
+    doomed, survivor = (start_fake("conductor", "--heartbeat-timeout-s", "1.0")
+                        for _ in range(2))
+    others = [start_fake("prefill"), start_fake("decode", "--fake-token-delay-s", "0.01"),
+              start_fake("gateway", "--port", str(port), "--tokenizer", "bytes")]
+    processes = [doomed, survivor, *others]
+    try:
+        await asyncio.to_thread(wait_healthy, f"http://127.0.0.1:{port}", 1)
+        await asyncio.sleep(1.0)  # both replicas have their pulls open
+        doomed.send_signal(signal.SIGSTOP)  # its open pulls still take requests ...
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                                      max_retries=0, timeout=60) as sdk:
+            async def ask(i: int) -> tuple[str, float]:
+                started = time.monotonic()
+                response = await sdk.completions.create(model=MODEL, prompt=f"req {i}",
+                                                        max_tokens=5, temperature=0.0)
+                assert response.usage is not None
+                assert response.usage.completion_tokens == 5
+                return response.choices[0].text, time.monotonic() - started
+
+            asking = asyncio.gather(*(ask(i) for i in range(12)))
+            await asyncio.sleep(1.0)
+            doomed.send_signal(signal.SIGKILL)  # ... and dies holding them, unacknowledged
+            first = await asyncio.wait_for(asking, 60)
+            again = await asyncio.gather(*(ask(i) for i in range(12)))
+        assert [text for text, _ in first] == [text for text, _ in again]  # none lost or doubled
+        # The dead replica really held some: those waited out the consumer's ack_wait (10 s)
+        # before JetStream gave them to the survivor.
+        assert max(seconds for _, seconds in first) >= 9.0
+        assert min(seconds for _, seconds in again) < 9.0
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in processes:
+            process.wait(timeout=30)
