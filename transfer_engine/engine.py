@@ -149,9 +149,19 @@ class TransferEngine:
         """This engine's descriptor, as published and as sent in handshakes."""
         config = self.config
         return TransferEndpoint(engine_id=config.engine_id, host_id=config.host_id,
-                                tcp_host=config.advertise_host or config.listen_host,
+                                tcp_host=self._advertised_host(),
                                 tcp_port=self._port, segments=self._memory.infos(),
                                 rdma=self._rdma_port)
+
+    def _advertised_host(self) -> str:
+        """What peers dial: the configured address, else the listening one, else (listening
+        on every interface) this host's primary address."""
+        config = self.config
+        if config.advertise_host:
+            return config.advertise_host
+        if config.listen_host not in ("0.0.0.0", "::", ""):
+            return config.listen_host
+        return socket.gethostbyname(socket.gethostname())
 
     async def register(self, name: str, buffer: Any, *,
                        is_staged: bool | None = None) -> SegmentInfo:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from tests.transfer.conftest import SECRET, SEGMENT_BYTES, Pair, start_pair
 from transfer_engine.engine import TransferConfig, TransferEngine
 from transfer_engine.errors import PeerNotFound
+from transfer_engine.registry import LocalEndpointRegistry
 
 
 @pytest.fixture
@@ -99,3 +100,23 @@ def test_random_batches_land_exactly_as_a_reference_copy_says(
         transfer.append(("kv", local, "kv", remote, length))
     loop.run_until_complete(pair.source.write(pair.target.config.engine_id, transfer))
     assert pair.target_kv == expected
+
+
+async def test_an_engine_listening_everywhere_advertises_a_reachable_address() -> None:
+    registry = LocalEndpointRegistry()
+    listener = TransferEngine(TransferConfig(engine_id="everywhere", secret=SECRET,
+                                             transports=("tcp",), listen_host="0.0.0.0"),
+                              registry)
+    caller = TransferEngine(TransferConfig(engine_id="caller", secret=SECRET,
+                                           transports=("tcp",)), registry)
+    await listener.start()
+    await caller.start()
+    try:
+        assert listener.endpoint().tcp_host not in ("0.0.0.0", "")
+        target = await listener.allocate("kv", 64)
+        await caller.register("buf", bytearray(b"x" * 64))
+        await caller.write("everywhere", [("buf", 0, "kv", 0, 64)])
+        assert bytes(target) == b"x" * 64
+    finally:
+        await caller.close()
+        await listener.close()

@@ -42,3 +42,14 @@ def test_dockerfile_copies_every_package() -> None:
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
     for package in ("services", "shared", "engine", "transfer_engine"):
         assert f"COPY {package} ./{package}" in dockerfile
+
+
+def test_compose_workers_can_move_kv_between_containers() -> None:
+    services = compose()["services"]
+    for name in ("prefill", "decode"):
+        worker = services[name]
+        assert worker["shm_size"] == "2gb"  # room for the shared-memory KV pool
+        environment = worker["environment"]
+        assert environment["HALFMOON_TRANSFER_HOST"] == "0.0.0.0"
+        assert environment["HALFMOON_TRANSFER_SECRET"].startswith("${HALFMOON_TRANSFER_SECRET:?")
+        assert environment["HALFMOON_NATS_URL"] == "nats://nats:4222"
