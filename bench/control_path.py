@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -106,18 +107,23 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch() -> tuple[subprocess.Popen[str], str]:
+def launch(*up_args: str, logs: list[str] | None = None) -> tuple[subprocess.Popen[str], str]:
+    """`halfmoon up` with these flags on a free port, once it is up; its services' log lines
+    are collected into `logs` when given."""
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--engine", "fake",
-         "--log-level", "warning"],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        [sys.executable, "-m", "services.cli", "up", "--port", str(port), *up_args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE if logs is not None else None,
+        text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert process.stdout is not None
+    if logs is not None:
+        threading.Thread(target=lambda: logs.extend(process.stderr),  # type: ignore[arg-type]
+                         daemon=True).start()
     for line in process.stdout:
         if "halfmoon is up" in line:
             return process, f"http://127.0.0.1:{port}"
-    raise SystemExit(f"halfmoon up exited with {process.wait()}")
+    raise SystemExit(f"halfmoon up {' '.join(up_args)} exited with {process.wait()}")
 
 
 def print_table(results: list[LevelResult]) -> None:
@@ -147,7 +153,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args()
-    process, url = (None, args.url) if args.url else launch()
+    process, url = ((None, args.url) if args.url
+                    else launch("--engine", "fake", "--log-level", "warning"))
     try:
         results = asyncio.run(main_async(args, url))
     finally:

@@ -21,20 +21,17 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
-from bench.control_path import free_port, percentile
+from bench.control_path import launch, percentile
 
 SETUPS = {
     "colocated": ["--mode", "colocated", "--workers", "2"],
@@ -75,23 +72,6 @@ def make_llama_95m(directory: Path) -> Path:
     (directory / "model.safetensors").unlink()
     LlamaForCausalLM(config).eval().save_pretrained(directory, safe_serialization=True)
     return directory
-
-
-def launch(model_dir: Path | None, setup: str, logs: list[str]) -> tuple[subprocess.Popen[str],
-                                                                           str]:
-    port = free_port()
-    model = ["--model", str(model_dir)] if model_dir is not None else []
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--log-level",
-         "info", *model, *SETUPS[setup]],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert process.stdout is not None and process.stderr is not None
-    threading.Thread(target=lambda: logs.extend(process.stderr), daemon=True).start()  # type: ignore[arg-type]
-    for line in process.stdout:
-        if "halfmoon is up" in line:
-            return process, f"http://127.0.0.1:{port}"
-    raise SystemExit(f"halfmoon up ({setup}) exited with {process.wait()}")
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int],
@@ -147,7 +127,8 @@ def read_kv_logs(logs: list[str], run: Run) -> None:
 def measure(model: str, model_dir: Path | None, setup: str, args: argparse.Namespace,
             rate: float) -> Run:
     logs: list[str] = []
-    process, url = launch(model_dir, setup, logs)
+    model_flags = ("--model", str(model_dir)) if model_dir is not None else ()
+    process, url = launch("--log-level", "info", *model_flags, *SETUPS[setup], logs=logs)
     run = Run(model, setup, model_dir.name if model_dir is not None else "halfmoon-tiny")
     try:
         asyncio.run(drive(url, run, args, rate))

@@ -23,6 +23,7 @@ from engine.protocol import (
 )
 from engine.stopping import finish_reason
 from shared.errors import CapacityExhausted, EngineFailure, InvalidRequest
+from shared.messages import SamplingParams
 
 ALPHABET = b"abcdefghijklmnopqrstuvwxyz "
 
@@ -48,8 +49,9 @@ def fake_completion(prompt_token_ids: list[int], seed: int | None, num_tokens: i
 
 @dataclass
 class _Running:
-    request: DecodeRequest
-    digest: bytes
+    request_id: str
+    sampling: SamplingParams
+    digest: bytes  # of the prompt: the tokens derive from it
     num_generated: int
 
 
@@ -143,17 +145,17 @@ class FakeEngine:
             raise InvalidRequest("empty prompt", param="prompt")
         self._allocate(request.request_id,
                        len(request.prompt_token_ids) + request.sampling.max_tokens)
-        as_decode = DecodeRequest(request.request_id, request.prompt_token_ids,
-                                  first_token_id=-1, sampling=request.sampling)
         self._running[request.request_id] = _Running(
-            as_decode, prompt_digest(request.prompt_token_ids), num_generated=0)
+            request.request_id, request.sampling, prompt_digest(request.prompt_token_ids),
+            num_generated=0)
         self._has_work.set()
 
     def join(self, request: DecodeRequest) -> None:
         if request.request_id not in self._owned:
             raise InvalidRequest(f"request {request.request_id} has no reserved blocks")
-        digest = prompt_digest(request.prompt_token_ids)
-        self._running[request.request_id] = _Running(request, digest, num_generated=1)
+        self._running[request.request_id] = _Running(
+            request.request_id, request.sampling, prompt_digest(request.prompt_token_ids),
+            num_generated=1)
         self._has_work.set()
 
     async def next_step(self) -> list[TokenOutput]:
@@ -165,13 +167,12 @@ class FakeEngine:
         return [self._decode_one(state) for state in batch]
 
     def _decode_one(self, state: _Running) -> TokenOutput:
-        request = state.request
-        token = fake_token(state.digest, request.sampling.seed, state.num_generated)
+        token = fake_token(state.digest, state.sampling.seed, state.num_generated)
         state.num_generated += 1
-        reason = finish_reason(token, state.num_generated, request.sampling, self.eos_token_ids)
+        reason = finish_reason(token, state.num_generated, state.sampling, self.eos_token_ids)
         if reason is not None:
-            self.abort(request.request_id)
-        return TokenOutput(request.request_id, state.num_generated - 1, token, reason)
+            self.abort(state.request_id)
+        return TokenOutput(state.request_id, state.num_generated - 1, token, reason)
 
     def abort(self, request_id: str) -> bool:
         was_running = self._running.pop(request_id, None) is not None

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from shared.errors import HalfmoonError
 from shared.messages import FinishReason, SamplingParams
 
@@ -49,6 +51,11 @@ class KvLayout:
     @property
     def size_bytes(self) -> int:
         return self.num_layers * 2 * self.num_blocks * self.block_bytes
+
+    def block_offsets(self, layer: int, block_ids: np.ndarray) -> np.ndarray:
+        """Byte offsets of `block_ids`' K blocks of `layer`, then of their V blocks."""
+        return np.concatenate([((layer * 2 + kind) * self.num_blocks + block_ids)
+                               * self.block_bytes for kind in (0, 1)])
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,11 @@ class TorchEngine:
         self._decode_step_s = 0.0
         self._prefill_cost = PrefillCostFit()
         self._kv_buffer: memoryview | None = None
+        itemsize = torch.empty((), dtype=options.dtype).element_size()
+        self._kv_layout = KvLayout(
+            num_layers=self.config.num_layers, num_blocks=options.num_blocks,
+            block_bytes=options.block_size * self.config.num_kv_heads * self.config.head_dim
+            * itemsize)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -138,10 +143,7 @@ class TorchEngine:
         self._thread.start()
 
     def kv_layout(self) -> KvLayout:
-        itemsize = torch.empty((), dtype=self.options.dtype).element_size()
-        return KvLayout(num_layers=self.config.num_layers, num_blocks=self.options.num_blocks,
-                        block_bytes=self.options.block_size * self.config.num_kv_heads
-                        * self.config.head_dim * itemsize)
+        return self._kv_layout
 
     def use_kv_buffer(self, buffer: memoryview) -> None:
         if self.device.type != "cpu":

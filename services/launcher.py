@@ -39,8 +39,7 @@ class UpOptions:
     num_prefill: int
     num_decode: int
     cluster: str
-    mode: str  # "disaggregated" or "colocated"
-    num_workers: int  # colocated: workers that prefill and decode
+    is_colocated: bool  # then the decode workers prefill too, and num_prefill is 0
     service_flags: tuple[tuple[str, str], ...]  # (flag, value) passed on to services
 
     @property
@@ -91,10 +90,13 @@ class UpOptions:
             flags.append(("--tokenizer", "bytes"))
         if args.model_path is not None:
             flags.append(("--model", Path(args.model_path).name))
+        is_colocated = args.mode == "colocated"
         return cls(host=args.host, port=args.port, nats_url=args.nats_url,
-                   nats_port=args.nats_port, num_prefill=args.num_prefill,
-                   num_decode=args.num_decode, cluster=args.cluster, mode=args.mode,
-                   num_workers=args.num_workers, service_flags=tuple(flags))
+                   nats_port=args.nats_port,
+                   num_prefill=0 if is_colocated else args.num_prefill,
+                   num_decode=args.num_workers if is_colocated else args.num_decode,
+                   cluster=args.cluster, is_colocated=is_colocated,
+                   service_flags=tuple(flags))
 
 
 # Flags each service understands, out of UpOptions.service_flags.
@@ -142,14 +144,10 @@ class Cluster:
 
     def start(self) -> None:
         self.spawn("conductor")
-        if self.options.mode == "colocated":
-            for _ in range(self.options.num_workers):
-                self.spawn("decode", *_COLOCATED)
-        else:
-            for _ in range(self.options.num_prefill):
-                self.spawn("prefill")
-            for _ in range(self.options.num_decode):
-                self.spawn("decode")
+        for _ in range(self.options.num_prefill):
+            self.spawn("prefill")
+        for _ in range(self.options.num_decode):
+            self.spawn("decode", *(_COLOCATED if self.options.is_colocated else ()))
         self.spawn("gateway", "--host", self.options.host, "--port", str(self.options.port))
 
     def failed_child(self) -> str | None:
@@ -174,10 +172,8 @@ class Cluster:
                 body = json.loads(response.read())
         except (urllib.error.URLError, OSError, ValueError):
             return False
-        if self.options.mode == "colocated":
-            return (body.get("status") == "ok"
-                    and body.get("num_decode_workers", 0) >= self.options.num_workers)
-        return (body.get("num_prefill_workers", 0) >= self.options.num_prefill
+        return (body.get("status") == "ok"
+                and body.get("num_prefill_workers", 0) >= self.options.num_prefill
                 and body.get("num_decode_workers", 0) >= self.options.num_decode)
 
     def stop(self) -> None:

@@ -60,10 +60,6 @@ class TransferResult:
     num_pieces: int
     compression: str | None = None
 
-    @property
-    def gbytes_per_s(self) -> float:
-        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
 
 @dataclass(frozen=True)
 class Notification:

@@ -58,25 +58,30 @@ def _serve_socket(size: int) -> None:
     conn, _ = listener.accept()
     buffer = memoryview(bytearray(size))
     count = bytearray(8)
-    while _recv_all(conn, [memoryview(count)]):
+    def receive(views: list[memoryview]) -> int:
+        return conn.recvmsg_into(views)[0]
+
+    while _move_all(receive, [memoryview(count)]):
         table = bytearray(16 * int.from_bytes(count, "little"))
-        _recv_all(conn, [memoryview(table)])
+        _move_all(receive, [memoryview(table)])
         pieces = np.frombuffer(table, dtype=np.int64).reshape(-1, 2).tolist()
-        _recv_all(conn, [buffer[offset:offset + length] for offset, length in pieces])
+        _move_all(receive, [buffer[offset:offset + length] for offset, length in pieces])
         conn.sendall(b"k")
 
 
-def _recv_all(conn: socket.socket, views: list[memoryview]) -> bool:
+def _move_all(move: Callable[[list[memoryview]], int], views: list[memoryview]) -> bool:
+    """A blocking vectored send or receive of every view (`move` is sendmsg or recvmsg_into
+    returning a byte count); False if the peer closed."""
     index = 0
     while index < len(views):
-        received = conn.recvmsg_into(views[index:index + 1024])[0]
-        if received == 0:
+        done = move(views[index:index + 1024])
+        if done == 0:
             return False
-        while received:
-            if received < views[index].nbytes:
-                views[index] = views[index][received:]
+        while done:
+            if done < views[index].nbytes:
+                views[index] = views[index][done:]
                 break
-            received -= views[index].nbytes
+            done -= views[index].nbytes
             index += 1
     return True
 
@@ -131,15 +136,7 @@ class _PlainSocket:
         self._sock.sendall(len(batch.lengths).to_bytes(8, "little") + table.tobytes())
         views = [source[offset:offset + length] for offset, length
                  in zip(batch.local_offsets.tolist(), batch.lengths.tolist(), strict=True)]
-        index = 0
-        while index < len(views):
-            sent = self._sock.sendmsg(views[index:index + 1024])
-            while sent:
-                if sent < views[index].nbytes:
-                    views[index] = views[index][sent:]
-                    break
-                sent -= views[index].nbytes
-                index += 1
+        _move_all(self._sock.sendmsg, views)
         self._sock.recv(1)
 
     def close(self) -> None:

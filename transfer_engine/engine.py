@@ -42,7 +42,7 @@ from transfer_engine.errors import InvalidTransfer, PeerNotFound
 from transfer_engine.loopback import LoopbackTransport
 from transfer_engine.memory import LocalMemory
 from transfer_engine.registry import EndpointRegistry
-from transfer_engine.segment import sweep_orphans
+from transfer_engine.segment import Segment, sweep_orphans
 from transfer_engine.shm import ShmTransport
 from transfer_engine.tcp import TcpOptions, TcpStats, TcpTransport
 from transfer_engine.transport import Plan, Transport
@@ -169,21 +169,22 @@ class TransferEngine:
         Device tensors move through a pinned host mirror (staging.py): peers reach them over
         tcp only."""
         segment = self._memory.register(name, buffer, is_staged=is_staged)
-        for transport in self._transports:
-            if hasattr(transport, "register_memory"):
-                transport.register_memory(segment)
-        await self._publish()
+        await self._added(segment)
         return segment.info()
 
     async def allocate(self, name: str, size_bytes: int) -> memoryview:
         """Allocate and register shared memory (one-sided shm writes from same-host peers);
         returns it as a writable byte view (wrap it with `torch.frombuffer` or numpy)."""
         segment = self._memory.allocate(name, size_bytes)
+        await self._added(segment)
+        return segment.data
+
+    async def _added(self, segment: Segment) -> None:
+        """Tell transports that register memory themselves (rdma), then republish."""
         for transport in self._transports:
             if hasattr(transport, "register_memory"):
                 transport.register_memory(segment)
         await self._publish()
-        return segment.data
 
     async def unregister(self, name: str) -> None:
         self._memory.unregister(name)
@@ -213,8 +214,7 @@ class TransferEngine:
         endpoint = await self._resolve(peer, {pieces.remote_segment for pieces in groups})
         runs = self._plan(endpoint, groups, is_read=not is_write)
         transport = self._choose(endpoint, [run.remote for run in runs])
-        if compression is not None and transport.name in ("shm", "rdma"):
-            # One-sided transports leave the receiver's CPU out: nothing could dequantize.
+        if transport.is_one_sided:
             compression = None
         if compression is not None:
             for run in runs:

@@ -34,7 +34,7 @@ KV_SEGMENT = "kv"
 @dataclass(frozen=True)
 class HandoffReport:
     num_bytes: int
-    seconds: float
+    seconds: float  # from the first write starting to the last byte landed
     transport: str
     tail_s: float = 0.0  # from the last layer computed to its KV landed at decode
 
@@ -103,7 +103,7 @@ class _LayerStream:
         self._last_layer_at = 0.0
         self._num_bytes = 0
         self._transport = "none"
-        self._started = time.perf_counter()
+        self._first_write_at = 0.0
         self._task = self._loop.create_task(self._run())
 
     def on_layer(self, layer: int, block_ids: list[int]) -> None:
@@ -120,7 +120,8 @@ class _LayerStream:
             raise TransferTimeout(f"KV of {result.request_id} not at decode within "
                                   f"{timeout_s:g} s") from None
         return HandoffReport(num_bytes=self._num_bytes,
-                             seconds=landed_at - self._started, transport=self._transport,
+                             seconds=landed_at - self._first_write_at,
+                             transport=self._transport,
                              tail_s=max(0.0, landed_at - self._last_layer_at))
 
     def cancel(self) -> None:
@@ -145,26 +146,21 @@ class _LayerStream:
                 "they must run the same model, dtype and block size")
 
     async def _write(self, layers: list[tuple[int, list[int]]], target: KvTarget) -> None:
-        pieces = [self._pieces(layer, block_ids, target) for layer, block_ids in layers]
-        local, remote = np.concatenate([p[0] for p in pieces]), np.concatenate(
-            [p[1] for p in pieces])
-        lengths = np.full(len(local), self._layout.block_bytes, dtype=np.int64)
-        result = await self._transfer.write(
-            target.decode_worker_id, PieceArrays(KV_SEGMENT, KV_SEGMENT, local, remote, lengths))
+        """One transfer of these layers' K and V blocks into decode's reserved blocks."""
+        remote_layout = KvLayout(self._layout.num_layers, target.kv_num_blocks,
+                                 target.kv_block_bytes)
+        local, remote = [], []
+        for layer, block_ids in layers:
+            if len(block_ids) > len(target.block_ids):
+                raise InvalidTransfer(f"decode reserved {len(target.block_ids)} blocks for a "
+                                      f"prompt that fills {len(block_ids)}")
+            local.append(self._layout.block_offsets(layer, np.asarray(block_ids)))
+            remote.append(remote_layout.block_offsets(
+                layer, np.asarray(target.block_ids[:len(block_ids)])))
+        local_offsets, remote_offsets = np.concatenate(local), np.concatenate(remote)
+        lengths = np.full(len(local_offsets), self._layout.block_bytes, dtype=np.int64)
+        self._first_write_at = self._first_write_at or time.perf_counter()
+        result = await self._transfer.write(target.decode_worker_id, PieceArrays(
+            KV_SEGMENT, KV_SEGMENT, local_offsets, remote_offsets, lengths))
         self._num_bytes += result.num_bytes
         self._transport = result.transport
-
-    def _pieces(self, layer: int, block_ids: list[int],
-                target: KvTarget) -> tuple[np.ndarray, np.ndarray]:
-        """Byte offsets of the layer's K and V blocks here and at decode."""
-        if len(block_ids) > len(target.block_ids):
-            raise InvalidTransfer(f"decode reserved {len(target.block_ids)} blocks for a "
-                                  f"prompt that fills {len(block_ids)}")
-        source = np.asarray(block_ids, dtype=np.int64)
-        destination = np.asarray(target.block_ids[:len(block_ids)], dtype=np.int64)
-        block_bytes = self._layout.block_bytes
-        local = [((layer * 2 + kind) * self._layout.num_blocks + source) * block_bytes
-                 for kind in (0, 1)]
-        remote = [((layer * 2 + kind) * target.kv_num_blocks + destination) * block_bytes
-                  for kind in (0, 1)]
-        return np.concatenate(local), np.concatenate(remote)

@@ -83,6 +83,7 @@ def open_transport(config: TransferConfig, memory: LocalMemory,
 
 class RdmaTransport:
     name = "rdma"
+    is_one_sided = True
 
     def __init__(self, device_name: str, config: TransferConfig, memory: LocalMemory,
                  tcp: TcpTransport) -> None:

@@ -29,6 +29,7 @@ _INLINE_COPY_BYTES = 256 << 10
 
 class ShmTransport:
     name = "shm"
+    is_one_sided = True
 
     def __init__(self, host_id: str, tcp: TcpTransport) -> None:
         self._host_id = host_id
@@ -84,11 +85,6 @@ class ShmTransport:
                                      f"{info.name!r}: {error}") from error
             mapped = self._mapped[key] = region
         return mapped.buffer
-
-    def forget(self, engine_id: str) -> None:
-        """Unmap a peer's segments (it left, or re-registered its memory)."""
-        for key in [key for key in self._mapped if key[0] == engine_id]:
-            self._mapped.pop(key).close()
 
     async def close(self) -> None:
         await asyncio.gather(*self._copying, return_exceptions=True)

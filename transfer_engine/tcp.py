@@ -14,7 +14,7 @@ import itertools
 import os
 import socket
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -237,6 +237,7 @@ class TcpTransport:
     """Carries transfers over TCP and serves peers' transfers into local memory."""
 
     name = "tcp"
+    is_one_sided = False
 
     def __init__(self, engine_id: str, secret: bytes, memory: LocalMemory, deliver: Deliver,
                  endpoint: Callable[[], TransferEndpoint], options: TcpOptions) -> None:
@@ -292,7 +293,7 @@ class TcpTransport:
     def server(self) -> TcpServer:
         return self._server
 
-    def _job(self, op: wire.Op, runs: list[Run], notifications: list[bytes] = (),
+    def _job(self, op: wire.Op, runs: list[Run], notifications: Sequence[bytes] = (),
              compress: wire.Compression | None = None,
              payload: list[bytes] | None = None) -> _Job:
         future = asyncio.get_running_loop().create_future()

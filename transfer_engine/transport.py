@@ -41,6 +41,9 @@ Deliver = Callable[[str, list[bytes]], None]
 
 class Transport(Protocol):
     name: str
+    # One-sided transports land bytes with no receiver CPU; nothing there could dequantize,
+    # so they move payloads as they are and ignore compression.
+    is_one_sided: bool
 
     def can_reach(self, peer: TransferEndpoint, remote: list[SegmentInfo]) -> bool:
         """Whether this transport can carry a transfer to these segments of `peer`."""

@@ -30,15 +30,23 @@ MODEL = "halfmoon-tiny"
 CLUSTER = "sigkill"
 
 
-def start(role: str, nats_url: str, model_dir: Path | None, *extra: str
-          ) -> subprocess.Popen[bytes]:
+def start(role: str, nats_url: str, model_dir: Path | None, *extra: str,
+          cluster: str = CLUSTER) -> subprocess.Popen[bytes]:
     model = ["--model-path", str(model_dir)] if model_dir is not None else []
     return subprocess.Popen(
         [sys.executable, "-m", "services.cli", role, "--nats-url", nats_url,
-         "--cluster", CLUSTER, "--log-level", "warning", *model, *extra],
+         "--cluster", cluster, "--log-level", "warning", *model, *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+
+
+def stop_all(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        process.wait(timeout=30)
 
 
 def wait_healthy(url: str, num_decode: int, timeout_s: float = 60) -> None:
@@ -98,24 +106,15 @@ async def test_sigkilled_decode_worker_is_replaced_mid_stream(
         assert reserved[1] != reserved[0]  # the continuation went to the survivor
     finally:
         await observer.close()
-        for process in [*decodes.values(), *others]:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in [*decodes.values(), *others]:
-            process.wait(timeout=30)
+        stop_all([*decodes.values(), *others])
 
 
 async def test_sigkilled_conductor_loses_no_request(nats_url: str) -> None:
     """Requests a conductor had fetched but not acknowledged when it died are redelivered by
     JetStream (after ack_wait) to the surviving replica; every client gets its whole answer."""
-    cluster = "sigkill-conductor"
-
     def start_fake(role: str, *extra: str) -> subprocess.Popen[bytes]:
-        engine = ["--engine", "fake"] if role in ("prefill", "decode") else []
-        return subprocess.Popen(
-            [sys.executable, "-m", "services.cli", role, "--nats-url", nats_url, "--cluster",
-             cluster, "--log-level", "warning", *engine, *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        engine = ("--engine", "fake") if role in ("prefill", "decode") else ()
+        return start(role, nats_url, None, *engine, *extra, cluster="sigkill-conductor")
 
     port = free_port()
     doomed, survivor = (start_fake("conductor", "--heartbeat-timeout-s", "1.0")
@@ -148,8 +147,4 @@ async def test_sigkilled_conductor_loses_no_request(nats_url: str) -> None:
         assert max(seconds for _, seconds in first) >= 9.0
         assert min(seconds for _, seconds in again) < 9.0
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in processes:
-            process.wait(timeout=30)
+        stop_all(processes)

@@ -45,9 +45,7 @@ class RawPeer:
         await sock_io.send(self.sock, list(parts))
 
     async def recv(self, num_bytes: int) -> bytes:
-        buffer = bytearray(num_bytes)
-        await asyncio.wait_for(sock_io.recv_into(self.sock, [memoryview(buffer)]), 5)
-        return bytes(buffer)
+        return await asyncio.wait_for(sock_io.recv_bytes(self.sock, num_bytes), 5)
 
     async def frame(self) -> tuple[wire.Header, bytes]:
         header = wire.unpack_header(await self.recv(wire.HEADER.size))
@@ -112,8 +110,8 @@ async def test_a_server_without_the_secret_is_not_trusted() -> None:
         sock.setblocking(False)
         with sock:
             await sock_io.send(sock, [os.urandom(wire.CHALLENGE_BYTES)])
-            header = wire.unpack_header(await _recv(sock, wire.HEADER.size))
-            await _recv(sock, header.meta_len)
+            header = wire.unpack_header(await sock_io.recv_bytes(sock, wire.HEADER.size))
+            await sock_io.recv_bytes(sock, header.meta_len)
             fake = TransferConfig(engine_id="impostor", secret=b"x")
             from shared.messages import TransferEndpoint
             welcome = wire.encode(wire.Welcome(
@@ -133,12 +131,6 @@ async def test_a_server_without_the_secret_is_not_trusted() -> None:
         await engine.close()
         await serving
         listener.close()
-
-
-async def _recv(sock: socket.socket, num_bytes: int) -> bytes:
-    buffer = bytearray(num_bytes)
-    await sock_io.recv_into(sock, [memoryview(buffer)])
-    return bytes(buffer)
 
 
 async def test_a_write_outside_the_segment_is_refused_and_the_connection_lives(
