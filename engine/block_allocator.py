@@ -105,6 +105,13 @@ class BlockAllocator:
         if self._on_event is not None:
             self._on_event("stored", block_hash)
 
+    def cache(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
+        """Register the first `len(hashes)` of used `block_ids` under `hashes`, then free
+        them all (the registered ones stay cached)."""
+        for block, block_hash in zip(block_ids, hashes, strict=False):
+            self.register(block, block_hash)
+        self.free(block_ids)
+
     def _evict_oldest(self) -> int:
         block, _ = self._cached.popitem(last=False)
         block_hash = self._hash_of.pop(block)

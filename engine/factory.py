@@ -19,7 +19,9 @@ def build_engine(config: WorkerConfig) -> Engine:
                 block_size=config.block_size,
                 max_batch_size=config.max_batch_size,
                 prefill_delay_s=config.fake_prefill_delay_s,
+                prefill_s_per_token=config.fake_prefill_s_per_token,
                 token_delay_s=config.fake_token_delay_s,
+                is_prefix_caching=config.enable_prefix_caching,
             )
         case "torch":
             import torch

@@ -1,10 +1,17 @@
 """A deterministic fake engine: no model, same protocol, same batching shape.
 
 Token `i` of a request is a hash of (prompt, seed, i) mapped onto lowercase letters and space,
-so outputs are reproducible in any process and readable through the byte tokenizer. Prefill
-batches whatever is waiting when the previous batch ends (up to `max_batch_size`) and costs
-`prefill_delay_s` per batch; each decode step costs `token_delay_s`. KV blocks are counted
-for real (a free list), so capacity and leak checks mean the same as with the real engine.
+so outputs are reproducible in any process and readable through the byte tokenizer.
+
+Cost model (sleeps): prefill batches whatever is waiting when the previous batch ends (up to
+`max_batch_size`) and costs `prefill_delay_s + prefill_s_per_token x` the batch's uncached
+prompt tokens; each decode step costs `token_delay_s`. The engine reports that cost model as
+its fitted prefill cost, so the conductor predicts it as it would a real engine's.
+
+KV blocks are counted for real by the engine's `BlockAllocator`, prefix cache included: a
+prompt's full blocks are hashed and registered when its prefill completes, later prompts
+sharing a prefix skip those blocks (and their cost), and the cache's stored/removed events
+feed the conductor's prefix index as the real engine's do. No KV bytes exist, so none move.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import hashlib
 import math
 from dataclasses import dataclass
 
+from engine.block_allocator import BlockAllocator
 from engine.protocol import (
     DecodeRequest,
     EngineStats,
@@ -22,6 +30,7 @@ from engine.protocol import (
     TokenOutput,
 )
 from engine.stopping import finish_reason
+from shared.block_hash import block_hashes
 from shared.errors import CapacityExhausted, EngineFailure, InvalidRequest
 from shared.messages import SamplingParams
 
@@ -48,6 +57,18 @@ def fake_completion(prompt_token_ids: list[int], seed: int | None, num_tokens: i
 
 
 @dataclass
+class _PrefillJob:
+    request: PrefillRequest
+    hashes: list[bytes]  # of the prompt's full blocks; empty without prefix caching
+    num_cached: int  # leading prompt tokens found in the prefix cache
+    future: asyncio.Future[PrefillResult]
+
+    @property
+    def num_uncached(self) -> int:
+        return len(self.request.prompt_token_ids) - self.num_cached
+
+
+@dataclass
 class _Running:
     request_id: str
     sampling: SamplingParams
@@ -65,16 +86,22 @@ class FakeEngine:
         block_size: int = 16,
         max_batch_size: int = 64,
         prefill_delay_s: float = 0.0,
+        prefill_s_per_token: float = 0.0,
         token_delay_s: float = 0.0,
+        is_prefix_caching: bool = True,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_batch_size = max_batch_size
         self.prefill_delay_s = prefill_delay_s
+        self.prefill_s_per_token = prefill_s_per_token
         self.token_delay_s = token_delay_s
-        self._free_blocks = list(range(num_blocks - 1, -1, -1))
+        self.is_prefix_caching = is_prefix_caching
+        self._events: list[tuple[str, bytes]] = []
+        self._allocator = BlockAllocator(num_blocks, on_event=self._record_event)
         self._owned: dict[str, list[int]] = {}
-        self._prefill_queue: asyncio.Queue[tuple[PrefillRequest, asyncio.Future[PrefillResult]]]
+        self._num_waiting_tokens = 0
+        self._prefill_queue: asyncio.Queue[_PrefillJob]
         self._running: dict[str, _Running] = {}
         self._has_work = asyncio.Event()
         self._prefill_task: asyncio.Task[None] | None = None
@@ -102,35 +129,63 @@ class FakeEngine:
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         if self._prefill_task is None or self._is_closed:
             raise EngineFailure("engine is not running")
-        if not request.prompt_token_ids:
+        prompt = request.prompt_token_ids
+        if not prompt:
             raise InvalidRequest("empty prompt", param="prompt")
-        self._allocate(request.request_id, len(request.prompt_token_ids))
-        future: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
-        await self._prefill_queue.put((request, future))
+        hashes = block_hashes(prompt, self.block_size) if self.is_prefix_caching else []
+        num_cached = self._allocate_prompt(request.request_id, prompt, hashes)
+        job = _PrefillJob(request, hashes, num_cached,
+                          asyncio.get_running_loop().create_future())
+        self._num_waiting_tokens += job.num_uncached
+        await self._prefill_queue.put(job)
         try:
-            return await future
+            return await job.future
         except BaseException:
             self.abort(request.request_id)
             raise
+
+    def _allocate_prompt(self, request_id: str, prompt: list[int], hashes: list[bytes]) -> int:
+        """Take the cached leading blocks of `prompt` and fresh ones for the rest; return how
+        many prompt tokens are cached (at least one token is always computed)."""
+        cached = self._allocator.match_prefix(hashes)
+        needed = math.ceil(len(prompt) / self.block_size) - len(cached)
+        try:
+            self._owned[request_id] = cached + self._take(needed)
+        except CapacityExhausted:
+            self._allocator.free(cached)
+            raise
+        return min(len(cached) * self.block_size, len(prompt) - 1)
 
     async def _prefill_loop(self) -> None:
         while True:
             batch = [await self._prefill_queue.get()]
             while len(batch) < self.max_batch_size and not self._prefill_queue.empty():
                 batch.append(self._prefill_queue.get_nowait())
-            if self.prefill_delay_s > 0:
-                await asyncio.sleep(self.prefill_delay_s)
-            for request, future in batch:
-                if not future.done():
-                    future.set_result(self._first_token(request))
+            num_tokens = sum(job.num_uncached for job in batch)
+            delay_s = self.prefill_delay_s + self.prefill_s_per_token * num_tokens
+            if delay_s > 0:
+                await asyncio.sleep(delay_s)
+            self._num_waiting_tokens -= num_tokens
+            for job in batch:
+                if not job.future.done():
+                    self._register(job)
+                    job.future.set_result(self._first_token(job))
 
-    def _first_token(self, request: PrefillRequest) -> PrefillResult:
+    def _register(self, job: _PrefillJob) -> None:
+        """The prompt's full blocks are computed: they join the prefix cache."""
+        blocks = self._owned.get(job.request.request_id, [])
+        for block, block_hash in zip(blocks, job.hashes, strict=False):
+            self._allocator.register(block, block_hash)
+
+    def _first_token(self, job: _PrefillJob) -> PrefillResult:
+        request = job.request
         token = fake_token(prompt_digest(request.prompt_token_ids), request.sampling.seed, 0)
         return PrefillResult(
             request_id=request.request_id,
             first_token_id=token,
             block_ids=list(self._owned.get(request.request_id, [])),
             finish_reason=finish_reason(token, 1, request.sampling, self.eos_token_ids),
+            num_cached_tokens=job.num_cached,
         )
 
     def release(self, request_id: str) -> None:
@@ -179,7 +234,27 @@ class FakeEngine:
         return self._free(request_id) or was_running
 
     def drain_kv_events(self) -> list[tuple[str, bytes]]:
-        return []  # the fake engine keeps no prefix cache
+        events, self._events = self._events, []
+        return events
+
+    # Prefix reuse across workers: the block bookkeeping is real, the (absent) bytes are not.
+    def num_cached_blocks(self, block_hashes: list[bytes]) -> int:
+        return self._allocator.peek_prefix(block_hashes)
+
+    def hold_prefix(self, block_hashes: list[bytes]) -> list[int]:
+        return self._allocator.match_prefix(block_hashes)
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        self._allocator.free(block_ids)
+
+    def allocate_blocks(self, count: int) -> list[int]:
+        return self._take(count)
+
+    def cache_blocks(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
+        self._allocator.cache(block_ids, block_hashes)
+
+    def _record_event(self, kind: str, block_hash: bytes) -> None:
+        self._events.append((kind, block_hash))
 
     def kv_layout(self) -> None:
         return None  # no KV exists: decode regenerates its state, nothing is moved
@@ -191,28 +266,31 @@ class FakeEngine:
         return EngineStats(
             num_running=len(self._running),
             num_waiting=self._prefill_queue.qsize() if self._prefill_task else 0,
-            num_free_blocks=len(self._free_blocks),
+            num_free_blocks=self._allocator.num_available,
             num_total_blocks=self.num_blocks,
             max_batch_size=self.max_batch_size,
+            num_waiting_tokens=self._num_waiting_tokens,
             decode_step_s=self.token_delay_s,
+            prefill_overhead_s=self.prefill_delay_s,
+            prefill_s_per_token=self.prefill_s_per_token,
         )
 
     # Blocks.
     def _allocate(self, request_id: str, num_tokens: int) -> list[int]:
-        if request_id in self._owned:
-            return self._owned[request_id]
-        needed = max(1, math.ceil(num_tokens / self.block_size))
-        if needed > len(self._free_blocks):
-            raise CapacityExhausted(
-                f"need {needed} KV blocks, {len(self._free_blocks)} free", param="max_tokens"
-            )
-        blocks = [self._free_blocks.pop() for _ in range(needed)]
-        self._owned[request_id] = blocks
-        return blocks
+        if request_id not in self._owned:
+            self._owned[request_id] = self._take(max(1, math.ceil(num_tokens / self.block_size)))
+        return self._owned[request_id]
+
+    def _take(self, count: int) -> list[int]:
+        available = self._allocator.num_available
+        if count > available:
+            raise CapacityExhausted(f"need {count} KV blocks, {available} free",
+                                    param="max_tokens")
+        return self._allocator.allocate(count)
 
     def _free(self, request_id: str) -> bool:
         blocks = self._owned.pop(request_id, None)
         if blocks is None:
             return False
-        self._free_blocks.extend(blocks)
+        self._allocator.free(blocks)
         return True

@@ -9,6 +9,9 @@ Decode side:   `reserve(request_id, num_tokens)` sets blocks aside for a request
                arrive; `join(request)` adds it to the running batch once the KV is in;
                `next_step()` waits for the next decode step and returns its tokens.
 Both:          `abort(request_id)` drops the request wherever it is and frees its blocks.
+Prefix reuse across workers (prefill): the holder `hold_prefix`es cached blocks, writes them
+               out, `release_blocks`; the fetcher `allocate_blocks`, lets them be written, and
+               `cache_blocks` them under their hashes, so its next prefill finds them.
 
 Implementations never block the event loop: model compute runs in a thread of its own (or,
 for the fake engine, is only a sleep).
@@ -152,3 +155,20 @@ class Engine(Protocol):
 
     def drain_kv_events(self) -> list[tuple[str, bytes]]:
         """Prefix-cache changes since the last call, in order: ("stored" | "removed", hash)."""
+
+    def num_cached_blocks(self, block_hashes: list[bytes]) -> int:
+        """How many leading blocks of `block_hashes` the prefix cache holds."""
+
+    def hold_prefix(self, block_hashes: list[bytes]) -> list[int]:
+        """The blocks holding the longest cached leading run of `block_hashes`, kept (neither
+        evicted nor reused) until `release_blocks`."""
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Give back blocks from `hold_prefix` or `allocate_blocks`."""
+
+    def allocate_blocks(self, count: int) -> list[int]:
+        """`count` blocks for KV that will be written into them; raises `CapacityExhausted`."""
+
+    def cache_blocks(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
+        """Blocks from `allocate_blocks` are written: the first `len(block_hashes)` join the
+        prefix cache under those hashes, and all are released."""

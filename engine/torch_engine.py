@@ -63,7 +63,7 @@ class LockedAllocator(BlockAllocator):
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks, on_event=self._record)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self._events: list[tuple[str, bytes]] = []
 
     def _record(self, kind: str, block_hash: bytes) -> None:
@@ -89,6 +89,14 @@ class LockedAllocator(BlockAllocator):
     def register(self, block: int, block_hash: bytes) -> None:
         with self.lock:
             super().register(block, block_hash)
+
+    def peek_prefix(self, hashes: Any) -> int:
+        with self.lock:
+            return super().peek_prefix(hashes)
+
+    def cache(self, block_ids: Any, hashes: Any) -> None:
+        with self.lock:  # reentrant: cache() calls register() and free()
+            super().cache(block_ids, hashes)
 
 
 class TorchEngine:
@@ -252,6 +260,23 @@ class TorchEngine:
 
     def drain_kv_events(self) -> list[tuple[str, bytes]]:
         return self.allocator.drain_events()
+
+    # Prefix reuse across workers: blocks only, no compute; safe beside the engine thread
+    # (the allocator is locked, and held or allocated blocks are no one else's).
+    def num_cached_blocks(self, block_hashes: list[bytes]) -> int:
+        return self.allocator.peek_prefix(block_hashes)
+
+    def hold_prefix(self, block_hashes: list[bytes]) -> list[int]:
+        return self.allocator.match_prefix(block_hashes)
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        self.allocator.free(block_ids)
+
+    def allocate_blocks(self, count: int) -> list[int]:
+        return self.allocator.allocate(count)
+
+    def cache_blocks(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
+        self.allocator.cache(block_ids, block_hashes)
 
     def stats(self) -> EngineStats:
         overhead, per_token = self._prefill_cost.coefficients()

@@ -78,12 +78,24 @@ class UpOptions:
         parser.add_argument("--log-level", default=None)
         parser.add_argument("--fake-token-delay-s", default=None)
         parser.add_argument("--fake-prefill-delay-s", default=None)
+        parser.add_argument("--fake-prefill-s-per-token", default=None)
+        parser.add_argument("--num-blocks", default=None, help="KV blocks per worker")
+        parser.add_argument("--max-model-len", default=None, help="context length in tokens")
+        parser.add_argument("--policy", default=None,
+                            choices=["least-loaded", "round-robin", "cache-aware", "seed",
+                                     "longest-prefix"],
+                            help="the conductor's prefill placement policy")
+        parser.add_argument("--ttft-slo-ms", default=None,
+                            help="reject requests whose predicted TTFT exceeds this")
+        parser.add_argument("--tbt-slo-ms", default=None,
+                            help="reject requests whose predicted decode step exceeds this")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> UpOptions:
         passthrough = ("engine", "api_key", "log_level", "fake_token_delay_s",
-                       "fake_prefill_delay_s", "model_path", "dtype", "local_prefill_max_tokens",
-                       "kv_streaming")
+                       "fake_prefill_delay_s", "fake_prefill_s_per_token", "num_blocks",
+                       "max_model_len", "model_path", "dtype", "local_prefill_max_tokens",
+                       "kv_streaming", "policy", "ttft_slo_ms", "tbt_slo_ms")
         flags = [("--" + name.replace("_", "-"), str(getattr(args, name)))
                  for name in passthrough if getattr(args, name) is not None]
         if args.engine == "fake":
@@ -101,10 +113,12 @@ class UpOptions:
 
 # Flags each service understands, out of UpOptions.service_flags.
 _WORKER_FLAGS = {"--engine", "--log-level", "--fake-token-delay-s", "--fake-prefill-delay-s",
+                 "--fake-prefill-s-per-token", "--num-blocks", "--max-model-len",
                  "--model-path", "--model", "--dtype"}
 _ACCEPTS = {
-    "gateway": {"--api-key", "--log-level", "--model-path", "--model", "--tokenizer"},
-    "conductor": {"--log-level"},
+    "gateway": {"--api-key", "--log-level", "--model-path", "--model", "--tokenizer",
+                "--max-model-len"},
+    "conductor": {"--log-level", "--policy", "--ttft-slo-ms", "--tbt-slo-ms"},
     "prefill": _WORKER_FLAGS | {"--kv-streaming"},
     "decode": _WORKER_FLAGS | {"--local-prefill-max-tokens"},
 }

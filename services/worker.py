@@ -17,6 +17,7 @@ import time
 import uuid
 from typing import Any
 
+import nats.errors
 from nats.js.kv import KeyValue
 
 from engine.factory import build_engine
@@ -54,6 +55,7 @@ class WorkerService(Service):
         self._work_subscriptions: list[Any] = []
         self._is_engine_started = False
         self.transfer: TransferEngine | None = None  # for engines with a KV pool
+        self._kv_event_flush: asyncio.Task[None] | None = None
 
     @property
     def instance_id(self) -> str:
@@ -132,16 +134,33 @@ class WorkerService(Service):
             await self._publish_kv_events()
             await self._heartbeat()
 
-    async def _publish_kv_events(self, *, is_reset: bool = False) -> None:
-        """Tell the conductors' prefix index what this worker's cache gained and lost."""
+    def publish_kv_events_soon(self) -> None:
+        """The prefix cache changed (a prefill completed): tell the conductors now rather than
+        at the next heartbeat, so that the next placement sees it. Calls coalesce."""
+        if self._kv_event_flush is None:
+            self._kv_event_flush = self.spawn(self._flush_kv_events(), "kv-events")
+
+    async def _flush_kv_events(self) -> None:
+        try:
+            while await self._publish_kv_events():
+                pass
+        except nats.errors.Error as exc:  # the heartbeat loop publishes them later
+            self.log.warning("kv_events.publish_failed", error=repr(exc))
+        finally:
+            self._kv_event_flush = None
+
+    async def _publish_kv_events(self, *, is_reset: bool = False) -> bool:
+        """Tell the conductors' prefix index what this worker's cache gained and lost; return
+        whether there was anything to tell."""
         events = [KvBlockEvent(kind=kind, block_hash=block_hash.hex())  # type: ignore[arg-type]
                   for kind, block_hash in self.engine.drain_kv_events()]
         if not events and not is_reset:
-            return
+            return False
         batch = KvEventBatch(worker_id=self.worker_id, block_size=self.config.block_size,
                              events=events, is_reset=is_reset)
         await self.nc.jetstream().publish(self.subjects.kv_events(self.worker_id),
                                           encode(batch))
+        return True
 
     async def _heartbeat(self) -> None:
         """Publish the heartbeat and keep it as this worker's registry entry, from which a
@@ -167,6 +186,8 @@ class WorkerService(Service):
             prefill_s_per_token=stats.prefill_s_per_token,
             local_prefill_max_tokens=self.config.local_prefill_max_tokens
             if self.role == "decode" else 0,
+            kv_bytes_per_block=layout.num_layers * 2 * layout.block_bytes
+            if (layout := self.engine.kv_layout()) is not None else 0,
         )
 
     async def _stop_intake(self) -> None:

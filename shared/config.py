@@ -20,6 +20,7 @@ from shared.errors import ConfigError
 ENV_PREFIX = "HALFMOON_"
 
 EngineKind = Literal["torch", "fake"]
+PrefillPolicy = Literal["least-loaded", "round-robin", "cache-aware", "seed", "longest-prefix"]
 
 
 class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,11 +54,16 @@ class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):
     max_placement_attempts: int = 3
     num_fetchers: int = 4
     request_max_age_s: float = 60.0
-    policy: Literal["least-loaded", "round-robin", "cache-aware", "seed"] = "cache-aware"
+    policy: PrefillPolicy = "cache-aware"
     ttft_slo_ms: float | None = None  # reject when the best predicted TTFT exceeds it
     tbt_slo_ms: float | None = None  # reject when the best predicted decode step exceeds it
     default_prefill_tokens_per_s: float = 2000.0  # for workers that have not measured yet
     prefix_index_max_blocks: int = 1_000_000
+    # Prefix reuse across prefill workers: fetch a longer cached prefix from its holder when
+    # computing it costs more than moving its KV at this rate plus this overhead.
+    prefix_fetch: bool = True
+    transfer_bytes_per_s: float = 2e9
+    transfer_overhead_s: float = 0.002
 
 
 class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
@@ -82,7 +88,8 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     kv_wait_timeout_s: float = 10.0
     compute_score: float = 1.0
     zone: str = ""
-    fake_prefill_delay_s: float = 0.0
+    fake_prefill_delay_s: float = 0.0  # the fake engine's cost per prefill batch...
+    fake_prefill_s_per_token: float = 0.0  # ...plus this per uncached prompt token
     fake_token_delay_s: float = 0.0
     # KV transfer (engines with a KV pool): where this worker's transfer engine listens, what
     # peers dial, the transports it may use (in preference order), the shared secret every

@@ -63,12 +63,22 @@ class GenerateRequest(Message, frozen=True, kw_only=True):
     output_offset: int = 0
 
 
+class PrefixSource(msgspec.Struct, frozen=True, kw_only=True):
+    """Another prefill worker that holds the prompt's first `num_blocks` blocks in its prefix
+    cache, from which fetching them is cheaper than computing them."""
+
+    worker_id: str
+    num_blocks: int
+
+
 class PrefillTask(Message, frozen=True, kw_only=True):
     """Command from the conductor to one prefill worker (`Subjects.prefill_task`), sent as a
     request; the worker answers `DispatchReply` at once and computes later. The decode side is
-    learnt from the `KvTarget` that the decode worker sends."""
+    learnt from the `KvTarget` that the decode worker sends. With `prefix_source` the worker
+    first fetches the cached prefix it lacks from that worker (`PrefixFetch`)."""
 
     request: GenerateRequest
+    prefix_source: PrefixSource | None = None
 
 
 class DecodeReservation(Message, frozen=True, kw_only=True):
@@ -118,14 +128,41 @@ class KvCommitted(Message, frozen=True, kw_only=True):
     transport: str = "none"
 
 
+class PrefixFetch(Message, frozen=True, kw_only=True):
+    """Command from one prefill worker to another (`Subjects.prefix_fetch`), sent as a
+    request: write the KV of the cached blocks `block_hashes` (hex chain hashes, consecutive
+    prompt blocks) into the requester's `block_ids`, every layer, through the transfer engine
+    (engine id = `requester_id`, segment `kv`, pool layout `kv_num_blocks` x
+    `kv_block_bytes`). The holder writes the leading run it still holds and answers
+    `PrefixFetched`."""
+
+    request_id: str
+    requester_id: str
+    block_hashes: list[str]
+    block_ids: list[int]
+    kv_num_blocks: int
+    kv_block_bytes: int
+
+
+class PrefixFetched(Message, frozen=True, kw_only=True):
+    """The holder's answer to `PrefixFetch`: its first `num_blocks` blocks are written."""
+
+    worker_id: str
+    num_blocks: int
+    num_bytes: int = 0
+    transport: str = "none"
+
+
 class TokenDelta(msgspec.Struct, frozen=True, kw_only=True):
     """New tokens of one request. `index` is the position in the output of the first token
-    here, so the gateway can order deltas that reach it from different workers."""
+    here, so the gateway can order deltas that reach it from different workers. The first
+    token's delta (from prefill) says how many prompt tokens the prefix cache served."""
 
     request_id: str
     index: int
     token_ids: list[int]
     finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0
 
 
 class TokenBatch(Message, frozen=True, kw_only=True):
@@ -182,6 +219,7 @@ class WorkerHeartbeat(Message, frozen=True, kw_only=True):
     prefill_overhead_s: float = 0.0  # fitted prefill cost: overhead + s_per_token * tokens
     prefill_s_per_token: float = 0.0  # 0 until fitted
     local_prefill_max_tokens: int = 0  # decode: prompts up to this long it prefills itself
+    kv_bytes_per_block: int = 0  # one block's KV, every layer; 0: no KV to move (fake engine)
 
 
 class KvBlockEvent(msgspec.Struct, frozen=True, kw_only=True):

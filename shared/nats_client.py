@@ -12,9 +12,9 @@ from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.kv import KeyValue
 
-from shared.errors import WorkerUnavailable
+from shared.errors import TransferFailed, WorkerUnavailable
 from shared.logs import get_logger
-from shared.messages import DispatchReply, Message, WorkerHeartbeat
+from shared.messages import DispatchReply, Message, PrefixFetch, PrefixFetched, WorkerHeartbeat
 from shared.subjects import Subjects
 
 log = get_logger(__name__)
@@ -22,6 +22,7 @@ log = get_logger(__name__)
 _encoder = msgspec.json.Encoder()
 _reply_decoder = msgspec.json.Decoder(DispatchReply)
 _heartbeat_decoder = msgspec.json.Decoder(WorkerHeartbeat)
+_fetch_decoder = msgspec.json.Decoder(PrefixFetched | DispatchReply)
 
 
 def encode(message: Message) -> bytes:
@@ -135,10 +136,23 @@ async def dispatch(
 
     Raises `WorkerUnavailable` when nobody listens or nobody answers in time.
     """
+    return _reply_decoder.decode(await _request(nc, subject, message, timeout_s))
+
+
+async def fetch_prefix(nc: NatsClient, subject: str, message: PrefixFetch, timeout_s: float
+                       ) -> PrefixFetched:
+    """Ask another prefill worker for cached KV blocks; a refusal raises `TransferFailed`."""
+    reply = _fetch_decoder.decode(await _request(nc, subject, message, timeout_s))
+    if isinstance(reply, DispatchReply):
+        raise TransferFailed(f"{reply.worker_id} refused the prefix fetch: {reply.reason}")
+    return reply
+
+
+async def _request(nc: NatsClient, subject: str, message: Message, timeout_s: float) -> bytes:
     try:
         reply = await nc.request(subject, encode(message), timeout=timeout_s)
     except nats.errors.NoRespondersError as exc:
         raise WorkerUnavailable(f"no worker listens on {subject}") from exc
     except nats.errors.TimeoutError as exc:
         raise WorkerUnavailable(f"no answer on {subject} within {timeout_s}s") from exc
-    return _reply_decoder.decode(reply.data)
+    return reply.data

@@ -30,7 +30,7 @@ from nats.aio.msg import Msg
 from shared.config import ServiceConfig
 from shared.errors import HalfmoonError, ServiceStartFailed
 from shared.logs import get_logger
-from shared.messages import DispatchReply
+from shared.messages import DispatchReply, Message
 from shared.nats_client import connect, encode
 from shared.subjects import Subjects
 
@@ -175,7 +175,7 @@ class Service(abc.ABC):
         self,
         subject: str,
         message_type: Any,
-        handler: Callable[[Any], Awaitable[DispatchReply | None]],
+        handler: Callable[[Any], Awaitable[Message | None]],
     ) -> Any:
         """Subscribe `handler` behind one error boundary.
 

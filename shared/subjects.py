@@ -69,6 +69,9 @@ class Subjects:
     def kv_commit(self, worker_id: str) -> str:
         return self._worker(worker_id, "kv_commit")
 
+    def prefix_fetch(self, worker_id: str) -> str:
+        return self._worker(worker_id, "prefix_fetch")
+
     def _worker(self, worker_id: str, verb: str) -> str:
         return f"{self._root}.worker.{check_token(worker_id, 'worker id')}.{verb}"
 

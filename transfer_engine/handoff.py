@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -75,6 +75,18 @@ class _NoStream:
 
     def cancel(self) -> None:
         return None
+
+
+def kv_pieces(local: KvLayout, remote: KvLayout,
+              layers: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> PieceArrays:
+    """One batch moving, for each (layer, local block ids, remote block ids), that layer's K
+    and V blocks between two KV pools (segment `kv` on both sides)."""
+    local_offsets = np.concatenate([local.block_offsets(layer, np.asarray(ids, dtype=np.int64))
+                                    for layer, ids, _ in layers])
+    remote_offsets = np.concatenate([remote.block_offsets(layer, np.asarray(ids, dtype=np.int64))
+                                     for layer, _, ids in layers])
+    lengths = np.full(len(local_offsets), local.block_bytes, dtype=np.int64)
+    return PieceArrays(KV_SEGMENT, KV_SEGMENT, local_offsets, remote_offsets, lengths)
 
 
 class LayerwiseKvHandoff:
@@ -149,18 +161,13 @@ class _LayerStream:
         """One transfer of these layers' K and V blocks into decode's reserved blocks."""
         remote_layout = KvLayout(self._layout.num_layers, target.kv_num_blocks,
                                  target.kv_block_bytes)
-        local, remote = [], []
-        for layer, block_ids in layers:
+        for _, block_ids in layers:
             if len(block_ids) > len(target.block_ids):
                 raise InvalidTransfer(f"decode reserved {len(target.block_ids)} blocks for a "
                                       f"prompt that fills {len(block_ids)}")
-            local.append(self._layout.block_offsets(layer, np.asarray(block_ids)))
-            remote.append(remote_layout.block_offsets(
-                layer, np.asarray(target.block_ids[:len(block_ids)])))
-        local_offsets, remote_offsets = np.concatenate(local), np.concatenate(remote)
-        lengths = np.full(len(local_offsets), self._layout.block_bytes, dtype=np.int64)
+        pieces = kv_pieces(self._layout, remote_layout, [
+            (layer, block_ids, target.block_ids[:len(block_ids)]) for layer, block_ids in layers])
         self._first_write_at = self._first_write_at or time.perf_counter()
-        result = await self._transfer.write(target.decode_worker_id, PieceArrays(
-            KV_SEGMENT, KV_SEGMENT, local_offsets, remote_offsets, lengths))
+        result = await self._transfer.write(target.decode_worker_id, pieces)
         self._num_bytes += result.num_bytes
         self._transport = result.transport

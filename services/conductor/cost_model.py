@@ -5,9 +5,13 @@ worker fits its prefill cost from measured steps, T(n) = overhead + s_per_token 
 (`engine/prefill_cost.py`), and reports it with its queued prompt tokens in every heartbeat; so
     T_queue   = s_per_token * queued tokens
     T_prefill = overhead + s_per_token * uncached prompt tokens
-    T_transfer = 0 while no KV is fetched from another worker (prefix reuse across workers
-                 comes with the transfer engine).
+    T_transfer = the time to fetch a cached prefix from another worker, when one is fetched.
 Without a fit it falls back to the measured rate, then to `default_tokens_per_s`.
+
+Prefix reuse across workers (the seed's reuse benefit): fetching a prefix another worker
+holds saves computing its tokens and costs moving its KV,
+    benefit = s_per_token x prefix tokens - (overhead + KV bytes / transfer bytes per s)
+and the chosen worker fetches when the benefit is positive.
 
 The seed's score over healthy prefill workers, each term in [0, 1]:
     0.3 (1 - load) + 0.2 (1 - queue / max_queue) + 0.2 compute + 0.15 network + 0.15 cached
@@ -42,6 +46,29 @@ def predicted_ttft_s(worker: WorkerHeartbeat, uncached_tokens: int,
     if worker.prefill_s_per_token > 0.0:
         return transfer_s + worker.prefill_overhead_s + worker.prefill_s_per_token * tokens
     return transfer_s + tokens / (worker.prefill_tokens_per_s or default_tokens_per_s)
+
+
+@dataclass(frozen=True)
+class TransferCost:
+    """What moving KV between prefill workers costs: a fixed overhead (a NATS round trip,
+    the transfer's set-up) plus bytes over the link's rate."""
+
+    bytes_per_s: float = 2e9
+    overhead_s: float = 0.002
+
+    def seconds(self, num_bytes: int) -> float:
+        return self.overhead_s + num_bytes / self.bytes_per_s
+
+
+def reuse_benefit_s(worker: WorkerHeartbeat, num_tokens: int, num_bytes: int,
+                    transfer: TransferCost, default_tokens_per_s: float) -> float:
+    """Seconds `worker` saves by fetching `num_tokens` of cached prefix (`num_bytes` of KV)
+    instead of computing them; negative when moving them costs more."""
+    if worker.prefill_s_per_token > 0.0:
+        s_per_token = worker.prefill_s_per_token
+    else:
+        s_per_token = 1.0 / (worker.prefill_tokens_per_s or default_tokens_per_s)
+    return s_per_token * num_tokens - transfer.seconds(num_bytes)
 
 
 def predicted_tbt_s(worker: WorkerHeartbeat, extra_requests: int = 1) -> float:

@@ -5,7 +5,11 @@ Prefill policies (`PrefillPolicy`):
   round-robin   the next worker in id order (for comparison);
   cache-aware   least estimated work: the prompt blocks a worker would still have to compute
                 (its cached prefix, from the global prefix index, is free) times (1 + load);
-  seed          least predicted TTFT stretched by the seed's weighted score (`cost_model`).
+  seed          least predicted TTFT stretched by the seed's weighted score (`cost_model`);
+  longest-prefix  the worker holding the longest cached prefix, whatever its load (the oracle
+                the prefix-reuse evaluation compares against), then least loaded.
+Prefix reuse (`prefix_source`): once a prefill worker is chosen, the worker holding the longest
+cached prefix, if longer than the chosen one's and fetching it pays (`reuse_benefit_s`).
 Decode: among workers with KV room for prompt + max_tokens, the least predicted time between
 tokens once the request joins (measured step time grown with the batch), then least loaded.
 
@@ -19,11 +23,17 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
-from services.conductor.cost_model import predicted_tbt_s, predicted_ttft_s, seed_score
+from services.conductor.cost_model import (
+    TransferCost,
+    predicted_tbt_s,
+    predicted_ttft_s,
+    reuse_benefit_s,
+    seed_score,
+)
+from shared.config import PrefillPolicy
 from shared.errors import CapacityExhausted, WorkerUnavailable
-from shared.messages import WorkerHeartbeat
+from shared.messages import PrefixSource, WorkerHeartbeat
 
 
 @dataclass(frozen=True)
@@ -34,7 +44,6 @@ class PendingWork:
     num_blocks: int = 0
 
 
-PrefillPolicy = Literal["least-loaded", "round-robin", "cache-aware", "seed"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,9 @@ def pick_prefill(
                 return uncached * (1.0 + load), load, w.worker_id
 
             return min(candidates, key=work)
+        case "longest-prefix" if prefix is not None:
+            return min(candidates, key=lambda w: (-prefix.cached_blocks.get(w.worker_id, 0),
+                                                  _load(w, pending), w.worker_id))
         case "seed" if seed is not None:
             fastest = max(w.compute_score for w in candidates)
             view = prefix or PrefixView()
@@ -117,6 +129,26 @@ def seed_cost(worker: WorkerHeartbeat, fastest: float, pending: Mapping[str, Pen
         cached_fraction=cached_blocks / prefix.num_blocks if prefix.num_blocks else 0.0,
     )
     return ttft * (2.0 - score)
+
+
+def prefix_source(chosen: WorkerHeartbeat, workers: Sequence[WorkerHeartbeat],
+                  prefix: PrefixView, transfer: TransferCost, default_tokens_per_s: float
+                  ) -> PrefixSource | None:
+    """The worker `chosen` should fetch its cached prefix from, or None (see module doc)."""
+    cached = prefix.cached_blocks
+    holders = [w for w in workers if w.worker_id != chosen.worker_id
+               and w.kv_bytes_per_block == chosen.kv_bytes_per_block > 0]
+    if not holders:
+        return None
+    holder = min(holders, key=lambda w: (-cached.get(w.worker_id, 0), w.worker_id))
+    num_blocks = cached.get(holder.worker_id, 0)
+    extra = num_blocks - cached.get(chosen.worker_id, 0)
+    if extra <= 0:
+        return None
+    benefit = reuse_benefit_s(chosen, extra * chosen.block_size,
+                              extra * chosen.kv_bytes_per_block, transfer, default_tokens_per_s)
+    return PrefixSource(worker_id=holder.worker_id, num_blocks=num_blocks) if benefit > 0 \
+        else None
 
 
 def pick_decode(

@@ -21,7 +21,13 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from services.conductor.cost_model import Slo, check_slo, predicted_tbt_s, predicted_ttft_s
+from services.conductor.cost_model import (
+    Slo,
+    TransferCost,
+    check_slo,
+    predicted_tbt_s,
+    predicted_ttft_s,
+)
 from services.conductor.placement import (
     PendingWork,
     PrefixView,
@@ -29,6 +35,7 @@ from services.conductor.placement import (
     blocks_needed,
     pick_decode,
     pick_prefill,
+    prefix_source,
 )
 from services.conductor.prefix_index import PrefixIndex
 from shared.block_hash import block_hashes
@@ -42,6 +49,7 @@ from shared.messages import (
     GenerateRequest,
     KvEventBatch,
     PrefillTask,
+    PrefixSource,
     RequestFailed,
     RequestPlaced,
     WorkerHeartbeat,
@@ -78,6 +86,8 @@ class ConductorService(Service):
         self.workers = WorkerDirectory(config.heartbeat_timeout_s,
                                        on_expire=self.prefix_index.forget_worker)
         self._turn = 0
+        self._transfer_cost = TransferCost(config.transfer_bytes_per_s,
+                                           config.transfer_overhead_s)
         self.rejections: Counter[str] = Counter()  # by reason, for metrics
         self._pending: dict[str, PendingWork] = defaultdict(PendingWork)
         self._num_placing = 0
@@ -178,15 +188,17 @@ class ConductorService(Service):
         for attempt in range(self.config.max_placement_attempts):
             try:
                 prefill_worker, decode_worker = self._choose(request, kept, excluded, prefix)
+                source = self._prefix_source(prefill_worker, excluded, prefix)
                 if attempt == 0:
-                    self._admit(request, prefill_worker, decode_worker, prefix)
+                    self._admit(request, prefill_worker, decode_worker, prefix, source)
             except HalfmoonError as exc:
                 error = exc
                 break
             prefill, decode = prefill_worker.worker_id, decode_worker.worker_id
             # A new prefill worker means decode must learn it too (it re-sends the target).
             replies = await asyncio.gather(
-                self._dispatch(self.subjects.prefill_task(prefill), PrefillTask(request=request))
+                self._dispatch(self.subjects.prefill_task(prefill),
+                               PrefillTask(request=request, prefix_source=source))
                 if kept["prefill"] is None else _kept(),
                 self._dispatch(self.subjects.decode_reserve(decode),
                                DecodeReservation(request=request, prefill_worker_id=prefill))
@@ -260,22 +272,37 @@ class ConductorService(Service):
                           block_size=decode.block_size, decode_zone=decode.zone,
                           default_tokens_per_s=self.config.default_prefill_tokens_per_s)
 
+    def _prefix_source(self, prefill: WorkerHeartbeat, excluded: set[str],
+                       prefix: PrefixView | None) -> PrefixSource | None:
+        if prefix is None or not self.config.prefix_fetch:
+            return None
+        holders = [w for w in self.workers.healthy("prefill") if w.worker_id not in excluded]
+        return prefix_source(prefill, holders, prefix, self._transfer_cost,
+                             self.config.default_prefill_tokens_per_s)
+
     def _admit(self, request: GenerateRequest, prefill: WorkerHeartbeat,
-               decode: WorkerHeartbeat, prefix: PrefixView | None) -> None:
+               decode: WorkerHeartbeat, prefix: PrefixView | None,
+               source: PrefixSource | None) -> None:
         """SLO admission on the chosen pair: reject early rather than serve late."""
         if self.config.ttft_slo_ms is None and self.config.tbt_slo_ms is None:
             return
         cached = prefix.cached_blocks.get(prefill.worker_id, 0) if prefix else 0
+        transfer_s = 0.0
+        if source is not None:
+            transfer_s = self._transfer_cost.seconds(
+                (source.num_blocks - cached) * prefill.kv_bytes_per_block)
+            cached = source.num_blocks
         uncached = max(1, len(request.prompt_token_ids) - cached * prefill.block_size)
-        ttft_s = predicted_ttft_s(prefill, uncached, self.config.default_prefill_tokens_per_s)
+        ttft_s = predicted_ttft_s(prefill, uncached, self.config.default_prefill_tokens_per_s,
+                                  transfer_s)
         slo = Slo(ttft_s=_seconds(self.config.ttft_slo_ms), tbt_s=_seconds(self.config.tbt_slo_ms))
         check_slo(ttft_s, predicted_tbt_s(decode), slo)
 
     def _prefix_view(self, request: GenerateRequest) -> PrefixView | None:
-        if self.config.policy not in ("cache-aware", "seed"):
-            return None
         workers = self.workers.healthy("prefill")
-        if not workers:
+        is_fetchable = self.config.prefix_fetch and any(w.kv_bytes_per_block for w in workers)
+        if not workers or (self.config.policy in ("least-loaded", "round-robin")
+                           and not is_fetchable):
             return None
         # Workers of one cluster share a block size; hash with the first one's.
         hashes = block_hashes(request.prompt_token_ids, workers[0].block_size)

@@ -152,7 +152,8 @@ async def _respond(
             async for last in chunks:
                 texts.append(last.text)
             body = fmt.body("".join(texts), last.finish_reason,
-                            usage(num_prompt, last.num_completion_tokens))
+                            usage(num_prompt, last.num_completion_tokens,
+                                  last.num_cached_tokens))
             return json_response(body)
         # Wait for the first chunk before sending headers, so that a rejection (429/503)
         # still reaches a streaming client as an HTTP status.
@@ -178,7 +179,8 @@ async def _stream_events(
         async for last in chunks:
             await _send(response, {**fmt.chunk(last.text, last.finish_reason), **extra})
         if include_usage:
-            await _send(response, fmt.usage_chunk(usage(num_prompt, last.num_completion_tokens)))
+            await _send(response, fmt.usage_chunk(
+                usage(num_prompt, last.num_completion_tokens, last.num_cached_tokens)))
     except HalfmoonError as exc:
         await _send(response, error_body(exc))
     await response.write(b"data: [DONE]\n\n")

@@ -37,6 +37,7 @@ class TextChunk:
     text: str
     finish_reason: FinishReason | None
     num_completion_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (first placement)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Generator:
             detokenizer = ctx.tokenizer.detokenizer()
             matcher = StopStringMatcher(parsed.stop)
             generated: list[int] = []
+            num_cached = 0
             attempt = 0
             while not is_done:
                 try:
@@ -75,6 +77,8 @@ class Generator:
                                 num_streamed=len(generated), attempt=attempt)
                     await self._publish(request_id, parsed, generated, attempt=attempt)
                     continue
+                if not generated:
+                    num_cached = delta.num_cached_tokens
                 generated += delta.token_ids
                 text = matcher.push(detokenizer.push(delta.token_ids))
                 finish = delta.finish_reason
@@ -85,7 +89,7 @@ class Generator:
                     finish = "stop"
                 is_done = finish is not None and delta.finish_reason is not None
                 if text or finish is not None:
-                    yield TextChunk(text, finish, len(generated))
+                    yield TextChunk(text, finish, len(generated), num_cached)
                 if finish is not None:
                     return
         finally:

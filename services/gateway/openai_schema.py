@@ -210,11 +210,13 @@ def _stop_strings(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0
+          ) -> dict[str, Any]:
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
 
 
@@ -235,11 +237,11 @@ class CompletionFormat:
     def first_chunk(self) -> dict[str, Any] | None:
         return None
 
-    def usage_chunk(self, usage_body: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return self._envelope([], usage=usage_body)
 
     def body(self, text: str, finish_reason: FinishReason | None,
-             usage_body: dict[str, int]) -> dict[str, Any]:
+             usage_body: dict[str, Any]) -> dict[str, Any]:
         return self._envelope([{"index": 0, "text": text, "logprobs": None,
                                 "finish_reason": finish_reason}], usage=usage_body)
 
@@ -263,11 +265,11 @@ class ChatFormat:
         return self._chunk_envelope([{"index": 0, "delta": delta, "logprobs": None,
                                       "finish_reason": finish_reason}])
 
-    def usage_chunk(self, usage_body: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return self._chunk_envelope([], usage=usage_body)
 
     def body(self, text: str, finish_reason: FinishReason | None,
-             usage_body: dict[str, int]) -> dict[str, Any]:
+             usage_body: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.request_id, "object": "chat.completion", "created": self.created,
                 "model": self.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},

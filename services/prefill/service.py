@@ -1,7 +1,9 @@
 """The prefill worker: computes prompts, sends first tokens, hands KV to decode.
 
 A request's life here:
-  1. `PrefillTask` arrives (request/reply): accepted at once unless the queue is full.
+  1. `PrefillTask` arrives (request/reply): accepted at once unless the queue is full. When
+     it names a `prefix_source`, the cached prefix this worker lacks is fetched from there
+     first (`prefix_reuse`).
   2. A KV stream opens and the engine prefills (batched with whatever else waits). As each
      layer of the prompt completes, the stream writes its K/V blocks into the blocks named by
      the decode worker's `KvTarget` (sent by decode while we compute).
@@ -20,11 +22,13 @@ import time
 from typing import Any
 
 from engine.protocol import Engine, PrefillRequest, PrefillResult
+from services.prefill.prefix_reuse import PrefixSharing
 from services.worker import WorkerService
 from shared.config import WorkerConfig
 from shared.errors import (
     EngineFailure,
     HalfmoonError,
+    InvalidRequest,
     RequestAborted,
     TransferTimeout,
     WorkerUnavailable,
@@ -36,6 +40,9 @@ from shared.messages import (
     KvCommitted,
     KvTarget,
     PrefillTask,
+    PrefixFetch,
+    PrefixFetched,
+    PrefixSource,
     RequestFailed,
     TokenBatch,
     TokenDelta,
@@ -59,6 +66,7 @@ class PrefillService(WorkerService):
         self._in_flight: dict[str, asyncio.Task[None]] = {}
         # request id -> (the decode side's KvTarget, when this worker first heard of it)
         self._targets: dict[str, tuple[asyncio.Future[KvTarget], float]] = {}
+        self._prefix_sharing: PrefixSharing | None = None
 
     @property
     def handoff(self) -> KvHandoff:
@@ -69,12 +77,25 @@ class PrefillService(WorkerService):
                                    is_layerwise=self.config.kv_streaming == "layerwise")
         return self._handoff
 
+    @property
+    def prefix_sharing(self) -> PrefixSharing | None:
+        """Prefix reuse across workers; None for an engine with no KV to move."""
+        layout = self.engine.kv_layout()
+        if self._prefix_sharing is None and self.transfer is not None and layout is not None:
+            self._prefix_sharing = PrefixSharing(
+                worker_id=self.worker_id, engine=self.engine, layout=layout,
+                transfer=self.transfer, nc=self.nc, subjects=self.subjects,
+                block_size=self.config.block_size, timeout_s=self.config.kv_wait_timeout_s)
+        return self._prefix_sharing
+
     async def _subscribe_work(self) -> list[Any]:
         return [
             await self.serve(self.subjects.prefill_task(self.worker_id), PrefillTask,
                              self._on_task),
             await self.serve(self.subjects.kv_target(self.worker_id), KvTarget,
                              self._on_target),
+            await self.serve(self.subjects.prefix_fetch(self.worker_id), PrefixFetch,
+                             self._on_prefix_fetch),
         ]
 
     def _num_waiting(self) -> int:
@@ -89,9 +110,14 @@ class PrefillService(WorkerService):
         if len(self._in_flight) >= self.config.max_queue:
             return self._refusal(f"prefill queue full ({self.config.max_queue})")
         self._in_flight[request.request_id] = self.spawn(
-            self._run(request), f"request.{request.request_id}"
+            self._run(request, task.prefix_source), f"request.{request.request_id}"
         )
         return self.accept()
+
+    async def _on_prefix_fetch(self, fetch: PrefixFetch) -> PrefixFetched:
+        if self.prefix_sharing is None:
+            raise InvalidRequest("this worker keeps no KV to share")
+        return await self.prefix_sharing.serve(fetch)
 
     async def _on_target(self, target: KvTarget) -> DispatchReply | None:
         future = self._target_future(target.request_id)
@@ -124,9 +150,12 @@ class PrefillService(WorkerService):
             if seen_at < cutoff and request_id not in self._in_flight:
                 self._forget(request_id)
 
-    async def _run(self, request: GenerateRequest) -> None:
+    async def _run(self, request: GenerateRequest, source: PrefixSource | None) -> None:
         error: HalfmoonError | None = None
         try:
+            if source is not None and self.prefix_sharing is not None:
+                await self.prefix_sharing.fetch(request.request_id, request.prompt_token_ids,
+                                                source)
             await self._prefill_and_hand_off(request)
         except asyncio.CancelledError:
             if request.request_id in self._in_flight:  # shutdown, not an abort
@@ -155,6 +184,7 @@ class PrefillService(WorkerService):
             request.request_id, request.prompt_token_ids, request.sampling,
             on_layer=stream.on_layer,
         ))
+        self.publish_kv_events_soon()
         await self._send_first_token(request, result)
         if result.finish_reason is not None:
             # Done already: free decode's reservation. Leave the in-flight table first so
@@ -184,7 +214,8 @@ class PrefillService(WorkerService):
     async def _send_first_token(self, request: GenerateRequest, result: PrefillResult) -> None:
         delta = TokenDelta(request_id=request.request_id, index=request.output_offset,
                            token_ids=[result.first_token_id],
-                           finish_reason=result.finish_reason)
+                           finish_reason=result.finish_reason,
+                           num_cached_tokens=result.num_cached_tokens)
         batch = TokenBatch(worker_id=self.worker_id, items=[delta])
         await self.nc.publish(request.reply_subject, encode(batch))
 

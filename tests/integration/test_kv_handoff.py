@@ -8,15 +8,21 @@ import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 
 from engine.builtin_model import write_builtin_model
 from engine.protocol import PrefillRequest, PrefillResult
 from engine.torch_engine import EngineOptions, TorchEngine
 from services.gateway.tokenizer import HfTokenizer
-from shared.messages import KvTarget, SamplingParams
+from services.prefill.service import PrefillService
+from shared.block_hash import block_hashes
+from shared.errors import TransferFailed
+from shared.messages import KvTarget, PrefixFetch, SamplingParams
+from shared.nats_client import fetch_prefix
 from tests.stack import Stack, eventually
 from transfer_engine.handoff import HandoffReport, KvHandoff, KvStream
 
@@ -65,10 +71,12 @@ def expected(tiny_dir: Path) -> dict[str, list[int]]:
 async def make_stack(nats_url: str, tiny_dir: Path) -> AsyncIterator[object]:
     stacks: list[Stack] = []
 
-    async def make(num_prefill: int = 1, num_decode: int = 1, **worker: object) -> Stack:
+    async def make(num_prefill: int = 1, num_decode: int = 1,
+                   conductor: dict[str, object] | None = None, **worker: object) -> Stack:
         options = {"engine": "torch", "model_path": str(tiny_dir), "num_blocks": 256, **worker}
         stack = Stack(nats_url, num_prefill=num_prefill, num_decode=num_decode, worker=options,
-                      gateway_options={"model_path": str(tiny_dir)})
+                      gateway_options={"model_path": str(tiny_dir)},
+                      conductor_options=conductor or {})
         stacks.append(stack)
         return await stack.start()
 
@@ -77,15 +85,19 @@ async def make_stack(nats_url: str, tiny_dir: Path) -> AsyncIterator[object]:
         await stack.stop()
 
 
-async def complete_all(stack: Stack, tokenizer: HfTokenizer) -> dict[str, list[int]]:
-    async def complete(prompt: str) -> list[int]:
-        status, body = await stack.post("/v1/completions", {
-            "model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0,
-            "ignore_eos": True})
-        assert status == 200, body
-        return tokenizer.encode(body["choices"][0]["text"])
+async def complete(stack: Stack, prompt: str) -> dict[str, Any]:
+    status, body = await stack.post("/v1/completions", {
+        "model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+        "ignore_eos": True})
+    assert status == 200, body
+    return body
 
-    outputs = await asyncio.gather(*(complete(prompt) for prompt in PROMPTS))
+
+async def complete_all(stack: Stack, tokenizer: HfTokenizer) -> dict[str, list[int]]:
+    async def tokens(prompt: str) -> list[int]:
+        return tokenizer.encode((await complete(stack, prompt))["choices"][0]["text"])
+
+    outputs = await asyncio.gather(*(tokens(prompt) for prompt in PROMPTS))
     return dict(zip(PROMPTS, outputs, strict=True))
 
 
@@ -135,6 +147,49 @@ async def test_short_prompts_stay_on_decode_under_conditional_disaggregation(
     (decode,) = stack.decodes
     assert decode.kv_commits == {"local": num_short, "shm": len(PROMPTS) - num_short}
     await stack.wait_blocks_free(timeout_s=10)
+
+
+async def test_a_prefix_cached_on_another_prefill_worker_is_fetched_not_recomputed(
+        make_stack, tiny_dir: Path, expected: dict[str, list[int]]) -> None:  # type: ignore[no-untyped-def]
+    # least-loaded: an idle newcomer is chosen over the idle holder, whose cache then pays
+    # to fetch from.
+    stack: Stack = await make_stack(conductor={"policy": "least-loaded"})
+    tokenizer = HfTokenizer(tiny_dir)
+    prompt = PROMPTS[1]
+    prompt_ids = tokenizer.encode(prompt)
+    hashes = block_hashes(prompt_ids, 16)
+    assert len(hashes) >= 4
+    (holder,), (decode,) = stack.prefills, stack.decodes
+    first = await complete(stack, prompt)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    await eventually(lambda: stack.conductor.prefix_index.leading_blocks(
+        hashes, [holder.worker_id])[holder.worker_id] == len(hashes))
+    # A newcomer whose id sorts first, so least-loaded picks it between two idle workers.
+    fetcher = PrefillService(msgspec.structs.replace(holder.config, worker_id="prefill--new"))
+    stack.prefills.append(fetcher)
+    await fetcher.start()
+    await stack.wait_healthy()
+
+    second = await complete(stack, prompt)
+    assert tokenizer.encode(second["choices"][0]["text"]) == expected[prompt]
+    num_cached = min(len(hashes) * 16, len(prompt_ids) - 1)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == num_cached
+    # The newcomer prefilled it (it measured a prefill step) with the holder's blocks.
+    assert fetcher.engine.stats().prefill_tokens_per_s > 0
+    assert fetcher.engine.num_cached_blocks(hashes) == len(hashes)
+    assert decode.kv_commits == {"shm": 2}
+    await stack.wait_blocks_free(timeout_s=10)
+
+
+async def test_a_prefix_fetch_between_mismatched_pools_is_refused(
+        make_stack) -> None:  # type: ignore[no-untyped-def]
+    stack: Stack = await make_stack()
+    (holder,) = stack.prefills
+    with pytest.raises(TransferFailed, match="KV blocks of 1 bytes"):
+        await fetch_prefix(holder.nc, holder.subjects.prefix_fetch(holder.worker_id),
+                           PrefixFetch(request_id="r", requester_id="elsewhere",
+                                       block_hashes=["00" * 16], block_ids=[0],
+                                       kv_num_blocks=1, kv_block_bytes=1), 5.0)
 
 
 async def test_a_lost_decode_data_plane_fails_the_request_and_frees_every_block(

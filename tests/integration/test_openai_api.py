@@ -147,3 +147,17 @@ async def test_client_disconnect_aborts_the_request_downstream(nats_url: str) ->
         await eventually(lambda: stack.decodes[0].engine.stats().num_running == 0)
         await stack.wait_blocks_free()
         await eventually(lambda: len(stack.gateway.table) == 0)
+
+
+async def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(
+    client: openai.AsyncOpenAI,
+) -> None:
+    prompt = list(range(1, 41))  # two full 16-token blocks and a partial one
+
+    async def cached_tokens() -> int:
+        response = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert response.usage is not None and response.usage.prompt_tokens_details is not None
+        return response.usage.prompt_tokens_details.cached_tokens or 0
+
+    assert await cached_tokens() == 0
+    assert await cached_tokens() == 32

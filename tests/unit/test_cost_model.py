@@ -6,12 +6,14 @@ import pytest
 from services.conductor.cost_model import (
     SEED_WEIGHTS,
     Slo,
+    TransferCost,
     check_slo,
     predicted_tbt_s,
     predicted_ttft_s,
+    reuse_benefit_s,
     seed_score,
 )
-from services.conductor.placement import PrefixView, SeedInputs, pick_prefill
+from services.conductor.placement import PrefixView, SeedInputs, pick_prefill, prefix_source
 from shared.errors import CapacityExhausted
 from tests.unit.test_placement import worker
 
@@ -88,3 +90,36 @@ def test_decode_prefers_the_faster_step_among_roomy_workers() -> None:
     slow = msgspec.structs.replace(worker("a", "decode", running=2), decode_step_s=0.05)
     fast = msgspec.structs.replace(worker("b", "decode", running=6), decode_step_s=0.01)
     assert pick_decode([slow, fast], (), {}, num_tokens=32).worker_id == "b"
+
+
+def with_kv(worker_id: str, kv_bytes_per_block: int = 1 << 20) -> object:
+    # 1 ms per token: a 16-token block costs 16 ms to compute.
+    return measured(worker_id, rate=1000.0, kv_bytes_per_block=kv_bytes_per_block)
+
+
+def test_reuse_benefit_is_compute_saved_minus_the_move() -> None:
+    link = TransferCost(bytes_per_s=1e9, overhead_s=0.002)
+    saved = reuse_benefit_s(with_kv("a"), 160, 10 << 20, link, default_tokens_per_s=1.0)  # type: ignore[arg-type]
+    assert saved == pytest.approx(0.160 - 0.002 - (10 << 20) / 1e9)
+
+
+def test_a_longer_prefix_elsewhere_is_fetched_when_moving_it_pays() -> None:
+    workers = [with_kv("a"), with_kv("b"), with_kv("c")]
+    prefix = PrefixView(num_blocks=10, cached_blocks={"a": 2, "b": 8, "c": 5})
+    source = prefix_source(workers[0], workers, prefix, TransferCost(), 1.0)  # type: ignore[arg-type]
+    assert source is not None and (source.worker_id, source.num_blocks) == ("b", 8)
+
+
+def test_no_fetch_over_a_link_slower_than_recomputing() -> None:
+    workers = [with_kv("a"), with_kv("b")]
+    prefix = PrefixView(num_blocks=10, cached_blocks={"b": 8})
+    slow = TransferCost(bytes_per_s=1e6)  # 1 MiB a block at 1 MB/s: ~1 s against 16 ms
+    assert prefix_source(workers[0], workers, prefix, slow, 1.0) is None  # type: ignore[arg-type]
+
+
+def test_no_fetch_when_the_chosen_worker_holds_the_longest_prefix_or_has_no_kv() -> None:
+    prefix = PrefixView(num_blocks=10, cached_blocks={"a": 8, "b": 8})
+    workers = [with_kv("a"), with_kv("b")]
+    assert prefix_source(workers[0], workers, prefix, TransferCost(), 1.0) is None  # type: ignore[arg-type]
+    fakes = [with_kv("a", 0), with_kv("b", 0)]  # the fake engine keeps no KV to move
+    assert prefix_source(fakes[0], fakes, PrefixView(10, {"b": 8}), TransferCost(), 1.0) is None  # type: ignore[arg-type]

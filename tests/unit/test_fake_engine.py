@@ -80,3 +80,55 @@ async def test_reserving_beyond_the_pool_raises_capacity_exhausted(engine: FakeE
 async def test_join_without_reservation_is_refused(engine: FakeEngine) -> None:
     with pytest.raises(InvalidRequest, match="no reserved blocks"):
         engine.join(DecodeRequest("r", [1], 1, sampling(2)))
+
+
+async def test_a_shared_prefix_is_served_from_the_cache_and_reported() -> None:
+    fake = FakeEngine(num_blocks=16, block_size=4)
+    await fake.start()
+    try:
+        first = await fake.prefill(PrefillRequest("a", list(range(1, 11)), sampling(2)))
+        fake.release("a")
+        assert first.num_cached_tokens == 0
+        stored = fake.drain_kv_events()
+        assert [kind for kind, _ in stored] == ["stored", "stored"]  # two full blocks of 4
+        second = await fake.prefill(PrefillRequest("b", [*range(1, 9), 42, 43], sampling(2)))
+        assert second.num_cached_tokens == 8
+        assert second.block_ids[:2] == first.block_ids[:2]
+        third = await fake.prefill(PrefillRequest("c", list(range(1, 9)), sampling(2)))
+        assert third.num_cached_tokens == 7  # the last prompt token is always computed
+    finally:
+        await fake.close()
+
+
+async def test_prefill_cost_counts_only_uncached_tokens() -> None:
+    fake = FakeEngine(num_blocks=64, block_size=4, prefill_s_per_token=0.004)
+    await fake.start()
+    try:
+        loop = asyncio.get_running_loop()
+        prompt = list(range(1, 41))
+        started = loop.time()
+        await fake.prefill(PrefillRequest("a", prompt, sampling(2)))
+        cold_s = loop.time() - started
+        fake.release("a")
+        started = loop.time()
+        await fake.prefill(PrefillRequest("b", [*prompt, 99], sampling(2)))
+        warm_s = loop.time() - started
+        assert cold_s >= 0.16  # 40 tokens x 4 ms
+        assert warm_s < cold_s / 4  # 1 token computed
+        assert fake.stats().prefill_s_per_token == 0.004
+    finally:
+        await fake.close()
+
+
+async def test_cached_blocks_are_evicted_with_a_removed_event_when_room_runs_out() -> None:
+    fake = FakeEngine(num_blocks=4, block_size=4)
+    await fake.start()
+    try:
+        await fake.prefill(PrefillRequest("a", list(range(1, 9)), sampling(2)))
+        fake.release("a")
+        assert fake.stats().num_free_blocks == 4  # cached blocks can be handed out
+        fake.drain_kv_events()
+        fake.reserve("r", 16)  # all four blocks: the two cached ones are evicted
+        assert [kind for kind, _ in fake.drain_kv_events()] == ["removed", "removed"]
+    finally:
+        await fake.close()

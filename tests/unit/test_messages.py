@@ -26,6 +26,9 @@ from shared.messages import (
     KvTarget,
     Message,
     PrefillTask,
+    PrefixFetch,
+    PrefixFetched,
+    PrefixSource,
     RdmaPort,
     RequestFailed,
     RequestPlaced,
@@ -47,7 +50,13 @@ REQUEST = GenerateRequest(
 
 SAMPLES: dict[str, Message] = {
     "generate_request": REQUEST,
-    "prefill_task": PrefillTask(request=REQUEST),
+    "prefill_task": PrefillTask(request=REQUEST, prefix_source=PrefixSource(
+        worker_id="prefill-b", num_blocks=6)),
+    "prefix_fetch": PrefixFetch(request_id="cmpl-1", requester_id="prefill-a",
+                                block_hashes=["f6a753e0395b8dfa6485b18612a446af"],
+                                block_ids=[7], kv_num_blocks=4096, kv_block_bytes=2048),
+    "prefix_fetched": PrefixFetched(worker_id="prefill-b", num_blocks=1, num_bytes=8192,
+                                    transport="tcp"),
     "decode_reservation": DecodeReservation(request=REQUEST, prefill_worker_id="prefill-a"),
     "dispatch_reply": DispatchReply(is_accepted=False, worker_id="decode-b", reason="full"),
     "kv_target": KvTarget(request_id="cmpl-1", decode_worker_id="decode-b", block_ids=[3, 4],

@@ -89,3 +89,10 @@ def test_cache_aware_without_any_hit_is_least_loaded() -> None:
     workers = [worker("a", waiting=3), worker("b")]
     prefix = PrefixView(num_blocks=4)
     assert pick_prefill(workers, (), {}, policy="cache-aware", prefix=prefix).worker_id == "b"
+
+
+def test_longest_prefix_follows_the_cache_even_to_a_busy_worker() -> None:
+    workers = [worker("a"), worker("b", waiting=40), worker("c", waiting=1)]
+    prefix = PrefixView(num_blocks=10, cached_blocks={"b": 2, "c": 2})
+    picked = pick_prefill(workers, (), {}, policy="longest-prefix", prefix=prefix)
+    assert picked.worker_id == "c"  # the longest prefix, then the less loaded holder
