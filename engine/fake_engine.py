@@ -169,7 +169,7 @@ class FakeEngine:
             for job in batch:
                 if not job.future.done():
                     self._register(job)
-                    job.future.set_result(self._first_token(job))
+                    job.future.set_result(self._first_token(job, delay_s))
 
     def _register(self, job: _PrefillJob) -> None:
         """The prompt's full blocks are computed: they join the prefix cache."""
@@ -177,7 +177,7 @@ class FakeEngine:
         for block, block_hash in zip(blocks, job.hashes, strict=False):
             self._allocator.register(block, block_hash)
 
-    def _first_token(self, job: _PrefillJob) -> PrefillResult:
+    def _first_token(self, job: _PrefillJob, compute_s: float) -> PrefillResult:
         request = job.request
         token = fake_token(prompt_digest(request.prompt_token_ids), request.sampling.seed, 0)
         return PrefillResult(
@@ -186,6 +186,7 @@ class FakeEngine:
             block_ids=list(self._owned.get(request.request_id, [])),
             finish_reason=finish_reason(token, 1, request.sampling, self.eos_token_ids),
             num_cached_tokens=job.num_cached,
+            compute_s=compute_s,
         )
 
     def release(self, request_id: str) -> None:

@@ -69,6 +69,7 @@ class PrefillResult:
     finish_reason: FinishReason | None = None
     logprob: float | None = None
     num_cached_tokens: int = 0
+    compute_s: float = 0.0  # from its first compute step starting to the first token
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ class Sequence:
     on_layer: LayerListener | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # of the prompt's full blocks
     num_registered: int = 0  # leading prompt blocks already in the prefix cache
+    compute_started_at: float = 0.0  # perf_counter() when its first step began
 
     @property
     def num_tokens(self) -> int:

@@ -340,6 +340,8 @@ class TorchEngine:
         if batch is None:
             return False
         started = time.perf_counter()
+        for seq in batch.sequences:
+            seq.compute_started_at = seq.compute_started_at or started
         try:
             sampled = self.runner.execute(batch)
         except HalfmoonError as exc:
@@ -378,7 +380,8 @@ class TorchEngine:
         if seq.is_prefill_only:
             self._parked[seq.request_id] = seq
             result = PrefillResult(seq.request_id, sampled.token_id, list(seq.block_ids),
-                                   reason, sampled.logprob, seq.num_cached)
+                                   reason, sampled.logprob, seq.num_cached,
+                                   time.perf_counter() - seq.compute_started_at)
             self._post(self._resolve_prefill, result)
             return None
         if reason is not None:

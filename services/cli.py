@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import uvloop
 
 from services.launcher import UpOptions, run_up
+from shared import tracing
 from shared.config import (
     ConductorConfig,
     GatewayConfig,
@@ -125,7 +126,13 @@ def run_service(name: str, flags: dict[str, object]) -> int:
                          toml_path=flags.get("config_path"))  # type: ignore[arg-type]
     configure_logging(config.log_level, config.log_format)
     service = build(config)
-    uvloop.run(service.run())
+    tracing.configure_tracing(name, service.instance_id, mode=config.tracing,
+                              endpoint=config.otlp_endpoint,
+                              sample_ratio=config.trace_sample_ratio)
+    try:
+        uvloop.run(service.run())
+    finally:
+        tracing.shutdown()  # flush the spans still batched
     return 0
 
 

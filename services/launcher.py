@@ -89,13 +89,20 @@ class UpOptions:
                             help="reject requests whose predicted TTFT exceeds this")
         parser.add_argument("--tbt-slo-ms", default=None,
                             help="reject requests whose predicted decode step exceeds this")
+        parser.add_argument("--tracing", default=None,
+                            choices=["auto", "off", "otlp-grpc", "otlp-http"],
+                            help="export spans over OTLP (auto: when OTEL_EXPORTER_OTLP_"
+                                 "ENDPOINT is set)")
+        parser.add_argument("--otlp-endpoint", default=None)
+        parser.add_argument("--trace-sample-ratio", default=None)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> UpOptions:
         passthrough = ("engine", "api_key", "log_level", "fake_token_delay_s",
                        "fake_prefill_delay_s", "fake_prefill_s_per_token", "num_blocks",
                        "max_model_len", "model_path", "dtype", "local_prefill_max_tokens",
-                       "kv_streaming", "policy", "ttft_slo_ms", "tbt_slo_ms")
+                       "kv_streaming", "policy", "ttft_slo_ms", "tbt_slo_ms", "tracing",
+                       "otlp_endpoint", "trace_sample_ratio")
         flags = [("--" + name.replace("_", "-"), str(getattr(args, name)))
                  for name in passthrough if getattr(args, name) is not None]
         if args.engine == "fake":
@@ -112,13 +119,14 @@ class UpOptions:
 
 
 # Flags each service understands, out of UpOptions.service_flags.
-_WORKER_FLAGS = {"--engine", "--log-level", "--fake-token-delay-s", "--fake-prefill-delay-s",
+_COMMON_FLAGS = {"--log-level", "--tracing", "--otlp-endpoint", "--trace-sample-ratio"}
+_WORKER_FLAGS = _COMMON_FLAGS | {"--engine", "--fake-token-delay-s", "--fake-prefill-delay-s",
                  "--fake-prefill-s-per-token", "--num-blocks", "--max-model-len",
                  "--model-path", "--model", "--dtype"}
 _ACCEPTS = {
-    "gateway": {"--api-key", "--log-level", "--model-path", "--model", "--tokenizer",
-                "--max-model-len"},
-    "conductor": {"--log-level", "--policy", "--ttft-slo-ms", "--tbt-slo-ms"},
+    "gateway": _COMMON_FLAGS | {"--api-key", "--model-path", "--model", "--tokenizer",
+                                "--max-model-len"},
+    "conductor": _COMMON_FLAGS | {"--policy", "--ttft-slo-ms", "--tbt-slo-ms"},
     "prefill": _WORKER_FLAGS | {"--kv-streaming"},
     "decode": _WORKER_FLAGS | {"--local-prefill-max-tokens"},
 }

@@ -32,8 +32,10 @@ from shared.messages import (
     WorkerHeartbeat,
     WorkerRole,
 )
+from shared.metrics import WorkerMetrics
 from shared.nats_client import encode, ensure_bucket, ensure_kv_event_stream
 from shared.service import Service
+from transfer_engine.batch import Notification
 from transfer_engine.engine import TransferConfig, TransferEngine
 from transfer_engine.handoff import KV_SEGMENT
 from transfer_engine.registry import NatsEndpointRegistry
@@ -44,6 +46,8 @@ REGISTRY_TTL_HEARTBEATS = 10
 
 class WorkerService(Service):
     role: WorkerRole
+    metrics_type: type[WorkerMetrics] = WorkerMetrics
+    metrics: WorkerMetrics
 
     def __init__(self, config: WorkerConfig, engine: Engine | None = None) -> None:
         super().__init__(config)
@@ -105,9 +109,12 @@ class WorkerService(Service):
             listen_port=config.transfer_port, advertise_host=config.transfer_advertise_host,
             transports=tuple(t.strip() for t in config.transfer_transports.split(",")),
             timeout_s=config.kv_wait_timeout_s,
-        ), registry)
+        ), registry, on_notification=self._on_kv_notice)
         await transfer.start()
         return transfer
+
+    def _on_kv_notice(self, notification: Notification) -> None:
+        """A handoff's last write landed here: continue its trace (decode)."""
 
     @abc.abstractmethod
     async def _subscribe_work(self) -> list[Any]:
@@ -172,6 +179,10 @@ class WorkerService(Service):
 
     def heartbeat(self) -> WorkerHeartbeat:
         stats = self.engine.stats()
+        self.metrics.running.set(stats.num_running)
+        self.metrics.waiting.set(self._num_waiting())
+        self.metrics.kv_blocks_free.set(stats.num_free_blocks)
+        self.metrics.kv_blocks_used.set(stats.num_total_blocks - stats.num_free_blocks)
         return WorkerHeartbeat(
             worker_id=self.worker_id, role=self.role, model=self.config.model,
             host=self.config.host_name or socket.gethostname(),

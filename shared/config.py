@@ -32,6 +32,13 @@ class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     log_format: Literal["auto", "json", "console"] = "auto"
     drain_timeout_s: float = 10.0
     connect_timeout_s: float = 10.0
+    # Tracing (shared/tracing.py): auto follows the OTEL_* variables.
+    tracing: Literal["auto", "off", "otlp-grpc", "otlp-http"] = "auto"
+    otlp_endpoint: str | None = None
+    trace_sample_ratio: float | None = None
+    # Prometheus /metrics of services other than the gateway (0: a free port, logged).
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0
 
 
 class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):

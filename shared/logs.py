@@ -1,7 +1,8 @@
 """structlog set-up: JSON lines when not on a TTY, readable console output on one.
 
 Bind `request_id` with `structlog.contextvars.bind_contextvars` (or pass it as a field) so
-every line about a request carries it.
+every line about a request carries it. Lines written inside a recording span also carry its
+`trace_id` and `span_id` (hex, as Jaeger shows them), so logs join traces.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 from typing import Literal
 
 import structlog
+from opentelemetry import trace
 
 
 def configure_logging(
@@ -25,6 +27,7 @@ def configure_logging(
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _add_trace_ids,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),
@@ -36,6 +39,16 @@ def configure_logging(
         cache_logger_on_first_use=True,
     )
     logging.basicConfig(level=max(numeric_level, logging.WARNING), stream=sys.stderr)
+
+
+def _add_trace_ids(
+    _logger: object, _name: str, event: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    context = trace.get_current_span().get_span_context()
+    if context.is_valid:
+        event.setdefault("trace_id", format(context.trace_id, "032x"))
+        event.setdefault("span_id", format(context.span_id, "016x"))
+    return event
 
 
 def _keep_exc_info(

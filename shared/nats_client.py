@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import msgspec
 import nats.errors
@@ -12,6 +13,7 @@ from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.kv import KeyValue
 
+from shared import tracing
 from shared.errors import TransferFailed, WorkerUnavailable
 from shared.logs import get_logger
 from shared.messages import DispatchReply, Message, PrefixFetch, PrefixFetched, WorkerHeartbeat
@@ -29,9 +31,11 @@ def encode(message: Message) -> bytes:
     return _encoder.encode(message)
 
 
-async def connect(url: str, name: str, timeout_s: float = 10.0) -> NatsClient:
+async def connect(url: str, name: str, timeout_s: float = 10.0,
+                  on_event: Callable[[str], None] | None = None) -> NatsClient:
     """Connect, waiting up to `timeout_s` for the server; once connected, reconnect without
-    limit. Connection events go to the log. Raises `WorkerUnavailable` on time-out."""
+    limit. Connection events go to the log and to `on_event` ("disconnected" |
+    "reconnected"). Raises `WorkerUnavailable` on time-out."""
 
     async def on_error(exc: Exception) -> None:
         log.warning("nats.error", client=name, error=str(exc))
@@ -41,9 +45,13 @@ async def connect(url: str, name: str, timeout_s: float = 10.0) -> NatsClient:
     async def on_disconnected() -> None:
         if not (nc.is_closed or nc.is_draining):
             log.warning("nats.disconnected", client=name)
+            if on_event is not None:
+                on_event("disconnected")
 
     async def on_reconnected() -> None:
         log.info("nats.reconnected", client=name)
+        if on_event is not None:
+            on_event("reconnected")
 
     connecting = nc.connect(
         servers=[url],
@@ -150,7 +158,8 @@ async def fetch_prefix(nc: NatsClient, subject: str, message: PrefixFetch, timeo
 
 async def _request(nc: NatsClient, subject: str, message: Message, timeout_s: float) -> bytes:
     try:
-        reply = await nc.request(subject, encode(message), timeout=timeout_s)
+        reply = await nc.request(subject, encode(message), timeout=timeout_s,
+                                 headers=tracing.inject())
     except nats.errors.NoRespondersError as exc:
         raise WorkerUnavailable(f"no worker listens on {subject}") from exc
     except nats.errors.TimeoutError as exc:

@@ -24,13 +24,16 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import msgspec
+from aiohttp import web
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from shared import tracing
 from shared.config import ServiceConfig
 from shared.errors import HalfmoonError, ServiceStartFailed
 from shared.logs import get_logger
 from shared.messages import DispatchReply, Message
+from shared.metrics import CONTENT_TYPE, ServiceMetrics
 from shared.nats_client import connect, encode
 from shared.subjects import Subjects
 
@@ -48,11 +51,17 @@ class Service(abc.ABC):
 
     name: str = "service"
 
+    metrics_type: type[ServiceMetrics] = ServiceMetrics
+    serves_own_metrics = True  # on `metrics_port`; the gateway serves them on its API port
+
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
         self.subjects = Subjects(config.cluster)
         self.state = ServiceState.NEW
         self.log = get_logger(self.name)
+        self.metrics = self.metrics_type()
+        self.metrics_url: str | None = None
+        self._metrics_runner: web.AppRunner | None = None
         self._nc: NatsClient | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop_requested = asyncio.Event()
@@ -75,8 +84,10 @@ class Service(abc.ABC):
         self.state = ServiceState.STARTING
         try:
             self._nc = await connect(self.config.nats_url, f"{self.name}:{self.instance_id}",
-                                     self.config.connect_timeout_s)
+                                     self.config.connect_timeout_s, self._on_nats_event)
             await self._setup()
+            if self.serves_own_metrics:
+                await self._serve_metrics()
         except Exception as exc:
             self.log.error("service.start_failed", service=self.name, error=repr(exc))
             await self.stop()
@@ -98,6 +109,8 @@ class Service(abc.ABC):
                 self.log.warning("service.drain_timeout", service=self.name)
         await self._cancel_tasks()
         await self._guarded(self._close())
+        if self._metrics_runner is not None:
+            await self._guarded(self._metrics_runner.cleanup())
         if self._nc is not None and not self._nc.is_closed:
             await self._guarded(self._nc.drain())
         self.state = ServiceState.STOPPED
@@ -187,7 +200,8 @@ class Service(abc.ABC):
 
         async def callback(msg: Msg) -> None:
             try:
-                reply = await handler(decoder.decode(msg.data))
+                with tracing.attached(tracing.extract(msg.headers)):
+                    reply = await handler(decoder.decode(msg.data))
             except msgspec.DecodeError as exc:
                 self.log.warning("message.invalid", subject=msg.subject, error=str(exc))
                 reply = self._refusal(f"invalid message on {msg.subject}: {exc}")
@@ -201,6 +215,26 @@ class Service(abc.ABC):
                     await msg.respond(encode(reply))
 
         return await self.nc.subscribe(subject, cb=callback)
+
+    def _on_nats_event(self, event: str) -> None:
+        counter = (self.metrics.nats_reconnects if event == "reconnected"
+                   else self.metrics.nats_disconnects)
+        counter.inc()
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type=CONTENT_TYPE)
+
+    async def _serve_metrics(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self.metrics_handler)
+        self._metrics_runner = web.AppRunner(app, access_log=None)
+        await self._metrics_runner.setup()
+        site = web.TCPSite(self._metrics_runner, self.config.metrics_host,
+                           self.config.metrics_port)
+        await site.start()
+        host, port = self._metrics_runner.addresses[0][:2]
+        self.metrics_url = f"http://{host}:{port}/metrics"
+        self.log.info("metrics.serving", url=self.metrics_url)
 
     def _refusal(self, reason: str) -> DispatchReply:
         return DispatchReply(is_accepted=False, worker_id=self.instance_id, reason=reason)

@@ -10,6 +10,10 @@ landed) travels in `KvCommitted`.
 layer done (or, with `is_layerwise=False`, all layers after the last one: the baseline that
 layer-wise streaming is measured against). The decode side's `KvTarget` (its blocks and pool
 layout) may arrive while prefill computes; layers wait for it, compute does not.
+
+When tracing, the stream's `kv.transfer` span runs from the first write to the last byte
+landed, and the last write carries a `HandoffNotice` notification with the span's context, so
+the decode side's spans join the request's trace through the transfer engine itself.
 """
 
 from __future__ import annotations
@@ -20,15 +24,38 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
 import numpy as np
+from opentelemetry import trace
+from opentelemetry.trace import Span, StatusCode
 
 from engine.protocol import KvLayout, PrefillResult
+from shared import tracing
 from shared.messages import KvTarget
 from transfer_engine.batch import PieceArrays
 from transfer_engine.engine import TransferEngine
 from transfer_engine.errors import InvalidTransfer, TransferTimeout
 
 KV_SEGMENT = "kv"
+
+
+class HandoffNotice(msgspec.Struct, frozen=True, kw_only=True):
+    """The notification that rides on a handoff's last write: whose KV it is, and the trace
+    context (W3C headers) of its `kv.transfer` span."""
+
+    request_id: str
+    trace_context: dict[str, str] = {}
+
+
+_notice_encoder = msgspec.json.Encoder()
+_notice_decoder = msgspec.json.Decoder(HandoffNotice)
+
+
+def decode_notice(payload: bytes) -> HandoffNotice | None:
+    try:
+        return _notice_decoder.decode(payload)
+    except msgspec.DecodeError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -97,15 +124,17 @@ class LayerwiseKvHandoff:
         self._is_layerwise = is_layerwise
 
     def open(self, request_id: str, target: asyncio.Future[KvTarget]) -> KvStream:
-        return _LayerStream(self._transfer, self._layout, target, self._is_layerwise)
+        return _LayerStream(request_id, self._transfer, self._layout, target,
+                            self._is_layerwise)
 
     async def close(self) -> None:
         return None  # the worker owns and closes the transfer engine
 
 
 class _LayerStream:
-    def __init__(self, transfer: TransferEngine, layout: KvLayout,
+    def __init__(self, request_id: str, transfer: TransferEngine, layout: KvLayout,
                  target: asyncio.Future[KvTarget], is_layerwise: bool) -> None:
+        self._request_id = request_id
         self._transfer = transfer
         self._layout = layout
         self._target = target
@@ -143,12 +172,46 @@ class _LayerStream:
         target = await self._target
         self._check(target)
         pending: list[tuple[int, list[int]]] = []
-        for _ in range(self._layout.num_layers):
-            pending.append(await self._layers.get())
-            if self._is_layerwise or len(pending) == self._layout.num_layers:
-                await self._write(pending, target)
-                pending = []
+        span: Span | None = None
+        try:
+            for layer in range(self._layout.num_layers):
+                pending.append(await self._layers.get())
+                if self._is_layerwise or len(pending) == self._layout.num_layers:
+                    if span is None and tracing.is_enabled():
+                        span = tracing.tracer(__name__).start_span("kv.transfer")
+                    is_last = layer == self._layout.num_layers - 1
+                    await self._write(pending, target, self._notice(span) if is_last else None)
+                    pending = []
+        except BaseException as exc:
+            if span is not None:
+                span.record_exception(exc)
+                span.set_status(StatusCode.ERROR)
+            raise
+        finally:
+            if span is not None:
+                self._describe(span, target)
+                span.end()
         return time.perf_counter()
+
+    def _notice(self, span: Span | None) -> bytes | None:
+        """The trace context of the transfer, for the decode side; None when not tracing."""
+        if span is None:
+            return None
+        with tracing.attached(trace.set_span_in_context(span)):
+            carrier = tracing.inject() or {}
+        return _notice_encoder.encode(HandoffNotice(request_id=self._request_id,
+                                                    trace_context=carrier))
+
+    def _describe(self, span: Span, target: KvTarget) -> None:
+        seconds = time.perf_counter() - self._first_write_at if self._first_write_at else 0.0
+        span.set_attributes({
+            "halfmoon.request_id": self._request_id,
+            "halfmoon.decode_worker": target.decode_worker_id,
+            "kv.bytes": self._num_bytes, "kv.seconds": seconds,
+            "kv.gbps": self._num_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+            "kv.transport": self._transport, "kv.compression": "none",
+            "kv.layerwise": self._is_layerwise,
+        })
 
     def _check(self, target: KvTarget) -> None:
         if target.kv_block_bytes != self._layout.block_bytes:
@@ -157,7 +220,8 @@ class _LayerStream:
                 f"{target.kv_block_bytes} bytes, this worker {self._layout.block_bytes}: "
                 "they must run the same model, dtype and block size")
 
-    async def _write(self, layers: list[tuple[int, list[int]]], target: KvTarget) -> None:
+    async def _write(self, layers: list[tuple[int, list[int]]], target: KvTarget,
+                     notice: bytes | None = None) -> None:
         """One transfer of these layers' K and V blocks into decode's reserved blocks."""
         remote_layout = KvLayout(self._layout.num_layers, target.kv_num_blocks,
                                  target.kv_block_bytes)
@@ -168,6 +232,6 @@ class _LayerStream:
         pieces = kv_pieces(self._layout, remote_layout, [
             (layer, block_ids, target.block_ids[:len(block_ids)]) for layer, block_ids in layers])
         self._first_write_at = self._first_write_at or time.perf_counter()
-        result = await self._transfer.write(target.decode_worker_id, pieces)
+        result = await self._transfer.write(target.decode_worker_id, pieces, notify=notice)
         self._num_bytes += result.num_bytes
         self._transport = result.transport

@@ -41,7 +41,8 @@ class PendingWork:
     """Work sent to a worker since its last heartbeat."""
 
     num_requests: int = 0
-    num_blocks: int = 0
+    num_blocks: int = 0  # decode: KV blocks promised
+    num_prefill_tokens: int = 0  # prefill: uncached prompt tokens queued
 
 
 
@@ -121,7 +122,8 @@ def seed_cost(worker: WorkerHeartbeat, fastest: float, pending: Mapping[str, Pen
     """Predicted TTFT x (2 - seed score); see `cost_model`."""
     cached_blocks = prefix.cached_blocks.get(worker.worker_id, 0)
     uncached = max(1, seed.num_prompt_tokens - cached_blocks * seed.block_size)
-    ttft = predicted_ttft_s(worker, uncached, seed.default_tokens_per_s)
+    queued = pending.get(worker.worker_id, _NO_PENDING).num_prefill_tokens
+    ttft = predicted_ttft_s(worker, uncached + queued, seed.default_tokens_per_s)
     score = seed_score(
         worker, load=_load(worker, pending),
         max_queue=worker.max_queue or 4 * worker.max_batch_size,

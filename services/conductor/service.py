@@ -18,8 +18,10 @@ from typing import Any
 
 import msgspec
 import nats.errors
+import structlog
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from opentelemetry import trace
 
 from services.conductor.cost_model import (
     Slo,
@@ -38,6 +40,7 @@ from services.conductor.placement import (
     prefix_source,
 )
 from services.conductor.prefix_index import PrefixIndex
+from shared import tracing
 from shared.block_hash import block_hashes
 from shared.config import ConductorConfig
 from shared.errors import HalfmoonError, SloViolation, WorkerUnavailable
@@ -54,6 +57,7 @@ from shared.messages import (
     RequestPlaced,
     WorkerHeartbeat,
 )
+from shared.metrics import ConductorMetrics
 from shared.nats_client import (
     dispatch,
     encode,
@@ -78,6 +82,8 @@ _request_decoder = msgspec.json.Decoder(GenerateRequest)
 
 class ConductorService(Service):
     name = "conductor"
+    metrics_type = ConductorMetrics
+    metrics: ConductorMetrics
 
     def __init__(self, config: ConductorConfig) -> None:
         super().__init__(config)
@@ -88,7 +94,7 @@ class ConductorService(Service):
         self._turn = 0
         self._transfer_cost = TransferCost(config.transfer_bytes_per_s,
                                            config.transfer_overhead_s)
-        self.rejections: Counter[str] = Counter()  # by reason, for metrics
+        self.rejections: Counter[str] = Counter()  # by reason (also in the metrics)
         self._pending: dict[str, PendingWork] = defaultdict(PendingWork)
         self._num_placing = 0
         self._is_fetching = False
@@ -134,6 +140,9 @@ class ConductorService(Service):
     async def _on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         self.workers.observe(heartbeat)
         self._pending.pop(heartbeat.worker_id, None)
+        for role in ("prefill", "decode"):
+            self.metrics.workers.labels(role).set(len(self.workers.healthy(role)))
+        self.metrics.prefix_index_blocks.set(len(self.prefix_index))
 
     async def _fetch_loop(self, subscription: Any) -> None:
         # Each fetcher keeps one pull open; several fetchers place requests concurrently.
@@ -163,8 +172,15 @@ class ConductorService(Service):
             self.log.warning("request.expired", request_id=request.request_id)
             await msg.ack()
             return
+        started = time.perf_counter()
         try:
-            prefill_id, decode_id = await self._place(request)
+            with tracing.attached(tracing.extract(msg.headers)), \
+                    tracing.span(__name__, "conductor.schedule", attributes={
+                        "halfmoon.request_id": request.request_id,
+                        "halfmoon.policy": self.config.policy}), \
+                    structlog.contextvars.bound_contextvars(request_id=request.request_id):
+                prefill_id, decode_id = await self._place(request)
+            self.metrics.placement_seconds.observe(time.perf_counter() - started)
             await self.nc.publish(request.reply_subject, encode(RequestPlaced(
                 request_id=request.request_id, prefill_worker_id=prefill_id,
                 decode_worker_id=decode_id)))
@@ -208,11 +224,17 @@ class ConductorService(Service):
                                               strict=True):
                 if isinstance(reply, DispatchReply) and reply.is_accepted:
                     kept[role] = worker_id
-                    self._count_pending(worker_id, num_tokens if role == "decode" else 0)
+                    if role == "decode":
+                        self._count_pending(worker_id, num_tokens)
+                    else:
+                        self._count_pending(worker_id, 0, self._uncached_tokens(
+                            request, prefill_worker, prefix, source))
                 elif reply is not None:
                     excluded.add(worker_id)
                     error = self._refusal_error(worker_id, reply)
             if kept["prefill"] and kept["decode"]:
+                self._count_placement("disaggregated", prefill_worker, decode_worker, prefix,
+                                      source)
                 return kept["prefill"], kept["decode"]
         await self._abort(request.request_id, error.message)
         raise error
@@ -240,6 +262,9 @@ class ConductorService(Service):
                 request=request, prefill_worker_id=worker, is_local_prefill=True))
             if isinstance(reply, DispatchReply) and reply.is_accepted:
                 self._count_pending(worker, num_tokens)
+                chosen = self.workers.get(worker)
+                if chosen is not None:
+                    self._count_placement("local", chosen, chosen, None, None)
                 return worker, worker
             excluded.add(worker)
             error = self._refusal_error(worker, reply)
@@ -286,17 +311,26 @@ class ConductorService(Service):
         """SLO admission on the chosen pair: reject early rather than serve late."""
         if self.config.ttft_slo_ms is None and self.config.tbt_slo_ms is None:
             return
-        cached = prefix.cached_blocks.get(prefill.worker_id, 0) if prefix else 0
         transfer_s = 0.0
         if source is not None:
+            cached = prefix.cached_blocks.get(prefill.worker_id, 0) if prefix else 0
             transfer_s = self._transfer_cost.seconds(
                 (source.num_blocks - cached) * prefill.kv_bytes_per_block)
-            cached = source.num_blocks
-        uncached = max(1, len(request.prompt_token_ids) - cached * prefill.block_size)
-        ttft_s = predicted_ttft_s(prefill, uncached, self.config.default_prefill_tokens_per_s,
-                                  transfer_s)
+        queued = self._pending.get(prefill.worker_id, PendingWork()).num_prefill_tokens
+        ttft_s = predicted_ttft_s(
+            prefill, self._uncached_tokens(request, prefill, prefix, source) + queued,
+            self.config.default_prefill_tokens_per_s, transfer_s)
         slo = Slo(ttft_s=_seconds(self.config.ttft_slo_ms), tbt_s=_seconds(self.config.tbt_slo_ms))
         check_slo(ttft_s, predicted_tbt_s(decode), slo)
+
+    @staticmethod
+    def _uncached_tokens(request: GenerateRequest, prefill: WorkerHeartbeat,
+                         prefix: PrefixView | None, source: PrefixSource | None) -> int:
+        """Prompt tokens `prefill` will compute: all but its cached (or fetched) prefix."""
+        cached = prefix.cached_blocks.get(prefill.worker_id, 0) if prefix else 0
+        if source is not None:
+            cached = max(cached, source.num_blocks)
+        return max(1, len(request.prompt_token_ids) - cached * prefill.block_size)
 
     def _prefix_view(self, request: GenerateRequest) -> PrefixView | None:
         workers = self.workers.healthy("prefill")
@@ -320,17 +354,44 @@ class ConductorService(Service):
         self.log.info("placement.refused", worker_id=worker_id, reason=reason)
         return WorkerUnavailable(f"{worker_id} refused: {reason}")
 
-    def _count_pending(self, worker_id: str, num_tokens: int) -> None:
+    def _count_pending(self, worker_id: str, num_tokens: int, num_prefill_tokens: int = 0
+                       ) -> None:
+        """Work sent to a worker until its next heartbeat reports it: `num_tokens` of KV
+        room (decode), `num_prefill_tokens` to compute (prefill)."""
         entry = self._pending[worker_id]
         block_size = self.workers.block_size(worker_id)
         num_blocks = blocks_needed(num_tokens, block_size) if num_tokens else 0
-        self._pending[worker_id] = PendingWork(entry.num_requests + 1,
-                                               entry.num_blocks + num_blocks)
+        self._pending[worker_id] = PendingWork(
+            entry.num_requests + 1, entry.num_blocks + num_blocks,
+            entry.num_prefill_tokens + num_prefill_tokens)
+
+    def _count_placement(self, path: str, prefill: WorkerHeartbeat, decode: WorkerHeartbeat,
+                         prefix: PrefixView | None, source: PrefixSource | None) -> None:
+        """Metrics, and the decision with its inputs on the schedule span."""
+        self.metrics.placements.labels(self.config.policy, path,
+                                       "true" if source else "false").inc()
+        if not tracing.is_enabled():
+            return
+        trace.get_current_span().set_attributes({
+            "halfmoon.path": path,
+            "halfmoon.prefill_worker": prefill.worker_id,
+            "halfmoon.decode_worker": decode.worker_id,
+            "halfmoon.prompt_blocks": prefix.num_blocks if prefix else 0,
+            "halfmoon.cached_blocks": prefix.cached_blocks.get(prefill.worker_id, 0)
+            if prefix else 0,
+            "halfmoon.prefix_source": source.worker_id if source else "",
+            "halfmoon.prefill_load": prefill.num_running + prefill.num_waiting,
+            "halfmoon.prefill_waiting_tokens": prefill.num_waiting_tokens,
+            "halfmoon.decode_free_blocks": decode.num_free_blocks,
+            "halfmoon.num_prefill_candidates": len(self.workers.healthy("prefill")),
+        })
 
     async def _reject(self, request: GenerateRequest, error: HalfmoonError) -> None:
         self.log.info("request.rejected", request_id=request.request_id, code=error.code,
                       reason=error.message)
-        self.rejections["slo" if isinstance(error, SloViolation) else error.code.value] += 1
+        reason = "slo" if isinstance(error, SloViolation) else error.code.value
+        self.rejections[reason] += 1
+        self.metrics.rejections.labels(reason).inc()
         failure = RequestFailed(request_id=request.request_id, code=error.code,
                                 message=error.message, worker_id=self.instance_id,
                                 retry_after_s=error.retry_after_s)

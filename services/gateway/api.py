@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import msgspec
 from aiohttp import web
+from opentelemetry.trace import SpanKind, StatusCode
 
 from services.gateway.generation import Generator, TextChunk
 from services.gateway.openai_schema import (
@@ -26,8 +27,10 @@ from services.gateway.openai_schema import (
     decode_body,
     usage,
 )
+from shared import tracing
 from shared.errors import AuthenticationFailed, HalfmoonError, InvalidRequest
 from shared.logs import get_logger
+from shared.metrics import GatewayMetrics
 
 log = get_logger(__name__)
 
@@ -43,6 +46,9 @@ class GatewayBackend(Protocol):
     model: str
     api_key: str | None
     generator: Generator
+    metrics: GatewayMetrics
+
+    async def metrics_handler(self, request: web.Request) -> web.Response: ...
 
     def parse_completion(self, request: CompletionRequest) -> ParsedRequest: ...
 
@@ -97,9 +103,41 @@ def auth_middleware(api_key: str | None) -> Any:
     return check
 
 
+_GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+def observe_middleware(metrics: GatewayMetrics) -> Any:
+    """The request's root span (`gateway.request`, the trace every other service joins) and
+    the request counters, around everything else: they see the final status."""
+
+    @web.middleware
+    async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in _GENERATION_ROUTES:
+            return await handler(request)
+        metrics.requests_in_flight.inc()
+        status = 500
+        try:
+            with tracing.span(__name__, "gateway.request", kind=SpanKind.SERVER,
+                              attributes={"http.request.method": request.method,
+                                          "http.route": request.path}) as span:
+                response = await handler(request)
+                status = response.status
+                if span is not None:
+                    span.set_attribute("http.response.status_code", status)
+                    if status >= 400:
+                        span.set_status(StatusCode.ERROR)
+                return response
+        finally:
+            metrics.requests_in_flight.dec()
+            metrics.requests.labels(request.path, str(status)).inc()
+
+    return observe
+
+
 def build_app(backend: GatewayBackend) -> web.Application:
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware(backend.api_key)],
+        middlewares=[observe_middleware(backend.metrics), error_middleware,
+                     auth_middleware(backend.api_key)],
         client_max_size=16 * 1024 * 1024,
     )
     routes = _Routes(backend)
@@ -107,6 +145,7 @@ def build_app(backend: GatewayBackend) -> web.Application:
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/health", routes.health)
+    app.router.add_get("/metrics", backend.metrics_handler)
     return app
 
 

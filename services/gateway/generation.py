@@ -13,16 +13,20 @@ from dataclasses import dataclass
 import msgspec
 import nats.errors
 import nats.js.errors
+import structlog
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
+from opentelemetry import trace
 
 from services.gateway.openai_schema import ParsedRequest
 from services.gateway.request_stream import StreamTable
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.tokenizer import Tokenizer
+from shared import tracing
 from shared.errors import WorkerLost, WorkerUnavailable
 from shared.logs import get_logger
 from shared.messages import AbortRequest, FinishReason, GenerateRequest
+from shared.metrics import GatewayMetrics
 from shared.nats_client import encode
 from shared.subjects import Subjects
 
@@ -49,6 +53,30 @@ class GeneratorContext:
     table: StreamTable
     tokenizer: Tokenizer
     timeout_s: float
+    metrics: GatewayMetrics
+
+
+class _TokenClock:
+    """TTFT, inter-token latency and end-to-end latency of one request, as the client sees
+    them (tokens leave the gateway as they arrive)."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+        self.started_at = time.perf_counter()
+        self.last_at: float | None = None
+
+    def tick(self, num_tokens: int) -> None:
+        now = time.perf_counter()
+        if self.last_at is None:
+            self.metrics.ttft.observe(now - self.started_at)
+        else:
+            self.metrics.itl.observe(now - self.last_at)
+        self.metrics.generation_tokens.inc(num_tokens)
+        self.last_at = now
+
+    def finish(self) -> None:
+        if self.last_at is not None:
+            self.metrics.e2e.observe(self.last_at - self.started_at)
 
 
 class Generator:
@@ -59,6 +87,12 @@ class Generator:
         ctx = self._ctx
         stream = ctx.table.open(request_id)
         is_done = False
+        clock = _TokenClock(ctx.metrics)
+        span = trace.get_current_span()  # the request's root span, when tracing
+        span.set_attributes({"halfmoon.request_id": request_id,
+                             "halfmoon.prompt_tokens": len(parsed.prompt_token_ids),
+                             "halfmoon.max_tokens": parsed.sampling.max_tokens})
+        structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
             await self._publish(request_id, parsed, [], attempt=0)
             detokenizer = ctx.tokenizer.detokenizer()
@@ -79,6 +113,8 @@ class Generator:
                     continue
                 if not generated:
                     num_cached = delta.num_cached_tokens
+                    span.add_event("first_token", {"halfmoon.cached_tokens": num_cached})
+                clock.tick(len(delta.token_ids))
                 generated += delta.token_ids
                 text = matcher.push(detokenizer.push(delta.token_ids))
                 finish = delta.finish_reason
@@ -91,8 +127,13 @@ class Generator:
                 if text or finish is not None:
                     yield TextChunk(text, finish, len(generated), num_cached)
                 if finish is not None:
+                    ctx.metrics.prompt_tokens.inc(len(parsed.prompt_token_ids))
+                    ctx.metrics.cached_prompt_tokens.inc(num_cached)
+                    span.set_attribute("halfmoon.completion_tokens", len(generated))
                     return
         finally:
+            clock.finish()
+            structlog.contextvars.unbind_contextvars("request_id")
             ctx.table.close(request_id)
             if not is_done:
                 await self._abort(request_id)
@@ -113,7 +154,7 @@ class Generator:
         message_id = request_id if attempt == 0 else f"{request_id}/{attempt}"
         try:
             await ctx.js.publish(ctx.subjects.requests, encode(message),
-                                 headers={"Nats-Msg-Id": message_id})
+                                 headers={"Nats-Msg-Id": message_id, **(tracing.inject() or {})})
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             raise WorkerUnavailable(f"cannot queue the request: {exc!r}") from exc
 

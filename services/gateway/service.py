@@ -35,6 +35,7 @@ from shared.config import GatewayConfig
 from shared.errors import ConfigError, RequestAborted, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
 from shared.messages import GatewayEvent, WorkerHeartbeat
+from shared.metrics import GatewayMetrics
 from shared.model_dir import resolve_model_dir
 from shared.nats_client import ensure_work_queue, read_registry
 from shared.service import Service
@@ -45,6 +46,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 class GatewayService(Service):
     name = "gateway"
+    metrics_type = GatewayMetrics
+    serves_own_metrics = False  # /metrics is a route of the API
+    metrics: GatewayMetrics
 
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer | None = None) -> None:
         super().__init__(config)
@@ -96,6 +100,7 @@ class GatewayService(Service):
         self._generator = Generator(GeneratorContext(
             nc=self.nc, js=js, subjects=self.subjects, reply_subject=reply_subject,
             table=self.table, tokenizer=self.tokenizer, timeout_s=self.config.request_timeout_s,
+            metrics=self.metrics,
         ))
         await self._serve_http()
         self.spawn(self._watch_workers(), "watch-workers")

@@ -23,10 +23,12 @@ import time
 from nats.aio.client import Client as NatsClient
 
 from engine.protocol import Engine, KvLayout
+from shared import tracing
 from shared.block_hash import block_hashes
 from shared.errors import CapacityExhausted, HalfmoonError, InvalidRequest
 from shared.logs import get_logger
 from shared.messages import PrefixFetch, PrefixFetched, PrefixSource
+from shared.metrics import PrefillMetrics
 from shared.nats_client import fetch_prefix
 from shared.subjects import Subjects
 from transfer_engine.engine import TransferEngine
@@ -41,7 +43,7 @@ class PrefixSharing:
 
     def __init__(self, *, worker_id: str, engine: Engine, layout: KvLayout,
                  transfer: TransferEngine, nc: NatsClient, subjects: Subjects, block_size: int,
-                 timeout_s: float) -> None:
+                 timeout_s: float, metrics: PrefillMetrics) -> None:
         self.worker_id = worker_id
         self.engine = engine
         self.layout = layout
@@ -50,21 +52,34 @@ class PrefixSharing:
         self.subjects = subjects
         self.block_size = block_size
         self.timeout_s = timeout_s
+        self.metrics = metrics
 
     # The fetcher.
     async def fetch(self, request_id: str, prompt_token_ids: list[int], source: PrefixSource
                     ) -> int:
         """Fetch the prompt's cached blocks this worker lacks from `source` into its own
         prefix cache; return how many blocks arrived (0 when the fetch failed)."""
+        with tracing.span(__name__, "prefix.fetch", attributes={
+                "halfmoon.holder": source.worker_id}) as span:
+            num_blocks, outcome = await self._fetch(request_id, prompt_token_ids, source)
+            self.metrics.prefix_fetches.labels(outcome).inc()
+            if span is not None:
+                span.set_attributes({"halfmoon.fetched_blocks": num_blocks,
+                                     "halfmoon.outcome": outcome})
+            return num_blocks
+
+    async def _fetch(self, request_id: str, prompt_token_ids: list[int], source: PrefixSource
+                     ) -> tuple[int, str]:
+        """(blocks fetched, outcome: fetched | held | skipped | failed)."""
         hashes = block_hashes(prompt_token_ids, self.block_size)[:source.num_blocks]
         wanted = hashes[self.engine.num_cached_blocks(hashes):]
         if not wanted:
-            return 0
+            return 0, "held"
         try:
             block_ids = self.engine.allocate_blocks(len(wanted))
         except CapacityExhausted as exc:
             log.info("prefix.fetch_skipped", request_id=request_id, reason=exc.message)
-            return 0
+            return 0, "skipped"
         started = time.perf_counter()
         try:
             reply = await fetch_prefix(self.nc, self.subjects.prefix_fetch(source.worker_id),
@@ -83,14 +98,17 @@ class PrefixSharing:
             if isinstance(exc, HalfmoonError):
                 log.warning("prefix.fetch_failed", request_id=request_id,
                             holder=source.worker_id, error=exc.message)
-                return 0
+                return 0, "failed"
             raise
         num_blocks = min(reply.num_blocks, len(wanted))
         self.engine.cache_blocks(block_ids, wanted[:num_blocks])
         log.info("prefix.fetched", request_id=request_id, holder=source.worker_id,
                  num_blocks=num_blocks, kv_bytes=reply.num_bytes, transport=reply.transport,
                  seconds=round(time.perf_counter() - started, 6))
-        return num_blocks
+        if reply.num_bytes:
+            self.metrics.observe_transfer(reply.transport, reply.num_bytes,
+                                          time.perf_counter() - started)
+        return num_blocks, "fetched"
 
     # The holder.
     async def serve(self, fetch: PrefixFetch) -> PrefixFetched:

@@ -21,9 +21,12 @@ import asyncio
 import time
 from typing import Any
 
+import structlog
+
 from engine.protocol import Engine, PrefillRequest, PrefillResult
 from services.prefill.prefix_reuse import PrefixSharing
 from services.worker import WorkerService
+from shared import tracing
 from shared.config import WorkerConfig
 from shared.errors import (
     EngineFailure,
@@ -47,6 +50,7 @@ from shared.messages import (
     TokenBatch,
     TokenDelta,
 )
+from shared.metrics import PrefillMetrics
 from shared.nats_client import dispatch, encode
 from transfer_engine.handoff import KvHandoff, KvStream, LayerwiseKvHandoff, NoKvHandoff
 
@@ -56,6 +60,8 @@ COMMIT_TIMEOUT_S = 5.0
 class PrefillService(WorkerService):
     name = "prefill"
     role = "prefill"
+    metrics_type = PrefillMetrics
+    metrics: PrefillMetrics
 
     def __init__(
         self, config: WorkerConfig, engine: Engine | None = None,
@@ -85,7 +91,8 @@ class PrefillService(WorkerService):
             self._prefix_sharing = PrefixSharing(
                 worker_id=self.worker_id, engine=self.engine, layout=layout,
                 transfer=self.transfer, nc=self.nc, subjects=self.subjects,
-                block_size=self.config.block_size, timeout_s=self.config.kv_wait_timeout_s)
+                block_size=self.config.block_size, timeout_s=self.config.kv_wait_timeout_s,
+                metrics=self.metrics)
         return self._prefix_sharing
 
     async def _subscribe_work(self) -> list[Any]:
@@ -151,6 +158,13 @@ class PrefillService(WorkerService):
                 self._forget(request_id)
 
     async def _run(self, request: GenerateRequest, source: PrefixSource | None) -> None:
+        with tracing.span(__name__, "prefill.request", attributes={
+                "halfmoon.request_id": request.request_id, "halfmoon.worker": self.worker_id,
+                "halfmoon.prompt_tokens": len(request.prompt_token_ids)}), \
+                structlog.contextvars.bound_contextvars(request_id=request.request_id):
+            await self._run_traced(request, source)
+
+    async def _run_traced(self, request: GenerateRequest, source: PrefixSource | None) -> None:
         error: HalfmoonError | None = None
         try:
             if source is not None and self.prefix_sharing is not None:
@@ -180,10 +194,18 @@ class PrefillService(WorkerService):
             stream.cancel()  # a no-op once finished
 
     async def _prefill_and_stream(self, request: GenerateRequest, stream: KvStream) -> None:
+        started = time.perf_counter()
+        layers: list[tuple[int, float]] = []  # (layer, when it completed), when tracing
+        on_layer = stream.on_layer
+        if tracing.is_enabled():
+            def on_layer(layer: int, block_ids: list[int]) -> None:  # engine thread
+                layers.append((layer, time.perf_counter()))
+                if stream.on_layer is not None:
+                    stream.on_layer(layer, block_ids)
         result = await self.engine.prefill(PrefillRequest(
-            request.request_id, request.prompt_token_ids, request.sampling,
-            on_layer=stream.on_layer,
+            request.request_id, request.prompt_token_ids, request.sampling, on_layer=on_layer,
         ))
+        self._observe_prefill(request, result, started, layers)
         self.publish_kv_events_soon()
         await self._send_first_token(request, result)
         if result.finish_reason is not None:
@@ -206,10 +228,30 @@ class PrefillService(WorkerService):
         )
         if not reply.is_accepted:
             raise WorkerUnavailable(f"decode worker refused the commit: {reply.reason}")
+        if report.num_bytes:
+            self.metrics.observe_transfer(report.transport, report.num_bytes, report.seconds)
         self.log.info("prefill.committed", request_id=request.request_id,
                       decode_worker_id=target.decode_worker_id, kv_bytes=report.num_bytes,
                       transport=report.transport, kv_seconds=round(report.seconds, 6),
                       kv_tail_seconds=round(report.tail_s, 6))
+
+    def _observe_prefill(self, request: GenerateRequest, result: PrefillResult, started: float,
+                         layers: list[tuple[int, float]]) -> None:
+        """Metrics, and (when tracing) the queue and compute spans, timed by the engine."""
+        done = time.perf_counter()
+        compute_s = min(result.compute_s, done - started)
+        self.metrics.queue_time.observe(done - started - compute_s)
+        self.metrics.prefill_seconds.observe(done - started)
+        self.metrics.observe_prompt(len(request.prompt_token_ids), result.num_cached_tokens)
+        if not tracing.is_enabled():
+            return
+        tracing.record_span(__name__, "prefill.queue", started, done - compute_s)
+        tracing.record_span(
+            __name__, "prefill.compute", done - compute_s, done,
+            {"halfmoon.cached_tokens": result.num_cached_tokens,
+             "halfmoon.computed_tokens": len(request.prompt_token_ids)
+             - result.num_cached_tokens},
+            [("layer", at, {"layer": layer}) for layer, at in layers])
 
     async def _send_first_token(self, request: GenerateRequest, result: PrefillResult) -> None:
         delta = TokenDelta(request_id=request.request_id, index=request.output_offset,

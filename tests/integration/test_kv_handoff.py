@@ -14,7 +14,6 @@ import aiohttp
 import msgspec
 import pytest
 
-from engine.builtin_model import write_builtin_model
 from engine.protocol import PrefillRequest, PrefillResult
 from engine.torch_engine import EngineOptions, TorchEngine
 from services.gateway.tokenizer import HfTokenizer
@@ -36,11 +35,6 @@ PROMPTS = [
     "A half moon rose over the quiet harbour while the fishermen mended their nets.",
     "Prefill computes the prompt; decode produces one token per step.",
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_builtin_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 @pytest.fixture(scope="module")

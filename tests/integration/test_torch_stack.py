@@ -9,7 +9,6 @@ from pathlib import Path
 import openai
 import pytest
 
-from engine.builtin_model import write_builtin_model
 from engine.protocol import PrefillRequest
 from engine.torch_engine import EngineOptions, TorchEngine
 from services.gateway.tokenizer import HfTokenizer
@@ -19,11 +18,6 @@ from tests.stack import Stack, eventually
 pytestmark = pytest.mark.e2e
 
 MODEL = "halfmoon-tiny"
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_builtin_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 @pytest.fixture

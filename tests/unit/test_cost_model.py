@@ -13,7 +13,13 @@ from services.conductor.cost_model import (
     reuse_benefit_s,
     seed_score,
 )
-from services.conductor.placement import PrefixView, SeedInputs, pick_prefill, prefix_source
+from services.conductor.placement import (
+    PendingWork,
+    PrefixView,
+    SeedInputs,
+    pick_prefill,
+    prefix_source,
+)
 from shared.errors import CapacityExhausted
 from tests.unit.test_placement import worker
 
@@ -123,3 +129,11 @@ def test_no_fetch_when_the_chosen_worker_holds_the_longest_prefix_or_has_no_kv()
     assert prefix_source(workers[0], workers, prefix, TransferCost(), 1.0) is None  # type: ignore[arg-type]
     fakes = [with_kv("a", 0), with_kv("b", 0)]  # the fake engine keeps no KV to move
     assert prefix_source(fakes[0], fakes, PrefixView(10, {"b": 8}), TransferCost(), 1.0) is None  # type: ignore[arg-type]
+
+
+def test_seed_policy_counts_prompt_tokens_sent_since_the_last_heartbeat() -> None:
+    workers = [measured("a"), measured("b", waiting_tokens=1000)]
+    seed = SeedInputs(num_prompt_tokens=500, block_size=16)
+    assert pick_prefill(workers, (), {}, policy="seed", seed=seed).worker_id == "a"  # type: ignore[arg-type]
+    burst = {"a": PendingWork(num_requests=4, num_prefill_tokens=2000)}
+    assert pick_prefill(workers, (), burst, policy="seed", seed=seed).worker_id == "b"  # type: ignore[arg-type]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -46,11 +47,22 @@ def test_package_does_not_import_what_it_must_not(package: str) -> None:
     assert offenders == []
 
 
+# A subject built or spelt out: `f"halfmoon.{...` or `"halfmoon.<cluster>.v1...`. Span
+# attribute keys (`"halfmoon.request_id"`) are not subjects.
+_SUBJECT = re.compile(r'f?"halfmoon\.(\{|[A-Za-z0-9_-]+\.v\d)')
+
+
 def test_subject_strings_appear_only_in_subjects_module() -> None:
     offenders = [
         str(path.relative_to(ROOT))
         for package in ("services", "shared", "engine", "transfer_engine")
         for path in sources(package)
-        if path.name != "subjects.py" and '"halfmoon.' in path.read_text()
+        if path.name != "subjects.py" and _SUBJECT.search(path.read_text())
     ]
     assert offenders == []
+
+
+def test_the_subject_check_catches_a_built_subject() -> None:
+    assert _SUBJECT.search('nc.publish(f"halfmoon.{cluster}.v1.abort", data)')
+    assert _SUBJECT.search('"halfmoon.default.v1.requests"')
+    assert not _SUBJECT.search('span.set_attribute("halfmoon.request_id", rid)')

@@ -1,0 +1,95 @@
+"""What tracing costs: the control-path benchmark with tracing off and at 100 % sampling.
+
+Starts a rotel collector (a real OTLP/gRPC receiver, its own process, dropping what it
+receives), then, in alternating rounds, `halfmoon up --engine fake` with tracing off and with
+every service exporting every span to the collector (`--tracing otlp-grpc`,
+`--trace-sample-ratio 1`), each driven by `--concurrency` streaming clients for
+`--duration-s`. Prints requests/s and TTFT per mode and the traced/untraced ratios, over all
+rounds of the same run (the machine is shared and noisy: rounds alternate so drift hits both).
+
+    python -m bench.tracing_overhead --rounds 3 --duration-s 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import rotel
+
+from bench.control_path import LevelResult, free_port, launch, run_level
+
+ROTEL_AGENT = Path(rotel.__file__).parent / "rotel-agent"  # the collector's binary
+
+
+def start_collector(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
+    grpc_port = free_port()
+    process = subprocess.Popen(
+        [str(ROTEL_AGENT), "start", "--otlp-grpc-endpoint", f"127.0.0.1:{grpc_port}",
+         "--otlp-http-endpoint", f"127.0.0.1:{free_port()}", "--exporter", "blackhole",
+         "--pid-file", str(workdir / "rotel.pid"), "--log-file", str(workdir / "rotel.log")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return process, grpc_port
+
+
+def measure(up_args: list[str], args: argparse.Namespace) -> LevelResult:
+    process, url = launch("--engine", "fake", "--log-level", "warning", *up_args)
+    try:
+        asyncio.run(run_level(url, 1, 1.0, args.max_tokens))  # warm-up
+        return asyncio.run(run_level(url, args.concurrency, args.duration_s, args.max_tokens))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--duration-s", type=float, default=10.0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as workdir:
+        collector, grpc_port = start_collector(Path(workdir))
+        modes = {"off": ["--tracing", "off"],
+                 "on (100 %)": ["--tracing", "otlp-grpc", "--otlp-endpoint",
+                                f"http://127.0.0.1:{grpc_port}", "--trace-sample-ratio", "1"]}
+        results: dict[str, list[LevelResult]] = {mode: [] for mode in modes}
+        try:
+            for round_number in range(args.rounds):
+                for mode, up_args in modes.items():
+                    result = measure(up_args, args)
+                    results[mode].append(result)
+                    print(f"round {round_number + 1} tracing {mode}: "
+                          f"{result.requests_per_s:.1f} req/s, TTFT p50 "
+                          f"{result.ttft_p50_ms:.2f} ms", file=sys.stderr)
+        finally:
+            collector.terminate()
+            collector.wait(timeout=10)
+    print(f"{'tracing':>11} {'req/s':>8} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9}")
+    summary = {}
+    for mode, rounds in results.items():
+        summary[mode] = (mean([r.requests_per_s for r in rounds]),
+                         mean([r.ttft_p50_ms for r in rounds]),
+                         mean([r.ttft_p99_ms for r in rounds]))
+        print(f"{mode:>11} {summary[mode][0]:>8.1f} "
+              f"{mean([r.tokens_per_s for r in rounds]):>9.0f} {summary[mode][1]:>7.2f}ms "
+              f"{summary[mode][2]:>7.2f}ms")
+    (off_rps, off_p50, off_p99), (on_rps, on_p50, on_p99) = summary.values()
+    print(f"traced / untraced: throughput {on_rps / off_rps:.3f}x, TTFT p50 "
+          f"{on_p50 / off_p50:.3f}x, TTFT p99 {on_p99 / off_p99:.3f}x "
+          f"(throughput cost {100 * (1 - on_rps / off_rps):.1f} %)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""OpenTelemetry tracing: process set-up, context over NATS and the transfer engine, spans.
+
+One trace per request: the gateway's span is the root; its context rides in the headers of
+every NATS message about the request (W3C `traceparent`, through OpenTelemetry's global
+propagator, never hand-built) and in the transfer engine's notification that ends a KV
+handoff, so each service's spans join it.
+
+Set-up, once per process (`configure_tracing`), from the service config, which falls back to
+the standard `OTEL_*` variables:
+    tracing               auto | off | otlp-grpc | otlp-http   (auto: on when
+                          OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT is set, protocol from
+                          OTEL_EXPORTER_OTLP[_TRACES]_PROTOCOL; off when OTEL_SDK_DISABLED or
+                          OTEL_TRACES_EXPORTER=none)
+    otlp_endpoint         else OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT
+    trace_sample_ratio    else OTEL_TRACES_SAMPLER(_ARG); parent-based, so a trace is kept or
+                          dropped whole
+With tracing off nothing is created: `span()` returns a shared no-op context manager and
+`inject()` returns None (no headers), so the cost is one attribute read per call site.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+from shared.errors import ConfigError
+
+_provider: TracerProvider | None = None
+_NO_SPAN = contextlib.nullcontext()
+
+
+def is_enabled() -> bool:
+    return _provider is not None
+
+
+def install(provider: TracerProvider) -> None:
+    """Trace through `provider` from now on (tests install one with an in-memory exporter)."""
+    global _provider
+    _provider = provider
+
+
+def uninstall() -> None:
+    global _provider
+    _provider = None
+
+
+def shutdown() -> None:
+    """Flush and stop the exporter (at process exit)."""
+    if _provider is not None:
+        _provider.shutdown()
+    uninstall()
+
+
+def tracer(scope: str) -> trace.Tracer:
+    if _provider is None:
+        return trace.NoOpTracer()
+    return _provider.get_tracer(scope)
+
+
+def span(scope: str, name: str, **kwargs: Any) -> contextlib.AbstractContextManager[Any]:
+    """`start_as_current_span` on `scope`'s tracer; a no-op (yielding None) when off."""
+    if _provider is None:
+        return _NO_SPAN
+    return _provider.get_tracer(scope).start_as_current_span(name, **kwargs)
+
+
+def inject() -> dict[str, str] | None:
+    """Headers carrying the current trace context; None when tracing is off."""
+    if _provider is None:
+        return None
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier or None
+
+
+def extract(headers: Mapping[str, str] | None) -> otel_context.Context | None:
+    """The trace context carried by `headers`, or None (tracing off, or none carried)."""
+    if _provider is None or not headers:
+        return None
+    return propagate.extract(headers)
+
+
+def record_span(scope: str, name: str, start: float, end: float,
+                attributes: Mapping[str, Any] | None = None,
+                events: Sequence[tuple[str, float, Mapping[str, Any]]] = ()) -> None:
+    """A finished child span of the current one, for work timed elsewhere (in the engine's
+    thread): `start`, `end` and event times are `time.perf_counter()` readings."""
+    if _provider is None:
+        return
+    offset_ns = time.time_ns() - int(time.perf_counter() * 1e9)
+
+    def ns(t: float) -> int:
+        return offset_ns + int(t * 1e9)
+
+    span = _provider.get_tracer(scope).start_span(name, start_time=ns(start),
+                                                  attributes=attributes)
+    for event_name, at, event_attributes in events:
+        span.add_event(event_name, event_attributes, timestamp=ns(at))
+    span.end(end_time=ns(end))
+
+
+@contextlib.contextmanager
+def attached(ctx: otel_context.Context | None) -> Iterator[None]:
+    """Make `ctx` current for the block (nothing when None)."""
+    if ctx is None:
+        yield
+        return
+    token = otel_context.attach(ctx)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+def configure_tracing(service_name: str, instance_id: str, *, mode: str,
+                      endpoint: str | None, sample_ratio: float | None,
+                      env: Mapping[str, str] = os.environ,
+                      processor: SpanProcessor | None = None) -> bool:
+    """Set tracing up for this process; return whether it is on."""
+    protocol = _protocol(mode, env)
+    if protocol is None:
+        return False
+    ratio = sample_ratio if sample_ratio is not None else _env_ratio(env)
+    resource = Resource.create({
+        "service.name": env.get("OTEL_SERVICE_NAME") or f"halfmoon-{service_name}",
+        "service.namespace": "halfmoon", "service.instance.id": instance_id})
+    provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(ratio)))
+    provider.add_span_processor(processor or BatchSpanProcessor(_exporter(protocol, endpoint)))
+    install(provider)
+    return True
+
+
+def _protocol(mode: str, env: Mapping[str, str]) -> str | None:
+    """"grpc", "http/protobuf", or None for off."""
+    match mode:
+        case "off":
+            return None
+        case "otlp-grpc":
+            return "grpc"
+        case "otlp-http":
+            return "http/protobuf"
+        case "auto":
+            if env.get("OTEL_SDK_DISABLED", "").lower() == "true" or \
+                    env.get("OTEL_TRACES_EXPORTER", "otlp") == "none":
+                return None
+            if not (env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                    or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
+                return None
+            protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                        or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
+            if protocol not in ("grpc", "http/protobuf"):
+                raise ConfigError(f"unsupported OTLP protocol {protocol!r}: grpc or "
+                                  "http/protobuf")
+            return protocol
+    raise ConfigError(f"tracing must be auto, off, otlp-grpc or otlp-http, not {mode!r}")
+
+
+def _env_ratio(env: Mapping[str, str]) -> float:
+    sampler = env.get("OTEL_TRACES_SAMPLER", "parentbased_always_on")
+    if sampler.endswith("always_off"):
+        return 0.0
+    if sampler.endswith("traceidratio"):
+        try:
+            return float(env.get("OTEL_TRACES_SAMPLER_ARG", "1.0"))
+        except ValueError as exc:
+            raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG must be a number: {exc}") from exc
+    return 1.0
+
+
+def _exporter(protocol: str, endpoint: str | None) -> Any:
+    # The exporters read OTEL_EXPORTER_OTLP_* themselves when `endpoint` is None.
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=endpoint)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpSpanExporter,
+    )
+
+    if endpoint is not None and not endpoint.rstrip("/").endswith("/v1/traces"):
+        endpoint = endpoint.rstrip("/") + "/v1/traces"  # the signal path, as the env var adds
+    return HttpSpanExporter(endpoint=endpoint)

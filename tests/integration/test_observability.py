@@ -1,0 +1,287 @@
+"""Observability end to end: one connected trace per request across the four services and
+the KV transfer; spans exported over OTLP (HTTP and gRPC) into real receivers; Prometheus
+metrics that parse and count a known workload; logs that carry the trace ids."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import rotel
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from oteltap import OtelTapHttpProtobufReceiver, OtelTapHttpProtobufReceiverSettings
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared import tracing
+from tests.integration.test_cli import free_port, wait_for_line
+from tests.stack import Stack, eventually
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "halfmoon-tiny"
+ROTEL_AGENT = Path(rotel.__file__).parent / "rotel-agent"  # the collector's binary
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.install(provider)
+    yield exporter
+    tracing.uninstall()
+    provider.shutdown()
+
+
+@pytest.fixture
+async def torch_stack(nats_url: str, tiny_dir: Path) -> AsyncIterator[Stack]:
+    worker = {"engine": "torch", "model_path": str(tiny_dir), "num_blocks": 256}
+    async with Stack(nats_url, worker=worker,
+                     gateway_options={"model_path": str(tiny_dir)}) as stack:
+        yield stack
+
+
+def trace_of(spans: list[ReadableSpan], root_name: str) -> list[ReadableSpan]:
+    (root,) = [s for s in spans if s.name == root_name]
+    return [s for s in spans if s.context.trace_id == root.context.trace_id]
+
+
+async def test_a_request_is_one_connected_trace_across_every_service_and_the_transfer(
+        spans: InMemorySpanExporter, torch_stack: Stack) -> None:
+    status, body = await torch_stack.post("/v1/completions", {
+        "model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True})
+    assert status == 200, body
+    await eventually(lambda: any(s.name == "gateway.request" for s in spans.get_finished_spans()))
+    finished = list(spans.get_finished_spans())
+    trace = trace_of(finished, "gateway.request")
+    names = {s.name for s in trace}
+    assert names >= {"gateway.request", "conductor.schedule", "prefill.request", "prefill.queue",
+                     "prefill.compute", "kv.transfer", "decode.reserve", "kv.received",
+                     "decode.first_step", "decode.stream"}
+    # Connected: every span but the root has its parent in the same trace.
+    ids = {s.context.span_id for s in trace}
+    roots = [s for s in trace if s.parent is None or s.parent.span_id not in ids]
+    assert [s.name for s in roots] == ["gateway.request"]
+    scopes = {s.instrumentation_scope.name.split(".")[0:2][-1] for s in trace}
+    assert scopes >= {"gateway", "conductor", "prefill", "decode", "handoff"}
+    by_name = {s.name: s for s in trace}
+    transfer = by_name["kv.transfer"].attributes or {}
+    assert transfer["kv.bytes"] > 0 and transfer["kv.transport"] == "shm"
+    assert transfer["kv.gbps"] > 0 and transfer["kv.compression"] == "none"
+    # The decode side learnt the transfer's context from the transfer engine's notification.
+    assert by_name["kv.received"].parent.span_id == by_name["kv.transfer"].context.span_id
+    layers = [e for e in by_name["prefill.compute"].events if e.name == "layer"]
+    num_layers = torch_stack.prefills[0].engine.kv_layout().num_layers  # type: ignore[union-attr]
+    assert [e.attributes["layer"] for e in layers] == list(range(num_layers))  # type: ignore[index]
+    schedule = by_name["conductor.schedule"].attributes or {}
+    assert schedule["halfmoon.prefill_worker"] == torch_stack.prefills[0].worker_id
+    assert schedule["halfmoon.decode_worker"] == torch_stack.decodes[0].worker_id
+
+
+async def test_with_tracing_off_no_span_is_made_and_no_header_sent(stack: Stack) -> None:
+    assert not tracing.is_enabled()
+    assert tracing.inject() is None
+    status, _ = await stack.post("/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                     "max_tokens": 2})
+    assert status == 200
+
+
+async def scrape(url: str) -> dict[str, float]:
+    """Every sample of a /metrics page, keyed `name{label="value",...}`."""
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        assert response.status == 200
+        assert response.content_type == "text/plain"
+        text = await response.text()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        assert family.name.startswith("halfmoon_"), family.name
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+async def test_metrics_parse_and_count_a_known_workload(stack: Stack) -> None:
+    prompts = [[1 + i] * (20 + i) for i in range(3)]
+    for prompt in prompts:
+        status, _ = await stack.post("/v1/completions", {"model": MODEL, "prompt": prompt,
+                                                         "max_tokens": 5})
+        assert status == 200
+    status, _ = await stack.post("/v1/completions", {"model": MODEL, "prompt": [1] * 20,
+                                                     "max_tokens": 100_000})
+    assert status == 400
+    await stack.wait_blocks_free()
+    (prefill,), (decode,) = stack.prefills, stack.decodes
+    for worker in (prefill, decode):
+        worker.heartbeat()  # gauges refresh with each heartbeat; take one now
+
+    gateway = await scrape(f"{stack.gateway.url}/metrics")
+    assert gateway['halfmoon_requests_total{route="/v1/completions",status="200"}'] == 3
+    assert gateway['halfmoon_requests_total{route="/v1/completions",status="400"}'] == 1
+    assert gateway["halfmoon_requests_in_flight"] == 0
+    assert gateway["halfmoon_generation_tokens_total"] == 15
+    assert gateway["halfmoon_prompt_tokens_total"] == sum(map(len, prompts))
+    assert gateway["halfmoon_time_to_first_token_seconds_count"] == 3
+    assert gateway["halfmoon_inter_token_latency_seconds_count"] == 3 * 4
+    assert gateway["halfmoon_e2e_request_latency_seconds_count"] == 3
+
+    assert stack.conductor.metrics_url is not None
+    conductor = await scrape(stack.conductor.metrics_url)
+    assert conductor['halfmoon_placements_total{path="disaggregated",policy="cache-aware",'
+                     'prefix_fetch="false"}'] == 3
+    assert conductor['halfmoon_workers_healthy{role="prefill"}'] == 1
+
+    assert prefill.metrics_url is not None and decode.metrics_url is not None
+    prefill_samples = await scrape(prefill.metrics_url)
+    assert prefill_samples["halfmoon_prefill_prompt_tokens_total"] == sum(map(len, prompts))
+    assert prefill_samples["halfmoon_queue_time_seconds_count"] == 3
+    assert prefill_samples["halfmoon_kv_blocks_used"] == 0
+    decode_samples = await scrape(decode.metrics_url)
+    assert decode_samples['halfmoon_kv_commits_total{transport="none"}'] == 3
+    assert decode_samples["halfmoon_decode_tokens_total"] == 3 * 4
+    assert decode_samples["halfmoon_kv_blocks_free"] == decode.engine.stats().num_total_blocks
+
+
+async def test_slo_rejections_are_counted_by_reason(nats_url: str) -> None:
+    async with Stack(nats_url, conductor_options={"ttft_slo_ms": 1.0},
+                     worker={"fake_prefill_s_per_token": 0.01}) as stack:
+        status, _ = await stack.post("/v1/completions", {"model": MODEL, "prompt": [5] * 40,
+                                                         "max_tokens": 2})
+        assert status == 429
+        assert stack.conductor.metrics_url is not None
+        samples = await scrape(stack.conductor.metrics_url)
+        assert samples['halfmoon_rejections_total{reason="slo"}'] == 1
+
+
+class Cluster:
+    """`halfmoon up --engine fake` as a process, its log lines collected."""
+
+    def __init__(self, *flags: str) -> None:
+        self.port = free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", "--engine", "fake", "--port",
+             str(self.port), "--log-level", "info", *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.logs: list[str] = []
+        threading.Thread(target=lambda: self.logs.extend(self.process.stderr),  # type: ignore[arg-type]
+                         daemon=True).start()
+        wait_for_line(self.process, "halfmoon is up", timeout_s=60)
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=30)
+
+
+@pytest.fixture
+async def tap() -> AsyncIterator[tuple[OtelTapHttpProtobufReceiver, int]]:
+    """An OTLP/HTTP receiver (oteltap) in this process; yields it and its port."""
+    port = free_port()
+    async with OtelTapHttpProtobufReceiver(OtelTapHttpProtobufReceiverSettings(
+            http_port=port)) as receiver:
+        yield receiver, port
+
+
+@pytest.fixture
+def rotel_collector(tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    """A rotel collector process taking OTLP/gRPC and printing every span it receives;
+    yields its gRPC port and where it prints."""
+    grpc_port, output = free_port(), tmp_path / "rotel.out"
+    with output.open("w") as sink:
+        process = subprocess.Popen(
+            [str(ROTEL_AGENT), "start", "--otlp-grpc-endpoint", f"127.0.0.1:{grpc_port}",
+             "--otlp-http-endpoint", f"127.0.0.1:{free_port()}", "--exporter", "blackhole",
+             "--debug-log", "traces", "--debug-log-verbosity", "detailed",
+             "--pid-file", str(tmp_path / "rotel.pid"), "--log-file", str(tmp_path / "log")],
+            stdout=sink, stderr=subprocess.STDOUT)
+    yield grpc_port, output
+    process.terminate()
+    process.wait(timeout=10)
+
+
+def rotel_spans(output: Path) -> dict[str, set[str]]:
+    """Trace id -> span names, from the collector's detailed debug print."""
+    traces: dict[str, set[str]] = {}
+    trace_id = None
+    for line in output.read_text().splitlines():
+        if match := re.match(r"\s*Trace ID\s*: ([0-9a-f]{32})", line):
+            trace_id = match.group(1)
+        elif (match := re.match(r"\s*Name\s*: (\S+)", line)) and trace_id is not None:
+            traces.setdefault(trace_id, set()).add(match.group(1))
+    return traces
+
+
+WANTED = {"gateway.request", "conductor.schedule", "prefill.request", "decode.stream"}
+
+
+async def one_traced_request(*flags: str, received: Callable[[], dict[str, set[str]]]
+                             ) -> tuple[str, list[dict[str, Any]]]:
+    """Run `halfmoon up` with these tracing flags, send one request, wait until a receiver
+    holds its trace; return the trace id and the cluster's JSON log records."""
+    cluster = await asyncio.to_thread(Cluster, *flags)
+    try:
+        async with aiohttp.ClientSession() as session, session.post(
+                f"http://127.0.0.1:{cluster.port}/v1/completions",
+                json={"model": MODEL, "prompt": "hello", "max_tokens": 3}) as response:
+            assert response.status == 200
+        await eventually(lambda: any(names >= WANTED for names in received().values()), 20)
+        (trace_id,) = [t for t, names in received().items() if names >= WANTED]
+    finally:
+        await asyncio.to_thread(cluster.stop)
+    return trace_id, [record for line in cluster.logs if (record := json_record(line))]
+
+
+def json_record(line: str) -> dict[str, Any] | None:
+    """A JSON log line; None for anything else (lines of several processes share a pipe)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def assert_logs_join_the_trace(records: list[dict[str, Any]], trace_id: str) -> None:
+    about_request = [r for r in records if r.get("trace_id") == trace_id]
+    assert {r["event"] for r in about_request} >= {"prefill.committed", "decode.kv_committed"}
+    assert all(r.get("request_id") and r.get("span_id") for r in about_request)
+
+
+async def test_spans_reach_an_otlp_http_receiver_and_logs_carry_their_trace_ids(
+        tap: tuple[OtelTapHttpProtobufReceiver, int]) -> None:
+    receiver, port = tap
+    received: dict[str, set[str]] = {}
+
+    async def collect() -> None:
+        async for span in receiver.stream_traces():
+            received.setdefault(span.trace_id.hex(), set()).add(span.name)
+
+    collector = asyncio.ensure_future(collect())
+    try:
+        trace_id, records = await one_traced_request(
+            "--tracing", "otlp-http", "--otlp-endpoint", f"http://127.0.0.1:{port}",
+            received=lambda: received)
+    finally:
+        collector.cancel()
+    assert_logs_join_the_trace(records, trace_id)
+
+
+async def test_spans_reach_an_otlp_grpc_collector_process(
+        rotel_collector: tuple[int, Path]) -> None:
+    port, output = rotel_collector
+    trace_id, records = await one_traced_request(
+        "--tracing", "otlp-grpc", "--otlp-endpoint", f"http://127.0.0.1:{port}",
+        received=lambda: rotel_spans(output))
+    assert_logs_join_the_trace(records, trace_id)
