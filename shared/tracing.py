@@ -36,6 +36,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from shared.errors import ConfigError
 
 _provider: TracerProvider | None = None
+_tracers: dict[str, trace.Tracer] = {}  # by scope: the SDK builds a new one per call
 _NO_SPAN = contextlib.nullcontext()
 
 
@@ -47,11 +48,13 @@ def install(provider: TracerProvider) -> None:
     """Trace through `provider` from now on (tests install one with an in-memory exporter)."""
     global _provider
     _provider = provider
+    _tracers.clear()
 
 
 def uninstall() -> None:
     global _provider
     _provider = None
+    _tracers.clear()
 
 
 def shutdown() -> None:
@@ -64,14 +67,17 @@ def shutdown() -> None:
 def tracer(scope: str) -> trace.Tracer:
     if _provider is None:
         return trace.NoOpTracer()
-    return _provider.get_tracer(scope)
+    found = _tracers.get(scope)
+    if found is None:
+        found = _tracers[scope] = _provider.get_tracer(scope)
+    return found
 
 
 def span(scope: str, name: str, **kwargs: Any) -> contextlib.AbstractContextManager[Any]:
     """`start_as_current_span` on `scope`'s tracer; a no-op (yielding None) when off."""
     if _provider is None:
         return _NO_SPAN
-    return _provider.get_tracer(scope).start_as_current_span(name, **kwargs)
+    return tracer(scope).start_as_current_span(name, **kwargs)
 
 
 def inject() -> dict[str, str] | None:
@@ -102,8 +108,7 @@ def record_span(scope: str, name: str, start: float, end: float,
     def ns(t: float) -> int:
         return offset_ns + int(t * 1e9)
 
-    span = _provider.get_tracer(scope).start_span(name, start_time=ns(start),
-                                                  attributes=attributes)
+    span = tracer(scope).start_span(name, start_time=ns(start), attributes=attributes)
     for event_name, at, event_attributes in events:
         span.add_event(event_name, event_attributes, timestamp=ns(at))
     span.end(end_time=ns(end))
