@@ -3,7 +3,7 @@
 Starts a rotel collector (a real OTLP/gRPC receiver, its own process, dropping what it
 receives), then, in alternating rounds, `halfmoon up --engine fake` with tracing off and with
 every service exporting every span to the collector (`--tracing otlp-grpc`,
-`--trace-sample-ratio 1`), each driven by `--concurrency` streaming clients for
+`--trace-sample-ratio`, 1 by default), each driven by `--concurrency` streaming clients for
 `--duration-s`. Prints requests/s and TTFT per mode and the traced/untraced ratios, over all
 rounds of the same run (the machine is shared and noisy: rounds alternate so drift hits both).
 
@@ -58,12 +58,14 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--duration-s", type=float, default=10.0)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--sample-ratio", type=float, default=1.0)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         collector, grpc_port = start_collector(Path(workdir))
         modes = {"off": ["--tracing", "off"],
-                 "on (100 %)": ["--tracing", "otlp-grpc", "--otlp-endpoint",
-                                f"http://127.0.0.1:{grpc_port}", "--trace-sample-ratio", "1"]}
+                 f"on ({100 * args.sample_ratio:g} %)": [
+                     "--tracing", "otlp-grpc", "--otlp-endpoint", f"http://127.0.0.1:{grpc_port}",
+                     "--trace-sample-ratio", str(args.sample_ratio)]}
         results: dict[str, list[LevelResult]] = {mode: [] for mode in modes}
         try:
             for round_number in range(args.rounds):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 from nats.aio.client import Client as NatsClient
 
@@ -38,21 +39,19 @@ from transfer_engine.handoff import kv_pieces
 log = get_logger(__name__)
 
 
+@dataclass(kw_only=True)
 class PrefixSharing:
     """Both sides of prefix reuse for one prefill worker with a KV pool."""
 
-    def __init__(self, *, worker_id: str, engine: Engine, layout: KvLayout,
-                 transfer: TransferEngine, nc: NatsClient, subjects: Subjects, block_size: int,
-                 timeout_s: float, metrics: PrefillMetrics) -> None:
-        self.worker_id = worker_id
-        self.engine = engine
-        self.layout = layout
-        self.transfer = transfer
-        self.nc = nc
-        self.subjects = subjects
-        self.block_size = block_size
-        self.timeout_s = timeout_s
-        self.metrics = metrics
+    worker_id: str
+    engine: Engine
+    layout: KvLayout
+    transfer: TransferEngine
+    nc: NatsClient
+    subjects: Subjects
+    block_size: int
+    timeout_s: float  # a fetch's, and the holder's transfer's (the transfer engine's)
+    metrics: PrefillMetrics
 
     # The fetcher.
     async def fetch(self, request_id: str, prompt_token_ids: list[int], source: PrefixSource

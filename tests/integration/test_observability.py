@@ -46,14 +46,6 @@ def spans() -> Iterator[InMemorySpanExporter]:
     provider.shutdown()
 
 
-@pytest.fixture
-async def torch_stack(nats_url: str, tiny_dir: Path) -> AsyncIterator[Stack]:
-    worker = {"engine": "torch", "model_path": str(tiny_dir), "num_blocks": 256}
-    async with Stack(nats_url, worker=worker,
-                     gateway_options={"model_path": str(tiny_dir)}) as stack:
-        yield stack
-
-
 def trace_of(spans: list[ReadableSpan], root_name: str) -> list[ReadableSpan]:
     (root,) = [s for s in spans if s.name == root_name]
     return [s for s in spans if s.context.trace_id == root.context.trace_id]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import openai
@@ -18,14 +17,6 @@ from tests.stack import Stack, eventually
 pytestmark = pytest.mark.e2e
 
 MODEL = "halfmoon-tiny"
-
-
-@pytest.fixture
-async def torch_stack(nats_url: str, tiny_dir: Path) -> AsyncIterator[Stack]:
-    worker = {"engine": "torch", "model_path": str(tiny_dir), "num_blocks": 256}
-    async with Stack(nats_url, worker=worker,
-                     gateway_options={"model_path": str(tiny_dir)}) as stack:
-        yield stack
 
 
 async def reference_tokens(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
