@@ -171,10 +171,20 @@ class Service(abc.ABC):
         self._stop_requested.set()
 
     async def _cancel_tasks(self) -> None:
-        tasks = [t for t in self._tasks if not t.done()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        """Cancel every owned task and wait for it. nats-py swallows a cancellation that lands
+        inside `publish` (it catches CancelledError while queueing the flush), so a task may
+        outlive one cancel(): cancel again until all are done, for at most
+        `drain_timeout_s`, then leave the stragglers (logged) rather than hang."""
+        pending = {t for t in self._tasks if not t.done()}
+        deadline = asyncio.get_running_loop().time() + self.config.drain_timeout_s
+        while pending:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=0.2)
+            if pending and asyncio.get_running_loop().time() > deadline:
+                self.log.warning("service.tasks_outlived_cancel", service=self.name,
+                                 tasks=sorted(t.get_name() for t in pending))
+                return
 
     async def _guarded(self, step: Awaitable[Any]) -> None:
         try:

@@ -128,3 +128,24 @@ async def test_stop_past_the_drain_timeout_fails_requests_instead_of_hanging(
                 await request
         assert decode.engine.stats().num_free_blocks == decode.engine.stats().num_total_blocks
         await eventually(lambda: len(stack.gateway.table) == 0)
+
+
+async def test_stop_ends_a_task_that_swallowed_its_first_cancellation(nats_url: str) -> None:
+    # nats-py swallows a CancelledError that lands inside publish(); such a task lives on.
+    service = FACTORIES["conductor"](nats_url, "life")
+    await service.start()
+    swallowed = asyncio.Event()
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if swallowed.is_set():
+                    raise
+                swallowed.set()
+
+    task = service.spawn(stubborn(), "stubborn")
+    await asyncio.wait_for(service.stop(), 10)
+    assert swallowed.is_set() and task.cancelled()
+    assert service.state is ServiceState.STOPPED
