@@ -94,6 +94,7 @@ class TokenOutput:
     finish_reason: FinishReason | None = None
     logprob: float | None = None
     error: HalfmoonError | None = None
+    num_cached_tokens: int = 0  # on a colocated request's first token: prompt tokens cached
 
 
 @dataclass(frozen=True)

@@ -388,7 +388,8 @@ class TorchEngine:
             self.scheduler.remove(seq.request_id)
             self.runner.free(seq)
         return TokenOutput(seq.request_id, seq.num_generated - 1, sampled.token_id, reason,
-                           sampled.logprob)
+                           sampled.logprob,
+                           num_cached_tokens=seq.num_cached if seq.num_generated == 1 else 0)
 
     def _fail_batch(self, sequences: list[Sequence], error: HalfmoonError) -> None:
         outputs = []

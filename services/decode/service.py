@@ -224,6 +224,7 @@ class DecodeService(WorkerService):
                 request_id=output.request_id, index=request.output_offset + output.index,
                 token_ids=[output.token_id],
                 finish_reason=output.finish_reason,
+                num_cached_tokens=output.num_cached_tokens,
             ))
             if output.finish_reason is not None:
                 del self._active[output.request_id]

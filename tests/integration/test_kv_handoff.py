@@ -128,6 +128,20 @@ async def test_colocated_workers_give_the_same_output_without_moving_kv(
     await stack.wait_blocks_free(timeout_s=10)
 
 
+async def test_a_colocated_worker_reports_the_prompt_tokens_its_cache_served(
+        make_stack, tiny_dir: Path, expected: dict[str, list[int]]) -> None:  # type: ignore[no-untyped-def]
+    stack: Stack = await make_stack(num_prefill=0, num_decode=1,
+                                    local_prefill_max_tokens=1 << 30)
+    tokenizer = HfTokenizer(tiny_dir)
+    prompt = PROMPTS[1]
+    # The engine reuses the full blocks before the prompt's last token (always computed).
+    num_cached = (len(tokenizer.encode(prompt)) - 1) // 16 * 16
+    first, second = [await complete(stack, prompt) for _ in range(2)]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == num_cached
+    assert tokenizer.encode(second["choices"][0]["text"]) == expected[prompt]
+
+
 async def test_short_prompts_stay_on_decode_under_conditional_disaggregation(
         make_stack, tiny_dir: Path, expected: dict[str, list[int]]) -> None:  # type: ignore[no-untyped-def]
     tokenizer = HfTokenizer(tiny_dir)
@@ -166,7 +180,7 @@ async def test_a_prefix_cached_on_another_prefill_worker_is_fetched_not_recomput
 
     second = await complete(stack, prompt)
     assert tokenizer.encode(second["choices"][0]["text"]) == expected[prompt]
-    num_cached = min(len(hashes) * 16, len(prompt_ids) - 1)
+    num_cached = (len(prompt_ids) - 1) // 16 * 16  # the last token is always computed
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == num_cached
     # The newcomer prefilled it (it measured a prefill step) with the holder's blocks.
     assert fetcher.engine.stats().prefill_tokens_per_s > 0
