@@ -340,8 +340,9 @@ class TorchEngine:
         if batch is None:
             return False
         started = time.perf_counter()
-        for seq in batch.sequences:
-            seq.compute_started_at = seq.compute_started_at or started
+        if batch.is_prefill:  # a prompt's compute time is read when it completes
+            for seq in batch.sequences:
+                seq.compute_started_at = seq.compute_started_at or started
         try:
             sampled = self.runner.execute(batch)
         except HalfmoonError as exc:

@@ -82,6 +82,7 @@ class WorkerService(Service):
             self.engine.use_kv_buffer(await self.transfer.allocate(KV_SEGMENT, layout.size_bytes))
         await self.engine.start()
         self._is_engine_started = True
+        self._read_gauges_at_scrape()
         self._registry = await ensure_bucket(
             self.nc.jetstream(), self.subjects.workers_bucket,
             ttl_s=max(5.0, REGISTRY_TTL_HEARTBEATS * self.config.heartbeat_interval_s),
@@ -93,6 +94,14 @@ class WorkerService(Service):
         await self.serve(self.subjects.abort, AbortRequest, self._on_abort)
         await self._heartbeat()
         self.spawn(self._heartbeat_loop(), "heartbeat")
+
+    def _read_gauges_at_scrape(self) -> None:
+        metrics, engine = self.metrics, self.engine
+        metrics.running.set_function(lambda: engine.stats().num_running)
+        metrics.waiting.set_function(self._num_waiting)
+        metrics.kv_blocks_free.set_function(lambda: engine.stats().num_free_blocks)
+        metrics.kv_blocks_used.set_function(
+            lambda: (stats := engine.stats()).num_total_blocks - stats.num_free_blocks)
 
     async def _start_transfer_engine(self) -> TransferEngine:
         config = self.config
@@ -179,10 +188,6 @@ class WorkerService(Service):
 
     def heartbeat(self) -> WorkerHeartbeat:
         stats = self.engine.stats()
-        self.metrics.running.set(stats.num_running)
-        self.metrics.waiting.set(self._num_waiting())
-        self.metrics.kv_blocks_free.set(stats.num_free_blocks)
-        self.metrics.kv_blocks_used.set(stats.num_total_blocks - stats.num_free_blocks)
         return WorkerHeartbeat(
             worker_id=self.worker_id, role=self.role, model=self.config.model,
             host=self.config.host_name or socket.gethostname(),

@@ -114,12 +114,13 @@ def record_span(scope: str, name: str, start: float, end: float,
     span.end(end_time=ns(end))
 
 
+def attached(ctx: otel_context.Context | None) -> contextlib.AbstractContextManager[Any]:
+    """Make `ctx` current for the block; nothing when None (every NATS message passes here)."""
+    return _NO_SPAN if ctx is None else _attached(ctx)
+
+
 @contextlib.contextmanager
-def attached(ctx: otel_context.Context | None) -> Iterator[None]:
-    """Make `ctx` current for the block (nothing when None)."""
-    if ctx is None:
-        yield
-        return
+def _attached(ctx: otel_context.Context) -> Iterator[None]:
     token = otel_context.attach(ctx)
     try:
         yield

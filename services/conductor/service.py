@@ -99,6 +99,11 @@ class ConductorService(Service):
         self._num_placing = 0
         self._is_fetching = False
         self._js_subscriptions: list[Any] = []
+        # Gauges read at scrape time, not kept up to date on every heartbeat.
+        for role in ("prefill", "decode"):
+            self.metrics.workers.labels(role).set_function(
+                lambda role=role: len(self.workers.healthy(role)))
+        self.metrics.prefix_index_blocks.set_function(lambda: len(self.prefix_index))
 
     async def _setup(self) -> None:
         await self.serve(self.subjects.all_heartbeats, WorkerHeartbeat, self._on_heartbeat)
@@ -140,9 +145,6 @@ class ConductorService(Service):
     async def _on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         self.workers.observe(heartbeat)
         self._pending.pop(heartbeat.worker_id, None)
-        for role in ("prefill", "decode"):
-            self.metrics.workers.labels(role).set(len(self.workers.healthy(role)))
-        self.metrics.prefix_index_blocks.set(len(self.prefix_index))
 
     async def _fetch_loop(self, subscription: Any) -> None:
         # Each fetcher keeps one pull open; several fetchers place requests concurrently.

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,8 +22,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from oteltap import OtelTapHttpProtobufReceiver, OtelTapHttpProtobufReceiverSettings
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.control_path import free_port, launch
 from shared import tracing
-from tests.integration.test_cli import free_port, wait_for_line
 from tests.stack import Stack, eventually
 
 pytestmark = pytest.mark.e2e
@@ -117,8 +114,6 @@ async def test_metrics_parse_and_count_a_known_workload(stack: Stack) -> None:
     assert status == 400
     await stack.wait_blocks_free()
     (prefill,), (decode,) = stack.prefills, stack.decodes
-    for worker in (prefill, decode):
-        worker.heartbeat()  # gauges refresh with each heartbeat; take one now
 
     gateway = await scrape(f"{stack.gateway.url}/metrics")
     assert gateway['halfmoon_requests_total{route="/v1/completions",status="200"}'] == 3
@@ -156,26 +151,6 @@ async def test_slo_rejections_are_counted_by_reason(nats_url: str) -> None:
         assert stack.conductor.metrics_url is not None
         samples = await scrape(stack.conductor.metrics_url)
         assert samples['halfmoon_rejections_total{reason="slo"}'] == 1
-
-
-class Cluster:
-    """`halfmoon up --engine fake` as a process, its log lines collected."""
-
-    def __init__(self, *flags: str) -> None:
-        self.port = free_port()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", "--engine", "fake", "--port",
-             str(self.port), "--log-level", "info", *flags],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.logs: list[str] = []
-        threading.Thread(target=lambda: self.logs.extend(self.process.stderr),  # type: ignore[arg-type]
-                         daemon=True).start()
-        wait_for_line(self.process, "halfmoon is up", timeout_s=60)
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        self.process.wait(timeout=30)
 
 
 @pytest.fixture
@@ -223,17 +198,20 @@ async def one_traced_request(*flags: str, received: Callable[[], dict[str, set[s
                              ) -> tuple[str, list[dict[str, Any]]]:
     """Run `halfmoon up` with these tracing flags, send one request, wait until a receiver
     holds its trace; return the trace id and the cluster's JSON log records."""
-    cluster = await asyncio.to_thread(Cluster, *flags)
+    logs: list[str] = []
+    process, url = await asyncio.to_thread(launch, "--engine", "fake", "--log-level", "info",
+                                           *flags, logs=logs)
     try:
         async with aiohttp.ClientSession() as session, session.post(
-                f"http://127.0.0.1:{cluster.port}/v1/completions",
+                f"{url}/v1/completions",
                 json={"model": MODEL, "prompt": "hello", "max_tokens": 3}) as response:
             assert response.status == 200
         await eventually(lambda: any(names >= WANTED for names in received().values()), 20)
         (trace_id,) = [t for t, names in received().items() if names >= WANTED]
     finally:
-        await asyncio.to_thread(cluster.stop)
-    return trace_id, [record for line in cluster.logs if (record := json_record(line))]
+        process.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(process.wait, 30)
+    return trace_id, [record for line in logs if (record := json_record(line))]
 
 
 def json_record(line: str) -> dict[str, Any] | None:
