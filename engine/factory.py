@@ -23,6 +23,22 @@ def build_engine(config: WorkerConfig) -> Engine:
                 token_delay_s=config.fake_token_delay_s,
                 is_prefix_caching=config.enable_prefix_caching,
             )
+        case "sim":
+            from engine.sim_cost import PROFILES
+            from engine.sim_engine import SimEngine, SimOptions
+
+            if config.sim_profile not in PROFILES:
+                raise ConfigError(f"unknown sim_profile {config.sim_profile!r}; profiles: "
+                                  f"{', '.join(PROFILES)}")
+            if config.sim_time_scale <= 0 or config.sim_kv_byte_scale < 1:
+                raise ConfigError("sim_time_scale must be > 0 and sim_kv_byte_scale >= 1")
+            return SimEngine(SimOptions(
+                profile=PROFILES[config.sim_profile], time_scale=config.sim_time_scale,
+                block_size=config.block_size, max_batch_size=config.max_batch_size,
+                max_batch_tokens=config.max_batch_tokens,
+                kv_byte_scale=config.sim_kv_byte_scale,
+                is_prefix_caching=config.enable_prefix_caching,
+            ))
         case "torch":
             import torch
 

@@ -104,7 +104,7 @@ class FakeEngine:
         self._prefill_queue: asyncio.Queue[_PrefillJob]
         self._running: dict[str, _Running] = {}
         self._has_work = asyncio.Event()
-        self._prefill_task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | None = None
         self._is_closed = False
 
     @property
@@ -113,21 +113,21 @@ class FakeEngine:
 
     async def start(self) -> None:
         self._prefill_queue = asyncio.Queue()
-        self._prefill_task = asyncio.create_task(self._prefill_loop(), name="fake.prefill")
+        self._task = asyncio.create_task(self._prefill_loop(), name="fake.prefill")
 
     async def close(self) -> None:
         if self._is_closed:
             return
         self._is_closed = True
-        if self._prefill_task is not None:
-            self._prefill_task.cancel()
-            await asyncio.gather(self._prefill_task, return_exceptions=True)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
         for request_id in list(self._owned):
             self.abort(request_id)
 
     # Prefill side.
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
-        if self._prefill_task is None or self._is_closed:
+        if self._task is None or self._is_closed:
             raise EngineFailure("engine is not running")
         prompt = request.prompt_token_ids
         if not prompt:
@@ -137,12 +137,15 @@ class FakeEngine:
         job = _PrefillJob(request, hashes, num_cached,
                           asyncio.get_running_loop().create_future())
         self._num_waiting_tokens += job.num_uncached
-        await self._prefill_queue.put(job)
+        self._enqueue(job)
         try:
             return await job.future
         except BaseException:
             self.abort(request.request_id)
             raise
+
+    def _enqueue(self, job: _PrefillJob) -> None:
+        self._prefill_queue.put_nowait(job)
 
     def _allocate_prompt(self, request_id: str, prompt: list[int], hashes: list[bytes]) -> int:
         """Take the cached leading blocks of `prompt` and fresh ones for the rest; return how
@@ -266,7 +269,7 @@ class FakeEngine:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self._running),
-            num_waiting=self._prefill_queue.qsize() if self._prefill_task else 0,
+            num_waiting=self._prefill_queue.qsize() if self._task else 0,
             num_free_blocks=self._allocator.num_available,
             num_total_blocks=self.num_blocks,
             max_batch_size=self.max_batch_size,

@@ -109,6 +109,7 @@ class EngineStats:
     decode_step_s: float = 0.0  # measured (moving average); 0 before any decode step
     prefill_overhead_s: float = 0.0  # fitted T_prefill(n) = overhead + s_per_token * n
     prefill_s_per_token: float = 0.0
+    busy_s: float = 0.0  # wall time spent in model steps since start (utilization: its rate)
 
 
 class Engine(Protocol):

@@ -123,6 +123,7 @@ class TorchEngine:
         self._crash: BaseException | None = None
         self._prefill_tokens_per_s = 0.0
         self._decode_step_s = 0.0
+        self._busy_s = 0.0
         self._prefill_cost = PrefillCostFit()
         self._kv_buffer: memoryview | None = None
         itemsize = torch.empty((), dtype=options.dtype).element_size()
@@ -288,7 +289,7 @@ class TorchEngine:
             prefill_tokens_per_s=self._prefill_tokens_per_s,
             num_waiting_tokens=sum(s.num_uncomputed for s in list(self.scheduler.waiting)),
             decode_step_s=self._decode_step_s,
-            prefill_overhead_s=overhead, prefill_s_per_token=per_token,
+            prefill_overhead_s=overhead, prefill_s_per_token=per_token, busy_s=self._busy_s,
         )
 
     @property
@@ -357,6 +358,7 @@ class TorchEngine:
 
     def _measure(self, is_prefill: bool, num_tokens: int, elapsed_s: float) -> None:
         """Moving averages the conductor's cost model reads from heartbeats."""
+        self._busy_s += elapsed_s
         if is_prefill:
             self._prefill_cost.observe(num_tokens, elapsed_s)
             rate = num_tokens / max(elapsed_s, 1e-9)

@@ -2,6 +2,8 @@
 
     halfmoon up                      embedded NATS + conductor + prefill + decode + gateway
     halfmoon gateway|conductor|prefill|decode --nats-url URL ...   one service per process
+    halfmoon bench serve --url URL ...        load-test an OpenAI-compatible server
+    halfmoon bench compare ...                colocated against disaggregated serving
     halfmoon bench transfer [--max-mib N]     transfer-engine benchmark (two processes)
 
 Every service flag is also an environment variable `HALFMOON_<FLAG>` and a key of the TOML
@@ -79,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("directory", nargs="?", default=None,
                       help="default: the built-in model's cache directory")
     init.add_argument("--force", action="store_true", help="overwrite an existing model")
-    bench = commands.add_parser("bench", help="benchmarks (bench transfer --help)")
-    bench.add_argument("target", choices=["transfer"], help="what to measure")
+    bench = commands.add_parser("bench", help="benchmarks (bench serve --help)")
+    bench.add_argument("target", choices=list(BENCHMARKS), help="what to measure")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER,
                        help="options of that benchmark")
     return parser
@@ -94,10 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "model":
             return init_model(args.directory, is_forced=args.force)
         if args.command == "bench":
-            from transfer_engine.bench import main as bench_transfer
-
-            bench_transfer(args.bench_args)
-            return 0
+            return run_benchmark(args.target, args.bench_args)
         return run_service(args.command, vars(args))
     except ConfigError as exc:
         print(f"halfmoon: {exc.message}", file=sys.stderr)
@@ -105,6 +104,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ServiceStartFailed as exc:
         print(f"halfmoon: {exc.message}", file=sys.stderr)
         return 1
+
+
+BENCHMARKS = {
+    "serve": "bench.serve",
+    "compare": "bench.compare",
+    "transfer": "transfer_engine.bench",
+}
+
+
+def run_benchmark(target: str, argv: list[str]) -> int:
+    import importlib
+
+    return importlib.import_module(BENCHMARKS[target]).main(argv) or 0
 
 
 def init_model(directory: str | None, *, is_forced: bool) -> int:

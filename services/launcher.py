@@ -70,7 +70,15 @@ class UpOptions:
         parser.add_argument("--kv-streaming", default=None, choices=["layerwise", "whole"],
                             help="disaggregated: stream KV per layer (default) or after prefill")
         parser.add_argument("--cluster", default="default")
-        parser.add_argument("--engine", default=None, choices=["torch", "fake"])
+        parser.add_argument("--engine", default=None, choices=["torch", "fake", "sim"],
+                            help="sim: a simulated accelerator (--sim-profile)")
+        parser.add_argument("--sim-profile", default=None,
+                            help="sim engine: model and device (default llama-3-8b-h200)")
+        parser.add_argument("--sim-time-scale", default=None,
+                            help="sim engine: wall seconds per simulated second")
+        parser.add_argument("--max-batch-size", default=None, help="sequences per step")
+        parser.add_argument("--max-batch-tokens", default=None,
+                            help="prompt tokens per prefill step")
         parser.add_argument("--model", dest="model_path", default=None,
                             help="a Hugging Face model directory (default: the built-in model)")
         parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
@@ -102,10 +110,11 @@ class UpOptions:
                        "fake_prefill_delay_s", "fake_prefill_s_per_token", "num_blocks",
                        "max_model_len", "model_path", "dtype", "local_prefill_max_tokens",
                        "kv_streaming", "policy", "ttft_slo_ms", "tbt_slo_ms", "tracing",
-                       "otlp_endpoint", "trace_sample_ratio")
+                       "otlp_endpoint", "trace_sample_ratio", "sim_profile", "sim_time_scale",
+                       "max_batch_size", "max_batch_tokens")
         flags = [("--" + name.replace("_", "-"), str(getattr(args, name)))
                  for name in passthrough if getattr(args, name) is not None]
-        if args.engine == "fake":
+        if args.engine in ("fake", "sim"):
             flags.append(("--tokenizer", "bytes"))
         if args.model_path is not None:
             flags.append(("--model", Path(args.model_path).name))
@@ -122,7 +131,8 @@ class UpOptions:
 _COMMON_FLAGS = {"--log-level", "--tracing", "--otlp-endpoint", "--trace-sample-ratio"}
 _WORKER_FLAGS = _COMMON_FLAGS | {"--engine", "--fake-token-delay-s", "--fake-prefill-delay-s",
                  "--fake-prefill-s-per-token", "--num-blocks", "--max-model-len",
-                 "--model-path", "--model", "--dtype"}
+                 "--model-path", "--model", "--dtype", "--sim-profile", "--sim-time-scale",
+                 "--max-batch-size", "--max-batch-tokens"}
 _ACCEPTS = {
     "gateway": _COMMON_FLAGS | {"--api-key", "--model-path", "--model", "--tokenizer",
                                 "--max-model-len"},

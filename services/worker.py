@@ -100,6 +100,7 @@ class WorkerService(Service):
         metrics.running.set_function(lambda: engine.stats().num_running)
         metrics.waiting.set_function(self._num_waiting)
         metrics.kv_blocks_free.set_function(lambda: engine.stats().num_free_blocks)
+        metrics.busy_seconds.set_function(lambda: engine.stats().busy_s)
         metrics.kv_blocks_used.set_function(
             lambda: (stats := engine.stats()).num_total_blocks - stats.num_free_blocks)
 
@@ -204,6 +205,7 @@ class WorkerService(Service):
             if self.role == "decode" else 0,
             kv_bytes_per_block=layout.num_layers * 2 * layout.block_bytes
             if (layout := self.engine.kv_layout()) is not None else 0,
+            busy_s=stats.busy_s,
         )
 
     async def _stop_intake(self) -> None:

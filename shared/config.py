@@ -19,7 +19,7 @@ from shared.errors import ConfigError
 
 ENV_PREFIX = "HALFMOON_"
 
-EngineKind = Literal["torch", "fake"]
+EngineKind = Literal["torch", "fake", "sim"]
 PrefillPolicy = Literal["least-loaded", "round-robin", "cache-aware", "seed", "longest-prefix"]
 
 
@@ -98,6 +98,12 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     fake_prefill_delay_s: float = 0.0  # the fake engine's cost per prefill batch...
     fake_prefill_s_per_token: float = 0.0  # ...plus this per uncached prompt token
     fake_token_delay_s: float = 0.0
+    # The simulated engine: a model on an accelerator (engine/sim_cost.py PROFILES), its steps
+    # slowed by `sim_time_scale` (wall s per simulated s), its KV bytes divided by
+    # `sim_kv_byte_scale`; its KV capacity is what the profile's device memory holds.
+    sim_profile: str = "llama-3-8b-h200"
+    sim_time_scale: float = 1.0
+    sim_kv_byte_scale: int = 4096
     # KV transfer (engines with a KV pool): where this worker's transfer engine listens, what
     # peers dial, the transports it may use (in preference order), the shared secret every
     # worker of the cluster holds, and whether KV streams layer by layer or after prefill.

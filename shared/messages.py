@@ -220,6 +220,7 @@ class WorkerHeartbeat(Message, frozen=True, kw_only=True):
     prefill_s_per_token: float = 0.0  # 0 until fitted
     local_prefill_max_tokens: int = 0  # decode: prompts up to this long it prefills itself
     kv_bytes_per_block: int = 0  # one block's KV, every layer; 0: no KV to move (fake engine)
+    busy_s: float = 0.0  # wall seconds the device spent in model steps since the worker started
 
 
 class KvBlockEvent(msgspec.Struct, frozen=True, kw_only=True):

@@ -89,6 +89,9 @@ class WorkerMetrics(ServiceMetrics):
                                     "and not evictable cache)", registry=r)
         self.kv_blocks_free = Gauge("halfmoon_kv_blocks_free", "KV blocks free or evictable",
                                     registry=r)
+        self.busy_seconds = Gauge("halfmoon_engine_busy_seconds", "wall seconds the engine's "
+                                  "device spent in model steps since start (utilization: its "
+                                  "rate)", registry=r)
         self.kv_transfer_bytes = Counter("halfmoon_kv_transfer_bytes", "KV bytes moved, by "
                                          "transport", ["transport"], registry=r)
         self.kv_transfer_seconds = Histogram("halfmoon_kv_transfer_seconds",

@@ -44,7 +44,7 @@ class Stack:
             **common, **{"heartbeat_timeout_s": 1.0, **self.conductor_options}))
         self.prefills = [PrefillService(worker) for _ in range(self.num_prefill)]
         self.decodes = [DecodeService(worker) for _ in range(self.num_decode)]
-        tokenizer = "bytes" if worker.engine == "fake" else "model"
+        tokenizer = "bytes" if worker.engine in ("fake", "sim") else "model"
         self.gateway = GatewayService(GatewayConfig(
             **common, port=0, **{"tokenizer": tokenizer, "heartbeat_timeout_s": 1.0,
                                  **self.gateway_options}))

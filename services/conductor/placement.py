@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 from services.conductor.cost_model import (
     TransferCost,
-    predicted_tbt_s,
     predicted_ttft_s,
     reuse_benefit_s,
     seed_score,
@@ -153,6 +152,15 @@ def prefix_source(chosen: WorkerHeartbeat, workers: Sequence[WorkerHeartbeat],
         else None
 
 
+def _decode_work_s(worker: WorkerHeartbeat, pending: Mapping[str, PendingWork]) -> float:
+    """The measured step time times the batch once this request joins: on equal hardware
+    the emptier worker, across hardware the faster one per sequence. (Not the predicted step
+    time: with a fixed part in every step, as on a memory-bound GPU, that grows least on the
+    fullest worker and would pile every request onto it.)"""
+    extra = pending.get(worker.worker_id, _NO_PENDING).num_requests
+    return worker.decode_step_s * (worker.num_running + extra + 1)
+
+
 def pick_decode(
     workers: Sequence[WorkerHeartbeat],
     excluded: Collection[str],
@@ -170,9 +178,8 @@ def pick_decode(
         room = (worker.num_free_blocks
                 - pending.get(worker.worker_id, _NO_PENDING).num_blocks
                 - blocks_needed(num_tokens, worker.block_size))
-        key = (predicted_tbt_s(worker, 1 + pending.get(worker.worker_id, _NO_PENDING)
-                               .num_requests),
-               _load(worker, pending), -room, worker.worker_id)
+        key = (_decode_work_s(worker, pending), _load(worker, pending), -room,
+               worker.worker_id)
         if room >= 0 and (best is None or key < best):
             best, chosen = key, worker
     if chosen is None:

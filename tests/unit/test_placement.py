@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from services.conductor.placement import (
@@ -96,3 +97,11 @@ def test_longest_prefix_follows_the_cache_even_to_a_busy_worker() -> None:
     prefix = PrefixView(num_blocks=10, cached_blocks={"b": 2, "c": 2})
     picked = pick_prefill(workers, (), {}, policy="longest-prefix", prefix=prefix)
     assert picked.worker_id == "c"  # the longest prefix, then the less loaded holder
+
+
+def test_decode_spreads_over_equal_memory_bound_workers() -> None:
+    # A memory-bound step costs about the same at batch 1 and batch 10: the emptier worker
+    # must win, though its step grows the most, relatively, when a request joins.
+    busy = msgspec.structs.replace(worker("a", "decode", running=10), decode_step_s=0.0055)
+    idle = msgspec.structs.replace(worker("b", "decode", running=1), decode_step_s=0.0050)
+    assert pick_decode([busy, idle], (), {}, num_tokens=32).worker_id == "b"

@@ -1,0 +1,232 @@
+"""`halfmoon bench compare`: colocated against disaggregated serving, same workers, same load.
+
+    halfmoon bench compare --engine sim --workers 8 --prefill 4 --rate 8 --loads 0.5,1,1.5 \\
+        --num-requests 300 --input-len 2048 --output-len 256 --range-ratio 0.5 \\
+        --slo-ttft-ms 1000 --slo-itl-ms 50 --out compare/
+
+For each setup and each load factor, starts a fresh `halfmoon up` (every service its own
+process, embedded NATS): **colocated** (`--mode colocated --workers N`: every worker prefills
+and decodes; prefill steps interrupt decode, as in vLLM) and **disaggregated** (`--prefill P
+--decode N-P`, KV streamed layer by layer through the transfer engine). It replays the same
+seeded workload at `load x` the base rate (a trace: `load x` faster), measures it with
+`bench serve`'s client, and reads each worker's accelerator utilization from its heartbeats.
+
+With `--engine sim` the workers simulate `--sim-profile` (`engine/sim_cost.py`) running
+`--time-scale` times slower than real, so the host keeps up; arrivals are stretched by the
+same factor and every time reported is divided by it, i.e. in the simulated device's time.
+With `--engine torch` the workers run the built-in model on this machine's CPU.
+
+Prints each run, then the seed's table as measured ratios: TTFT p99 and ITL p99 at a
+reference load (the highest at which colocated still meets the SLO for 90 % of requests),
+throughput at the SLO (the best goodput over the loads) and utilization at that load; writes
+`compare.json` and plots to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from bench.client import RequestRecord
+from bench.control_path import free_port, launch
+from bench.results import Slo, Summary, summarize
+from bench.serve import add_workload_flags, benchmark, build_workload
+from bench.utilization import UtilizationProbe, WorkerUtilization
+from bench.workload import BenchRequest
+
+SETUPS = ("colocated", "disaggregated")
+ATTAINMENT_TARGET = 0.9
+
+
+@dataclass
+class Run:
+    setup: str
+    load: float
+    summary: Summary
+    records: list[RequestRecord]
+    utilization: list[WorkerUtilization]
+
+    @property
+    def mean_utilization(self) -> float:
+        values = [w.utilization for w in self.utilization]
+        return sum(values) / len(values) if values else float("nan")
+
+
+def cluster_args(args: argparse.Namespace, setup: str) -> list[str]:
+    flags = ["--engine", args.engine, "--log-level", "warning",
+             "--max-model-len", str(args.max_model_len)]
+    if args.engine == "sim":
+        flags += ["--sim-profile", args.sim_profile, "--sim-time-scale", str(args.time_scale)]
+    if setup == "colocated":
+        return [*flags, "--mode", "colocated", "--workers", str(args.workers)]
+    return [*flags, "--prefill", str(args.prefill), "--decode",
+            str(args.workers - args.prefill)]
+
+
+def at_load(requests: list[BenchRequest], load: float, time_scale: float
+            ) -> list[BenchRequest]:
+    """`load` times the arrival rate, in wall time."""
+    return [replace(r, arrival_s=(r.arrival_s or 0.0) / load * time_scale) for r in requests]
+
+
+def in_device_time(record: RequestRecord, time_scale: float) -> RequestRecord:
+    return replace(record, sent_at_s=record.sent_at_s / time_scale,
+                   chunk_times_s=[t / time_scale for t in record.chunk_times_s],
+                   end_s=record.end_s / time_scale)
+
+
+async def measure(url: str, nats_url: str, requests: list[BenchRequest], slo: Slo,
+                  time_scale: float, num_workers: int) -> tuple[Summary, list[RequestRecord],
+                                                             list[WorkerUtilization]]:
+    probe = UtilizationProbe(nats_url)
+    await probe.start()
+    try:
+        await probe.wait_for_workers(num_workers)
+        start = probe.snapshot()
+        summary, records = await benchmark(url, requests, slo, progress=True)
+        utilization = await probe.since(start)
+    finally:
+        await probe.close()
+    scaled = [in_device_time(r, time_scale) for r in records]
+    return summarize(scaled, summary.duration_s / time_scale, slo), scaled, utilization
+
+
+def run_one(args: argparse.Namespace, setup: str, load: float,
+            requests: list[BenchRequest], slo: Slo) -> Run:
+    time_scale = args.time_scale if args.engine == "sim" else 1.0
+    nats_port = free_port()
+    process, url = launch(*cluster_args(args, setup), "--nats-port", str(nats_port))
+    try:
+        summary, records, utilization = asyncio.run(measure(
+            url, f"nats://127.0.0.1:{nats_port}", at_load(requests, load, time_scale), slo,
+            time_scale, args.workers))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    return Run(setup, load, summary, records, utilization)
+
+
+def run_row(run: Run) -> str:
+    s = run.summary
+    return (f"{run.setup:>13} {run.load:5.2f} {s.num_ok:5d} {s.num_rejected + s.num_errors:4d} "
+            f"{s.ttft.p50:9.1f} {s.ttft.p99:9.1f} {s.itl.p50:8.1f} {s.itl.p99:8.1f} "
+            f"{s.output_tokens_per_s:8.1f} {s.goodput_requests_per_s:7.2f} "
+            f"{100 * s.slo_attainment:5.1f} {100 * run.mean_utilization:5.1f}")
+
+
+RUN_HEADER = (f"{'setup':>13} {'load':>5} {'ok':>5} {'fail':>4} {'TTFT p50':>9} {'p99':>9} "
+              f"{'ITL p50':>8} {'p99':>8} {'tok/s':>8} {'goodput':>7} {'SLO%':>5} "
+              f"{'util%':>5}")
+
+
+def reference_load(runs: list[Run]) -> float:
+    """The highest load at which colocated meets the SLO for 90 % of requests (else the
+    lowest load): where both setups still serve, so their tails compare like for like."""
+    loads = sorted({r.load for r in runs})
+    meeting = [r.load for r in runs if r.setup == "colocated"
+               and r.summary.slo_attainment >= ATTAINMENT_TARGET]
+    return max(meeting) if meeting else loads[0]
+
+
+def best_goodput(runs: list[Run], setup: str) -> Run:
+    return max((r for r in runs if r.setup == setup),
+               key=lambda r: r.summary.goodput_requests_per_s)
+
+
+def ratio_table(runs: list[Run]) -> str:
+    load = reference_load(runs)
+    col, dis = (next(r for r in runs if r.setup == s and r.load == load) for s in SETUPS)
+    best_col, best_dis = best_goodput(runs, "colocated"), best_goodput(runs, "disaggregated")
+
+    def row(name: str, a: float, b: float, ratio: float, seed: str) -> str:
+        return f"{name:<34} {a:>11.2f} {b:>13.2f} {ratio:>8.2f}x {seed:>12}"
+
+    lines = [f"{'metric':<34} {'colocated':>11} {'disaggregated':>13} {'ratio':>9} "
+             f"{'seed claims':>12}",
+             row(f"TTFT p99 ms (load {load:g}), lower", col.summary.ttft.p99,
+                 dis.summary.ttft.p99, col.summary.ttft.p99 / dis.summary.ttft.p99, "5.3x"),
+             row(f"ITL p99 ms (load {load:g}), lower", col.summary.itl.p99,
+                 dis.summary.itl.p99, col.summary.itl.p99 / dis.summary.itl.p99, "2.7x"),
+             row("throughput at SLO (goodput req/s)", best_col.summary.goodput_requests_per_s,
+                 best_dis.summary.goodput_requests_per_s,
+                 best_dis.summary.goodput_requests_per_s
+                 / max(1e-9, best_col.summary.goodput_requests_per_s), "1.8x"),
+             row("utilization % at that load", 100 * best_col.mean_utilization,
+                 100 * best_dis.mean_utilization,
+                 best_dis.mean_utilization / max(1e-9, best_col.mean_utilization),
+                 "45 -> 75 %")]
+    return "\n".join(lines)
+
+
+def write_outputs(out: Path, runs: list[Run], settings: dict[str, object]) -> list[Path]:
+    from bench import plots
+
+    out.mkdir(parents=True, exist_ok=True)
+    data = [{"setup": r.setup, "load": r.load, "summary": r.summary.to_dict(),
+             "mean_utilization": r.mean_utilization,
+             "utilization": [asdict(w) for w in r.utilization]} for r in runs]
+    result = out / "compare.json"
+    result.write_text(json.dumps({"settings": settings, "runs": data}, indent=1, default=str))
+    load = reference_load(runs)
+    at_reference = [(r.setup, r.records) for r in runs if r.load == load]
+    return [result,
+            plots.latency_cdfs(at_reference, out / "compare_latency_cdf.png",
+                               title=f"load {load:g}"),
+            plots.goodput_and_utilization(
+                [(s, [(r.load, r.summary.goodput_requests_per_s, r.mean_utilization)
+                      for r in runs if r.setup == s]) for s in SETUPS],
+                out / "compare_goodput.png")]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="halfmoon bench compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=["sim", "torch"], default="sim")
+    parser.add_argument("--sim-profile", default="llama-3-8b-h200")
+    parser.add_argument("--time-scale", type=float, default=4.0,
+                        help="sim: wall seconds per simulated second")
+    parser.add_argument("--workers", type=int, default=8, help="workers in each setup")
+    parser.add_argument("--prefill", type=int, default=None,
+                        help="disaggregated: prefill workers (default: half)")
+    parser.add_argument("--max-model-len", type=int, default=131072)
+    parser.add_argument("--loads", default="1", help="load factors, e.g. 0.5,1,1.5")
+    parser.add_argument("--setups", default=",".join(SETUPS))
+    parser.add_argument("--concurrency", type=int, default=None, help=argparse.SUPPRESS)
+    add_workload_flags(parser)
+    parser.add_argument("--slo-ttft-ms", type=float, default=None)
+    parser.add_argument("--slo-itl-ms", type=float, default=None)
+    parser.add_argument("--out", type=Path, default=None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.prefill = args.prefill if args.prefill is not None else args.workers // 2
+    if not 0 < args.prefill < args.workers:
+        raise SystemExit("--prefill must leave at least one decode worker")
+    if args.trace is None and args.rate is None:
+        raise SystemExit("give --rate (requests/s at load 1) or --trace")
+    requests = build_workload(args)
+    slo = Slo(args.slo_ttft_ms, args.slo_itl_ms)
+    runs = []
+    for load in (float(x) for x in args.loads.split(",")):
+        for setup in args.setups.split(","):
+            runs.append(run_one(args, setup, load, requests, slo))
+            print(f"{RUN_HEADER}\n{run_row(runs[-1])}", file=sys.stderr, flush=True)
+    print(RUN_HEADER)
+    for run in runs:
+        print(run_row(run))
+    if {r.setup for r in runs} == set(SETUPS):
+        print()
+        print(ratio_table(runs))
+    if args.out is not None:
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        for path in write_outputs(args.out, runs, settings):
+            print(f"wrote {path}")
+    return 0

@@ -1,0 +1,132 @@
+"""The simulated accelerator's cost model: how long a model step takes on a given device.
+
+Roofline per step: a step costs the larger of its compute time (FLOPs over peak FLOP/s x
+`compute_efficiency`) and its memory time (bytes read and written over bandwidth x
+`bandwidth_efficiency`), plus a fixed `step_overhead_s` (kernel launches, scheduling).
+
+FLOPs of a sequence computing `n` new tokens after `c` cached ones (a multiply-add is 2):
+    linear:     2 x layer_params x n  (+ 2 x vocab x hidden for each sampled token)
+    attention:  4 x layers x heads x head_dim x (n x c + n (n + 1) / 2)   (QK^T and PV, causal)
+Bytes of a step: every weight once (the batch shares them), the KV the step reads (each
+sequence's context) and writes (its new tokens). Prefill is compute-bound, decode memory-bound;
+the roofline picks which without being told.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from engine.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """A device (or a tensor-parallel group of `num_devices` counted as one: their FLOP/s,
+    bandwidth and memory add; the all-reduces between them are not modelled)."""
+
+    name: str
+    peak_flops: float  # dense, at the profile's dtype, per device
+    memory_bytes_per_s: float
+    memory_bytes: float
+    num_devices: int = 1
+    compute_efficiency: float = 0.5  # achieved / peak FLOP/s on large matmuls
+    bandwidth_efficiency: float = 0.75  # achieved / peak bandwidth streaming weights and KV
+    step_overhead_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SimProfile:
+    """A model on an accelerator."""
+
+    name: str
+    model: ModelConfig
+    accelerator: Accelerator
+    dtype_bytes: int = 2
+    memory_utilization: float = 0.9  # of device memory for weights + KV, as vLLM's default
+
+    @property
+    def layer_params(self) -> int:
+        m = self.model
+        attention = m.hidden_size * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+        mlp = 3 * m.hidden_size * m.intermediate_size
+        return m.num_layers * (attention + mlp)
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.model.vocab_size * self.model.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        embeddings = 1 if self.model.tie_word_embeddings else 2
+        return self.layer_params + embeddings * self.lm_head_params
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a step reads: the layers and the LM head (an embedding lookup reads rows)."""
+        return (self.layer_params + self.lm_head_params) * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        m = self.model
+        return 2 * m.num_layers * m.num_kv_heads * m.head_dim * self.dtype_bytes
+
+    def kv_capacity_tokens(self) -> int:
+        device = self.accelerator
+        usable = device.memory_bytes * device.num_devices * self.memory_utilization
+        return max(0, int((usable - self.num_params * self.dtype_bytes)
+                          // self.kv_bytes_per_token))
+
+    def attention_flops(self, num_new: int, num_cached: int) -> float:
+        m = self.model
+        pairs = num_new * num_cached + num_new * (num_new + 1) / 2
+        return 4 * m.num_layers * m.num_heads * m.head_dim * pairs
+
+    def prefill_flops(self, num_new: int, num_cached: int = 0) -> float:
+        return (2 * self.layer_params * num_new + 2 * self.lm_head_params
+                + self.attention_flops(num_new, num_cached))
+
+    def prefill_s(self, sequences: Iterable[tuple[int, int]]) -> float:
+        """One prefill step over `(num_new, num_cached)` per sequence."""
+        flops = bytes_moved = 0.0
+        for num_new, num_cached in sequences:
+            flops += self.prefill_flops(num_new, num_cached)
+            bytes_moved += self.kv_bytes_per_token * (num_new + num_cached)
+        return self._roofline(flops, self.weight_bytes + bytes_moved)
+
+    def decode_s(self, context_lens: Iterable[int]) -> float:
+        """One decode step: each sequence adds a token after `context_len` in its cache."""
+        flops = bytes_moved = 0.0
+        for context_len in context_lens:
+            flops += self.prefill_flops(1, context_len)
+            bytes_moved += self.kv_bytes_per_token * (context_len + 1)
+        return self._roofline(flops, self.weight_bytes + bytes_moved)
+
+    def _roofline(self, flops: float, bytes_moved: float) -> float:
+        device = self.accelerator
+        compute_s = flops / (device.peak_flops * device.num_devices * device.compute_efficiency)
+        memory_s = bytes_moved / (device.memory_bytes_per_s * device.num_devices
+                                  * device.bandwidth_efficiency)
+        return max(compute_s, memory_s) + device.step_overhead_s
+
+
+def _llama3(**shape: int) -> ModelConfig:
+    return ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "num_key_value_heads": 8,
+        "rope_theta": 500000.0, "max_position_embeddings": 131072, **shape})
+
+
+# Both numbers measured on a real H200 (dense bf16 matmul; streaming copy).
+H200 = Accelerator(name="h200", peak_flops=790e12, memory_bytes_per_s=4.3e12,
+                   memory_bytes=141e9)
+LLAMA_3_8B = _llama3(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32)
+LLAMA_3_70B = _llama3(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                      num_attention_heads=64)
+
+PROFILES = {
+    "llama-3-8b-h200": SimProfile("llama-3-8b-h200", LLAMA_3_8B, H200),
+    # 140 GB of bf16 weights do not fit one H200: served tensor-parallel over four.
+    "llama-3-70b-h200x4": SimProfile("llama-3-70b-h200x4", LLAMA_3_70B,
+                                     replace(H200, name="h200x4", num_devices=4)),
+}

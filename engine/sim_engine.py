@@ -1,0 +1,282 @@
+"""`SimEngine`: the engine protocol on a simulated accelerator (`--engine sim`).
+
+A worker with this engine behaves, to the rest of halfmoon, like one driving a real device of
+the chosen profile (`engine/sim_cost.py`): each model step takes the time the cost model
+gives for it (times `time_scale`, to slow the whole simulation down when the host is the
+bottleneck), so batching, scheduling, admission and KV transfer all run as production code
+against realistic step times. Tokens are the fake engine's (deterministic letters); blocks are
+counted for real, prefix cache included.
+
+One device per worker, one step at a time, as on a GPU:
+  - prefill step: the waiting prompts, first come first served, whole, up to
+    `max_batch_tokens` (at least one); costed from FLOPs; layer i's `on_layer` fires when
+    i + 1 of the step's layers have elapsed, so layer-wise KV streaming overlaps compute;
+  - decode step: every running sequence (up to `max_batch_size`) adds one token; costed from
+    the bytes of weights and KV read.
+Waiting prompts go first (vLLM's default without chunked prefill), so on a colocated worker
+(`generate`) each prefill step stalls every running decode: the interference
+disaggregation removes.
+
+The KV pool is real memory in the profile's layout, with each block's bytes divided by
+`kv_byte_scale` (the real sizes would not fit this machine); those bytes move through the
+transfer engine like a real engine's. `stats().busy_s` is the wall time the device spent in
+steps: utilization is its growth over wall time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.fake_engine import FakeEngine, _PrefillJob, _Running, prompt_digest
+from engine.prefill_cost import PrefillCostFit
+from engine.protocol import (
+    DecodeRequest,
+    EngineStats,
+    KvLayout,
+    PrefillRequest,
+    PrefillResult,
+    TokenOutput,
+)
+from engine.sim_cost import SimProfile
+from shared.block_hash import block_hashes
+from shared.errors import CapacityExhausted, EngineFailure, InvalidRequest
+from shared.messages import SamplingParams
+
+
+@dataclass
+class _SimRunning(_Running):
+    prompt_len: int = 0
+
+    @property
+    def context_len(self) -> int:
+        return self.prompt_len + self.num_generated
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    profile: SimProfile
+    time_scale: float = 1.0  # wall seconds per simulated second
+    num_blocks: int | None = None  # None: what the profile's device memory holds
+    block_size: int = 16
+    max_batch_size: int = 256
+    max_batch_tokens: int = 8192
+    kv_byte_scale: int = 4096  # real KV bytes per byte moved
+    is_prefix_caching: bool = True
+
+
+class SimEngine(FakeEngine):
+    """Implements `engine.protocol.Engine` on a simulated device."""
+
+    def __init__(self, options: SimOptions) -> None:
+        profile = options.profile
+        num_blocks = options.num_blocks or profile.kv_capacity_tokens() // options.block_size
+        if num_blocks <= 0:
+            raise InvalidRequest(f"profile {profile.name}: the weights leave no room for KV")
+        super().__init__(num_blocks=num_blocks, block_size=options.block_size,
+                         max_batch_size=options.max_batch_size,
+                         is_prefix_caching=options.is_prefix_caching)
+        self.options = options
+        self.profile = profile
+        model = profile.model
+        block_bytes = options.block_size * model.num_kv_heads * model.head_dim \
+            * profile.dtype_bytes
+        self._layout = KvLayout(model.num_layers, num_blocks,
+                                max(1, block_bytes // options.kv_byte_scale))
+        self._kv: memoryview | None = None
+        self._waiting: deque[_PrefillJob] = deque()
+        self._local: dict[str, bool] = {}  # prefilled here to decode here: emit first token?
+        self._outputs: asyncio.Queue[list[TokenOutput]] = asyncio.Queue()
+        self._prefill_cost = PrefillCostFit()
+        self._decode_step_s = 0.0
+        self.busy_s = 0.0
+
+    async def start(self) -> None:
+        if self._kv is None:
+            self._kv = memoryview(bytearray(self._layout.size_bytes))
+        self._task = asyncio.create_task(self._device_loop(), name="sim.device")
+
+    async def close(self) -> None:
+        for job in self._waiting:
+            if not job.future.done():
+                job.future.set_exception(EngineFailure("engine closed"))
+        await super().close()
+
+    def kv_layout(self) -> KvLayout:
+        return self._layout
+
+    def use_kv_buffer(self, buffer: memoryview) -> None:
+        if len(buffer) < self._layout.size_bytes:
+            raise InvalidRequest(f"KV buffer of {len(buffer)} bytes, need "
+                                 f"{self._layout.size_bytes}")
+        self._kv = buffer
+
+    # Work in.
+    def _enqueue(self, job: _PrefillJob) -> None:
+        self._waiting.append(job)
+        self._has_work.set()
+
+    def generate(self, request: PrefillRequest) -> None:
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise InvalidRequest("empty prompt", param="prompt")
+        hashes = block_hashes(prompt, self.block_size) if self.is_prefix_caching else []
+        num_cached = self._allocate_prompt(request.request_id, prompt, hashes)
+        num_more = math.ceil((len(prompt) + request.sampling.max_tokens) / self.block_size) \
+            - len(self._owned[request.request_id])
+        try:
+            self._owned[request.request_id] += self._take(max(0, num_more))
+        except CapacityExhausted:
+            self._free(request.request_id)
+            raise
+        self._queue_local(_PrefillJob(request, hashes, num_cached, self._new_future()),
+                          is_first_token_out=True)
+
+    def join(self, request: DecodeRequest) -> None:
+        if request.request_id not in self._owned:
+            raise InvalidRequest(f"request {request.request_id} has no reserved blocks")
+        if request.is_kv_ready:
+            self._start_running(request.request_id, request.sampling,
+                                request.prompt_token_ids, num_generated=1)
+            return
+        # The KV did not come: recompute it into the reserved blocks, then decode.
+        prefill = PrefillRequest(request.request_id, request.prompt_token_ids, request.sampling)
+        self._queue_local(_PrefillJob(prefill, [], 0, self._new_future()),
+                          is_first_token_out=False)
+
+    def _new_future(self) -> asyncio.Future[PrefillResult]:
+        return asyncio.get_running_loop().create_future()
+
+    def _queue_local(self, job: _PrefillJob, *, is_first_token_out: bool) -> None:
+        """A prompt prefilled here to be decoded here: no result waits on it; it joins the
+        running batch when computed (and its first token goes out if `is_first_token_out`)."""
+        self._local[job.request.request_id] = is_first_token_out
+        self._num_waiting_tokens += job.num_uncached
+        self._enqueue(job)
+
+    def _start_running(self, request_id: str, sampling: SamplingParams, prompt: list[int],
+                       num_generated: int) -> None:
+        self._running[request_id] = _SimRunning(request_id, sampling, prompt_digest(prompt),
+                                                num_generated, prompt_len=len(prompt))
+        self._has_work.set()
+
+    def abort(self, request_id: str) -> bool:
+        self._local.pop(request_id, None)
+        return super().abort(request_id)
+
+    # The device.
+    async def _device_loop(self) -> None:
+        while True:
+            while not self._waiting and not self._running:
+                self._has_work.clear()
+                await self._has_work.wait()
+            if self._waiting:
+                await self._prefill_step()
+            else:
+                await self._decode_step()
+
+    def _next_prefill_batch(self) -> list[_PrefillJob]:
+        batch: list[_PrefillJob] = []
+        budget = self.options.max_batch_tokens
+        while self._waiting and len(batch) < self.max_batch_size:
+            job = self._waiting[0]
+            if job.request.request_id not in self._owned:  # aborted while waiting
+                self._waiting.popleft()
+                self._num_waiting_tokens -= job.num_uncached
+                continue
+            if batch and job.num_uncached > budget:
+                break
+            batch.append(self._waiting.popleft())
+            budget -= job.num_uncached
+        return batch
+
+    async def _prefill_step(self) -> None:
+        batch = self._next_prefill_batch()
+        if not batch:
+            return
+        num_tokens = sum(job.num_uncached for job in batch)
+        duration_s = self.profile.prefill_s([(job.num_uncached, job.num_cached)
+                                             for job in batch])
+        callbacks = [(job.request.on_layer, job.request.request_id) for job in batch
+                     if job.request.on_layer is not None]
+        wall_s = await self._run(duration_s, callbacks)
+        self._prefill_cost.observe(num_tokens, wall_s)
+        self._num_waiting_tokens -= num_tokens
+        first_tokens = []
+        for job in batch:
+            if job.request.request_id not in self._owned:
+                continue  # aborted during the step
+            self._register(job)
+            result = self._first_token(job, wall_s)
+            is_local = self._local.pop(job.request.request_id, None)
+            if is_local is None:
+                if not job.future.done():
+                    job.future.set_result(result)
+                continue
+            request = job.request
+            self._start_running(request.request_id, request.sampling,
+                                request.prompt_token_ids, num_generated=1)
+            if is_local:
+                first_tokens.append(self._first_output(job, result))
+        if first_tokens:
+            self._outputs.put_nowait(first_tokens)
+
+    def _first_output(self, job: _PrefillJob, result: PrefillResult) -> TokenOutput:
+        if result.finish_reason is not None:
+            self.abort(job.request.request_id)
+        return TokenOutput(job.request.request_id, 0, result.first_token_id,
+                           result.finish_reason, num_cached_tokens=job.num_cached)
+
+    async def _decode_step(self) -> None:
+        batch = [state for state in self._running.values()][: self.max_batch_size]
+        duration_s = self.profile.decode_s(
+            state.context_len for state in batch)  # type: ignore[attr-defined]
+        wall_s = await self._run(duration_s, [])
+        old = self._decode_step_s
+        self._decode_step_s = wall_s if old == 0 else 0.8 * old + 0.2 * wall_s
+        outputs = [self._decode_one(state) for state in batch
+                   if state.request_id in self._running]
+        # Rotate, so that past max_batch_size every sequence gets its turn.
+        for state in batch:
+            if self._running.pop(state.request_id, None) is not None:
+                self._running[state.request_id] = state
+        if outputs:
+            self._outputs.put_nowait(outputs)
+
+    async def _run(self, duration_s: float,
+                   callbacks: list[tuple[Callable[[int, list[int]], None], str]]) -> float:
+        """Hold the device for `duration_s` simulated seconds; return the wall time."""
+        wall_s = duration_s * self.options.time_scale
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        num_layers = self._layout.num_layers if callbacks else 1
+        for layer in range(num_layers):
+            await asyncio.sleep(max(0.0, started + wall_s * (layer + 1) / num_layers
+                                    - loop.time()))
+            for on_layer, request_id in callbacks:
+                if (blocks := self._owned.get(request_id)) is not None:
+                    on_layer(layer, list(blocks))
+        self.busy_s += wall_s
+        return wall_s
+
+    async def next_step(self) -> list[TokenOutput]:
+        return await self._outputs.get()
+
+    def stats(self) -> EngineStats:
+        overhead_s, s_per_token = self._prefill_cost.coefficients()
+        return EngineStats(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            num_free_blocks=self._allocator.num_available,
+            num_total_blocks=self.num_blocks,
+            max_batch_size=self.max_batch_size,
+            num_waiting_tokens=self._num_waiting_tokens,
+            decode_step_s=self._decode_step_s,
+            prefill_overhead_s=overhead_s,
+            prefill_s_per_token=s_per_token,
+            prefill_tokens_per_s=1 / s_per_token if s_per_token else 0.0,
+            busy_s=self.busy_s,
+        )
