@@ -56,6 +56,13 @@ class Run:
 
 def make_llama_95m(directory: Path) -> Path:
     """The built-in model's tokenizer under a bigger random-weight Llama (8 x 1024)."""
+    return make_llama(directory, hidden_size=1024, intermediate_size=2816, num_layers=8,
+                      num_heads=16, num_kv_heads=8)
+
+
+def make_llama(directory: Path, *, hidden_size: int, intermediate_size: int, num_layers: int,
+               num_heads: int, num_kv_heads: int) -> Path:
+    """A random-weight Llama of this shape with the built-in model's tokenizer."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -64,8 +71,9 @@ def make_llama_95m(directory: Path) -> Path:
     write_builtin_model(directory)
     base = json.loads((directory / "config.json").read_text())
     config = LlamaConfig(
-        vocab_size=base["vocab_size"], hidden_size=1024, intermediate_size=2816,
-        num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+        vocab_size=base["vocab_size"], hidden_size=hidden_size,
+        intermediate_size=intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=2048, bos_token_id=base["bos_token_id"],
         eos_token_id=base["eos_token_id"], tie_word_embeddings=True)
     torch.manual_seed(0)

@@ -4,6 +4,14 @@ Roofline per step: a step costs the larger of its compute time (FLOPs over peak 
 `compute_efficiency`) and its memory time (bytes read and written over bandwidth x
 `bandwidth_efficiency`), plus a fixed `step_overhead_s` (kernel launches, scheduling).
 
+Measured refinements, for devices where the plain roofline is far off (a CPU): the matmuls'
+achieved FLOP/s by the number of token rows in the step (`matmul_flops_by_rows`: small-batch
+GEMMs reach neither peak FLOP/s nor peak bandwidth there), attention's achieved FLOP/s, the
+fixed time of one attention call (`attention_call_s`) for engines that attend sequence by
+sequence, and the host's work per sequence per step (`sequence_overhead_s`: block tables,
+sampling). They are properties of the device, its kernels and its host, measured with
+microbenchmarks, never fitted to an engine's step times.
+
 FLOPs of a sequence computing `n` new tokens after `c` cached ones (a multiply-add is 2):
     linear:     2 x layer_params x n  (+ 2 x vocab x hidden for each sampled token)
     attention:  4 x layers x heads x head_dim x (n x c + n (n + 1) / 2)   (QK^T and PV, causal)
@@ -14,6 +22,8 @@ the roofline picks which without being told.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -33,6 +43,24 @@ class Accelerator:
     compute_efficiency: float = 0.5  # achieved / peak FLOP/s on large matmuls
     bandwidth_efficiency: float = 0.75  # achieved / peak bandwidth streaming weights and KV
     step_overhead_s: float = 0.0
+    matmul_flops_by_rows: tuple[tuple[int, float], ...] = ()  # (rows, FLOP/s), rows ascending
+    attention_call_s: float = 0.0  # per sequence per layer
+    attention_flops_per_s: float = 0.0  # achieved by attention; 0: peak x compute_efficiency
+    sequence_overhead_s: float = 0.0  # host work per sequence per step
+
+    def matmul_flops(self, num_rows: int) -> float:
+        """Achieved FLOP/s of a matmul over `num_rows` token rows: the measured curve,
+        interpolated in log(rows) and clamped at its ends, or peak x efficiency."""
+        curve = self.matmul_flops_by_rows
+        if not curve:
+            return self.peak_flops * self.compute_efficiency
+        if num_rows <= curve[0][0]:
+            return curve[0][1]
+        for (low_rows, low), (high_rows, high) in itertools.pairwise(curve):
+            if num_rows <= high_rows:
+                fraction = math.log(num_rows / low_rows) / math.log(high_rows / low_rows)
+                return low + (high - low) * fraction
+        return curve[-1][1]
 
 
 @dataclass(frozen=True)
@@ -88,26 +116,39 @@ class SimProfile:
 
     def prefill_s(self, sequences: Iterable[tuple[int, int]]) -> float:
         """One prefill step over `(num_new, num_cached)` per sequence."""
-        flops = bytes_moved = 0.0
+        rows = num_seqs = 0
+        attention = bytes_moved = 0.0
         for num_new, num_cached in sequences:
-            flops += self.prefill_flops(num_new, num_cached)
+            rows += num_new
+            num_seqs += 1
+            attention += self.attention_flops(num_new, num_cached)
             bytes_moved += self.kv_bytes_per_token * (num_new + num_cached)
-        return self._roofline(flops, self.weight_bytes + bytes_moved)
+        return self._step_s(rows, num_seqs, attention, self.weight_bytes + bytes_moved)
 
     def decode_s(self, context_lens: Iterable[int]) -> float:
         """One decode step: each sequence adds a token after `context_len` in its cache."""
-        flops = bytes_moved = 0.0
+        num_seqs = 0
+        attention = bytes_moved = 0.0
         for context_len in context_lens:
-            flops += self.prefill_flops(1, context_len)
+            num_seqs += 1
+            attention += self.attention_flops(1, context_len)
             bytes_moved += self.kv_bytes_per_token * (context_len + 1)
-        return self._roofline(flops, self.weight_bytes + bytes_moved)
+        return self._step_s(num_seqs, num_seqs, attention, self.weight_bytes + bytes_moved)
 
-    def _roofline(self, flops: float, bytes_moved: float) -> float:
+    def _step_s(self, num_rows: int, num_seqs: int, attention_flops: float,
+                bytes_moved: float) -> float:
+        """Roofline of a step whose layers' matmuls see `num_rows` token rows and whose LM
+        head sees one row per sequence (only the last token of each is sampled)."""
         device = self.accelerator
-        compute_s = flops / (device.peak_flops * device.num_devices * device.compute_efficiency)
-        memory_s = bytes_moved / (device.memory_bytes_per_s * device.num_devices
-                                  * device.bandwidth_efficiency)
-        return max(compute_s, memory_s) + device.step_overhead_s
+        n = device.num_devices
+        compute_s = (2 * self.layer_params * num_rows / device.matmul_flops(num_rows)
+                     + 2 * self.lm_head_params * num_seqs / device.matmul_flops(num_seqs)
+                     + attention_flops / (device.attention_flops_per_s
+                                          or device.peak_flops * device.compute_efficiency)
+                     ) / n + device.attention_call_s * self.model.num_layers * num_seqs
+        memory_s = bytes_moved / (device.memory_bytes_per_s * device.bandwidth_efficiency * n)
+        return (max(compute_s, memory_s) + device.step_overhead_s
+                + device.sequence_overhead_s * num_seqs)
 
 
 def _llama3(**shape: int) -> ModelConfig:

@@ -63,3 +63,35 @@ def test_tensor_parallel_devices_add_up() -> None:
 def test_step_overhead_is_added_once_per_step() -> None:
     slow = SimProfile("o", LLAMA_3_8B, replace(H200, step_overhead_s=0.001))
     assert slow.decode_s([10, 10]) == pytest.approx(EIGHT_B.decode_s([10, 10]) + 0.001)
+
+
+def test_a_measured_matmul_curve_is_interpolated_in_log_rows_and_clamped() -> None:
+    cpu = replace(H200, matmul_flops_by_rows=((1, 10e9), (16, 50e9), (256, 90e9)))
+    assert cpu.matmul_flops(1) == 10e9 and cpu.matmul_flops(1024) == 90e9
+    assert cpu.matmul_flops(4) == pytest.approx(30e9)  # half-way from 1 to 16 in log rows
+    assert cpu.matmul_flops(64) == pytest.approx(70e9)
+
+
+def test_small_batches_pay_their_measured_matmul_rate() -> None:
+    slow = replace(H200, peak_flops=1e12, memory_bytes_per_s=1e15,
+                   matmul_flops_by_rows=((1, 1e9), (1024, 1e12)))
+    profile = SimProfile("cpu", LLAMA_3_8B, slow)
+    linear_s = 2 * (profile.layer_params + profile.lm_head_params) / 1e9
+    assert profile.decode_s([0]) == pytest.approx(linear_s, rel=0.01)
+
+
+def test_host_and_attention_call_overheads_count_per_sequence() -> None:
+    compute_bound = replace(H200, memory_bytes_per_s=1e18)
+    base = SimProfile("b", LLAMA_3_8B, compute_bound)
+    profile = SimProfile("h", LLAMA_3_8B, replace(compute_bound, sequence_overhead_s=0.002,
+                                                  attention_call_s=0.0001))
+    extra = profile.decode_s([10] * 4) - base.decode_s([10] * 4)
+    assert extra == pytest.approx(4 * (0.002 + 32 * 0.0001))
+
+
+def test_measured_attention_rate_prices_the_quadratic_term() -> None:
+    slow_attention = SimProfile("a", LLAMA_3_8B, replace(H200, attention_flops_per_s=1e12))
+    long_prompt = [(32768, 0)]
+    attention_s = EIGHT_B.attention_flops(32768, 0)
+    assert (slow_attention.prefill_s(long_prompt) - EIGHT_B.prefill_s(long_prompt)
+            == pytest.approx(attention_s / 1e12 - attention_s / (790e12 * 0.5)))
