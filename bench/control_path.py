@@ -107,14 +107,16 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch(*up_args: str, logs: list[str] | None = None) -> tuple[subprocess.Popen[str], str]:
-    """`halfmoon up` with these flags on a free port, once it is up; its services' log lines
-    are collected into `logs` when given."""
+def launch(*up_args: str, logs: list[str] | None = None, env: dict[str, str] | None = None
+           ) -> tuple[subprocess.Popen[str], str]:
+    """`halfmoon up` with these flags (and `env`: e.g. `HALFMOON_<FLAG>` settings for every
+    service) on a free port, once it is up; its services' log lines are collected into
+    `logs` when given."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--port", str(port), *up_args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE if logs is not None else None,
-        text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     assert process.stdout is not None
     if logs is not None:

@@ -25,6 +25,19 @@ def _pyplot():  # type: ignore[no-untyped-def]
     return plt
 
 
+def _save(plt, figure, path: Path, title: str) -> Path:  # type: ignore[no-untyped-def]
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def _decorate(axes, grid_which: str = "major") -> None:  # type: ignore[no-untyped-def]
+    axes.grid(True, which=grid_which, alpha=0.3)
+    axes.legend()
+
+
 def _cdf(axes, values_ms: list[float], label: str) -> None:  # type: ignore[no-untyped-def]
     ordered = sorted(values_ms)
     if ordered:
@@ -44,13 +57,8 @@ def latency_cdfs(runs: Runs, path: Path, title: str = "") -> Path:
         axes.set_xscale("log")
         axes.set_xlabel(f"{name} (ms)")
         axes.set_ylabel("fraction of " + ("requests" if name == "TTFT" else "tokens"))
-        axes.grid(True, which="both", alpha=0.3)
-        axes.legend()
-    figure.suptitle(title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+        _decorate(axes, grid_which="both")
+    return _save(plt, figure, path, title)
 
 
 def throughput_over_time(runs: Runs, path: Path, bin_s: float = 1.0, title: str = "") -> Path:
@@ -68,13 +76,8 @@ def throughput_over_time(runs: Runs, path: Path, bin_s: float = 1.0, title: str 
                   label=label)
     axes.set_xlabel("time from start (s)")
     axes.set_ylabel("output tokens/s")
-    axes.grid(True, alpha=0.3)
-    axes.legend()
-    figure.suptitle(title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    _decorate(axes)
+    return _save(plt, figure, path, title)
 
 
 def goodput_and_utilization(series: Sequence[tuple[str, list[tuple[float, float, float]]]],
@@ -91,10 +94,5 @@ def goodput_and_utilization(series: Sequence[tuple[str, list[tuple[float, float,
     util_axes.set_ylabel("accelerator utilization (%)")
     for axes in (goodput_axes, util_axes):
         axes.set_xlabel("load factor")
-        axes.grid(True, alpha=0.3)
-        axes.legend()
-    figure.suptitle(title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+        _decorate(axes)
+    return _save(plt, figure, path, title)

@@ -173,7 +173,9 @@ class SimEngine(FakeEngine):
             while not self._waiting and not self._running:
                 self._has_work.clear()
                 await self._has_work.wait()
-            if self._waiting:
+            # Admit prompts while the batch has room (vLLM's max_num_seqs); a full batch
+            # decodes until a sequence leaves.
+            if self._waiting and len(self._running) < self.max_batch_size:
                 await self._prefill_step()
             else:
                 await self._decode_step()

@@ -152,13 +152,17 @@ def prefix_source(chosen: WorkerHeartbeat, workers: Sequence[WorkerHeartbeat],
         else None
 
 
-def _decode_work_s(worker: WorkerHeartbeat, pending: Mapping[str, PendingWork]) -> float:
-    """The measured step time times the batch once this request joins: on equal hardware
-    the emptier worker, across hardware the faster one per sequence. (Not the predicted step
-    time: with a fixed part in every step, as on a memory-bound GPU, that grows least on the
-    fullest worker and would pile every request onto it.)"""
+def _decode_work_s(worker: WorkerHeartbeat, pending: Mapping[str, PendingWork],
+                   unmeasured_step_s: float) -> float:
+    """The step time times the requests the worker holds once this one joins: on equal
+    hardware the emptier worker, across hardware the faster one per sequence. (Not the
+    predicted step time: with a fixed part in every step, as on a memory-bound GPU, that
+    grows least on the fullest worker and would pile every request onto it.) A worker that
+    has not decoded yet, e.g. a colocated one busy prefilling, counts at `unmeasured_step_s`,
+    not at zero."""
     extra = pending.get(worker.worker_id, _NO_PENDING).num_requests
-    return worker.decode_step_s * (worker.num_running + extra + 1)
+    step_s = worker.decode_step_s or unmeasured_step_s
+    return step_s * (worker.num_running + worker.num_waiting + extra + 1)
 
 
 def pick_decode(
@@ -172,13 +176,15 @@ def pick_decode(
     if not candidates:
         raise WorkerUnavailable("no healthy decode worker")
 
+    measured = [w.decode_step_s for w in candidates if w.decode_step_s > 0]
+    unmeasured_step_s = sum(measured) / len(measured) if measured else 1.0
     best: tuple[float, float, int, str] | None = None
     chosen = None
     for worker in candidates:
         room = (worker.num_free_blocks
                 - pending.get(worker.worker_id, _NO_PENDING).num_blocks
                 - blocks_needed(num_tokens, worker.block_size))
-        key = (_decode_work_s(worker, pending), _load(worker, pending), -room,
+        key = (_decode_work_s(worker, pending, unmeasured_step_s), _load(worker, pending), -room,
                worker.worker_id)
         if room >= 0 and (best is None or key < best):
             best, chosen = key, worker

@@ -105,3 +105,10 @@ def test_decode_spreads_over_equal_memory_bound_workers() -> None:
     busy = msgspec.structs.replace(worker("a", "decode", running=10), decode_step_s=0.0055)
     idle = msgspec.structs.replace(worker("b", "decode", running=1), decode_step_s=0.0050)
     assert pick_decode([busy, idle], (), {}, num_tokens=32).worker_id == "b"
+
+
+def test_decode_does_not_favour_a_worker_that_has_not_decoded_yet() -> None:
+    # A colocated worker prefilling without pause has no measured step: it is not free.
+    stuck = worker("a", "decode", running=30)
+    measured = msgspec.structs.replace(worker("b", "decode", running=2), decode_step_s=0.005)
+    assert pick_decode([stuck, measured], (), {}, num_tokens=32).worker_id == "b"

@@ -149,3 +149,17 @@ def test_worker_config_builds_a_sim_engine_or_names_the_profiles() -> None:
     assert engine.profile.name == "llama-3-70b-h200x4"
     with pytest.raises(ConfigError, match="llama-3-8b-h200"):
         build_engine(WorkerConfig(engine="sim", sim_profile="gpt-5"))
+
+
+async def test_a_full_batch_admits_no_prompt_until_a_sequence_leaves() -> None:
+    sim = SimEngine(SimOptions(profile=PROFILE, max_batch_size=1))
+    await sim.start()
+    try:
+        sim.generate(PrefillRequest("a", prompt(16), sampling(5)))
+        sim.generate(PrefillRequest("b", prompt(16, 3), sampling(2)))
+        order = []
+        while len(order) < 7:
+            order += [(o.request_id, o.index) for o in await sim.next_step()]
+    finally:
+        await sim.close()
+    assert order == [("a", i) for i in range(5)] + [("b", 0), ("b", 1)]
