@@ -111,7 +111,8 @@ def measure_attention_flops(config: ModelConfig, num_tokens: int = 1024) -> floa
 
 async def measure_host_overhead(null_model_dir: Path) -> tuple[float, float]:
     """(per step, per sequence) host time: decode steps of a model too small to compute
-    anything (one layer of width 64, the same vocabulary), at batch 1 and 32."""
+    anything (the model's depth at width 64, the same vocabulary: the same operations to
+    dispatch), at batch 1 and 32."""
     engine = TorchEngine(EngineOptions(model_dir=null_model_dir, num_blocks=2048,
                                        is_prefix_caching=False))
     await engine.start()
@@ -203,7 +204,7 @@ def measure_machine(config: ModelConfig, scratch: Path) -> tuple[Accelerator, Ac
                            memory_bytes_per_s=measure_bandwidth(), memory_bytes=0.0,
                            compute_efficiency=1.0, bandwidth_efficiency=1.0)
     null_model = make_llama(scratch / "null", hidden_size=64, intermediate_size=64,
-                            num_layers=1, num_heads=1, num_kv_heads=1)
+                            num_layers=config.num_layers, num_heads=1, num_kv_heads=1)
     step_s, sequence_s = asyncio.run(measure_host_overhead(null_model))
     return roofline, replace(roofline, matmul_flops_by_rows=measure_matmul_curve(config),
                              attention_call_s=measure_attention_call(config),
