@@ -100,10 +100,13 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     fake_token_delay_s: float = 0.0
     # The simulated engine: a model on an accelerator (engine/sim_cost.py PROFILES), its steps
     # slowed by `sim_time_scale` (wall s per simulated s), its KV bytes divided by
-    # `sim_kv_byte_scale`; its KV capacity is what the profile's device memory holds.
+    # `sim_kv_byte_scale`; its KV capacity is what the profile's device memory holds. Its KV
+    # handoffs take the time of the full bytes over a link of `sim_link_bytes_per_s` (50 GB/s:
+    # one 400 Gb/s RDMA NIC per device; 0: only the real, scaled-down transfer's time).
     sim_profile: str = "llama-3-8b-h200"
     sim_time_scale: float = 1.0
     sim_kv_byte_scale: int = 4096
+    sim_link_bytes_per_s: float = 50e9
     # KV transfer (engines with a KV pool): where this worker's transfer engine listens, what
     # peers dial, the transports it may use (in preference order), the shared secret every
     # worker of the cluster holds, and whether KV streams layer by layer or after prefill.

@@ -116,16 +116,36 @@ def kv_pieces(local: KvLayout, remote: KvLayout,
     return PieceArrays(KV_SEGMENT, KV_SEGMENT, local_offsets, remote_offsets, lengths)
 
 
+@dataclass
+class SimulatedLink:
+    """The link a simulated engine's KV would cross: its pool holds the model's KV divided by
+    `byte_scale`, so after each real write a stream waits until `byte_scale` times the bytes
+    would have crossed a link of `bytes_per_s` (in wall time: times `time_scale`). Writes
+    queue for the link one after another, as on one NIC."""
+
+    bytes_per_s: float
+    byte_scale: float = 1.0
+    time_scale: float = 1.0
+    _free_at: float = 0.0
+
+    async def carry(self, num_bytes: int, started_at: float) -> None:
+        """A write of `num_bytes` that began at `started_at` (perf_counter) is done."""
+        duration_s = num_bytes * self.byte_scale / self.bytes_per_s * self.time_scale
+        self._free_at = max(started_at, self._free_at) + duration_s
+        await asyncio.sleep(max(0.0, self._free_at - time.perf_counter()))
+
+
 class LayerwiseKvHandoff:
     def __init__(self, transfer: TransferEngine, layout: KvLayout, *,
-                 is_layerwise: bool = True) -> None:
+                 is_layerwise: bool = True, link: SimulatedLink | None = None) -> None:
         self._transfer = transfer
         self._layout = layout
         self._is_layerwise = is_layerwise
+        self._link = link
 
     def open(self, request_id: str, target: asyncio.Future[KvTarget]) -> KvStream:
         return _LayerStream(request_id, self._transfer, self._layout, target,
-                            self._is_layerwise)
+                            self._is_layerwise, self._link)
 
     async def close(self) -> None:
         return None  # the worker owns and closes the transfer engine
@@ -133,8 +153,10 @@ class LayerwiseKvHandoff:
 
 class _LayerStream:
     def __init__(self, request_id: str, transfer: TransferEngine, layout: KvLayout,
-                 target: asyncio.Future[KvTarget], is_layerwise: bool) -> None:
+                 target: asyncio.Future[KvTarget], is_layerwise: bool,
+                 link: SimulatedLink | None = None) -> None:
         self._request_id = request_id
+        self._link = link
         self._transfer = transfer
         self._layout = layout
         self._target = target
@@ -231,7 +253,10 @@ class _LayerStream:
                                       f"prompt that fills {len(block_ids)}")
         pieces = kv_pieces(self._layout, remote_layout, [
             (layer, block_ids, target.block_ids[:len(block_ids)]) for layer, block_ids in layers])
-        self._first_write_at = self._first_write_at or time.perf_counter()
+        started_at = time.perf_counter()
+        self._first_write_at = self._first_write_at or started_at
         result = await self._transfer.write(target.decode_worker_id, pieces, notify=notice)
+        if self._link is not None:
+            await self._link.carry(result.num_bytes, started_at)
         self._num_bytes += result.num_bytes
         self._transport = result.transport

@@ -52,7 +52,13 @@ from shared.messages import (
 )
 from shared.metrics import PrefillMetrics
 from shared.nats_client import dispatch, encode
-from transfer_engine.handoff import KvHandoff, KvStream, LayerwiseKvHandoff, NoKvHandoff
+from transfer_engine.handoff import (
+    KvHandoff,
+    KvStream,
+    LayerwiseKvHandoff,
+    NoKvHandoff,
+    SimulatedLink,
+)
 
 COMMIT_TIMEOUT_S = 5.0
 
@@ -80,8 +86,17 @@ class PrefillService(WorkerService):
             layout = self.engine.kv_layout()
             self._handoff = NoKvHandoff() if self.transfer is None or layout is None else \
                 LayerwiseKvHandoff(self.transfer, layout,
-                                   is_layerwise=self.config.kv_streaming == "layerwise")
+                                   is_layerwise=self.config.kv_streaming == "layerwise",
+                                   link=self._simulated_link())
         return self._handoff
+
+    def _simulated_link(self) -> SimulatedLink | None:
+        """A simulated engine's KV is scaled down; its transfers take the full size's time."""
+        config = self.config
+        if config.engine != "sim" or config.sim_link_bytes_per_s <= 0:
+            return None
+        return SimulatedLink(config.sim_link_bytes_per_s, config.sim_kv_byte_scale,
+                             config.sim_time_scale)
 
     @property
     def prefix_sharing(self) -> PrefixSharing | None:

@@ -97,3 +97,17 @@ async def test_the_command_writes_results_and_plots(sim_stack: Stack, tmp_path: 
     for name in ("latency_cdf.png", "throughput.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "goodput" in capsys.readouterr().out
+
+
+async def test_sim_kv_handoffs_take_the_full_bytes_time_on_the_link(nats_url: str) -> None:
+    link_bytes_per_s = 1e9
+    async with Stack(nats_url, worker={**SIM_WORKER, "sim_link_bytes_per_s": link_bytes_per_s}
+                     ) as stack:
+        requests = synthetic(SyntheticSpec(num_requests=1, input_len=2000, output_len=2))
+        summary, _ = await benchmark(stack.gateway.url, requests, Slo())
+        registry = stack.prefills[0].metrics.registry
+        seconds = registry.get_sample_value("halfmoon_kv_transfer_seconds_sum",
+                                            {"transport": "shm"})
+    assert summary.num_ok == 1
+    full_bytes = 2000 * PROFILE.kv_bytes_per_token  # 262 MB: 0.26 s at 1 GB/s
+    assert seconds >= 0.9 * full_bytes / link_bytes_per_s
