@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 
 import aiohttp
 
+from bench.results import percentile
+
 MODEL = "halfmoon-tiny"
 
 
@@ -39,13 +41,6 @@ class LevelResult:
     ttft_p50_ms: float
     ttft_p99_ms: float
     e2e_p50_ms: float
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, max_tokens: int, i: int

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.control_path import launch, percentile
+from bench.control_path import launch
+from bench.results import percentile
 
 SETUPS = {
     "colocated": ["--mode", "colocated", "--workers", "2"],

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.control_path import launch, percentile
+from bench.control_path import launch
+from bench.results import percentile
 from bench.trace import DEFAULT_TRACE, TraceRequest, TraceScaling, load_trace
 
 MODEL = "halfmoon-tiny"

@@ -168,7 +168,9 @@ async def time_decode_steps(engine: TorchEngine, batch_sizes: tuple[int, ...] = 
     return measured
 
 
-async def validate(model_dir: Path, profile: SimProfile) -> list[tuple[str, float, float]]:
+async def validate(model_dir: Path, profiles: list[SimProfile]
+                   ) -> list[tuple[str, float, list[float]]]:
+    """Each step: its name, its measured time and each profile's prediction of it."""
     engine = TorchEngine(EngineOptions(model_dir=model_dir, num_blocks=2048,
                                        max_batch_tokens=4096, max_batch_size=64,
                                        is_prefix_caching=False))
@@ -178,10 +180,10 @@ async def validate(model_dir: Path, profile: SimProfile) -> list[tuple[str, floa
         decodes = await time_decode_steps(engine)
     finally:
         await engine.close()
-    rows = [(f"prefill {n} tokens", profile.prefill_s([(n, 0)]), measured)
+    rows = [(f"prefill {n} tokens", measured, [p.prefill_s([(n, 0)]) for p in profiles])
             for n, measured in prefills.items()]
-    rows += [(f"decode batch {b} @ {DECODE_CONTEXT}",
-              profile.decode_s([DECODE_CONTEXT + 2] * b), measured)
+    rows += [(f"decode batch {b} @ {DECODE_CONTEXT}", measured,
+              [p.decode_s([DECODE_CONTEXT + 2] * b) for p in profiles])
              for b, measured in decodes.items()]
     return rows
 
@@ -224,11 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         profile = SimProfile(args.model, config, measured, dtype_bytes=4)
         plain = SimProfile(args.model, config, roofline, dtype_bytes=4)
         print(describe(profile))
-        rows = asyncio.run(validate(model_dir, profile))
+        rows = asyncio.run(validate(model_dir, [profile, plain]))
     print(f"{'step':<24} {'predicted ms':>12} {'measured ms':>12} {'error':>8} "
           f"{'plain roofline':>15}")
     worst = 0.0
-    for name, predicted, measured_s, plain_s in rows_with_plain(rows, plain):
+    for name, measured_s, (predicted, plain_s) in rows:
         error = predicted / measured_s - 1
         worst = max(worst, abs(error))
         print(f"{name:<24} {1000 * predicted:12.2f} {1000 * measured_s:12.2f} "
@@ -249,18 +251,6 @@ def describe(profile: SimProfile) -> str:
             f"{1e3 * device.step_overhead_s:.2f} ms + {1e3 * device.sequence_overhead_s:.2f} ms "
             f"per sequence\n{profile.name}: "
             f"{profile.num_params / 1e6:.1f} M parameters")
-
-
-def rows_with_plain(rows: list[tuple[str, float, float]], plain: SimProfile
-                    ) -> list[tuple[str, float, float, float]]:
-    """Each row with the plain roofline's prediction of the same step."""
-    out = []
-    for name, predicted, measured in rows:
-        words = name.split()
-        plain_s = (plain.prefill_s([(int(words[1]), 0)]) if words[0] == "prefill"
-                   else plain.decode_s([DECODE_CONTEXT + 2] * int(words[2])))
-        out.append((name, predicted, measured, plain_s))
-    return out
 
 
 if __name__ == "__main__":

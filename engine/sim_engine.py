@@ -60,7 +60,6 @@ class _SimRunning(_Running):
 class SimOptions:
     profile: SimProfile
     time_scale: float = 1.0  # wall seconds per simulated second
-    num_blocks: int | None = None  # None: what the profile's device memory holds
     block_size: int = 16
     max_batch_size: int = 256
     max_batch_tokens: int = 8192
@@ -73,7 +72,7 @@ class SimEngine(FakeEngine):
 
     def __init__(self, options: SimOptions) -> None:
         profile = options.profile
-        num_blocks = options.num_blocks or profile.kv_capacity_tokens() // options.block_size
+        num_blocks = profile.kv_capacity_tokens() // options.block_size  # device memory
         if num_blocks <= 0:
             raise InvalidRequest(f"profile {profile.name}: the weights leave no room for KV")
         super().__init__(num_blocks=num_blocks, block_size=options.block_size,
