@@ -4,7 +4,9 @@ A random-weight Llama (default: hidden 1024, 16 layers, vocab 32000, about 250 M
 in bfloat16 on the CPU. Prints prefill tokens/s at each prompt length, decode tokens/s at each
 batch size (prompt 128, `--decode-tokens` new tokens), each with transformers' figure and the
 ratio, and decode at batch 1 as a fraction of the memory-bandwidth limit (weight bytes per
-step over measured copy bandwidth).
+step over measured copy bandwidth). The "before" column is the same engine with the
+`--before` attention backend (default `reference`: the per-sequence loop the engine ran
+before one batched call per layer), measured in the same run.
 
     python -m bench.engine_throughput --prompts 512,2048 --batches 1,8,32
 """
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 
+from engine.attention import BACKENDS
 from engine.protocol import PrefillRequest
 from engine.torch_engine import EngineOptions, TorchEngine
 from shared.messages import SamplingParams
@@ -88,7 +91,7 @@ def hf_prefill(model: Any, length: int, salt: int) -> float:
     return length / (time.perf_counter() - started)
 
 
-class _FirstTokenClock:
+class FirstTokenClock:
     """A `generate` streamer that notes when the first new token arrives (the first `put`
     carries the prompt), so decode time excludes prefill."""
 
@@ -107,7 +110,7 @@ class _FirstTokenClock:
 
 def hf_decode(model: Any, batch: int, new_tokens: int, salt: int) -> float:
     ids = torch.tensor([prompt(128, salt * 100 + i) for i in range(batch)])
-    clock = _FirstTokenClock()
+    clock = FirstTokenClock()
     with torch.inference_mode():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
@@ -120,33 +123,43 @@ async def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         hf = make_model(Path(tmp), args)
         params = sum(p.numel() for p in hf.parameters())
-        engine = TorchEngine(EngineOptions(
-            model_dir=Path(tmp), dtype=args.torch_dtype, num_blocks=args.num_blocks,
-            block_size=16, max_batch_size=64, max_batch_tokens=4096, max_wait_s=0.0,
-            is_prefix_caching=False))
-        await engine.start()
+        engines = {}
+        for backend in (args.attention_backend, args.before):
+            engines[backend] = TorchEngine(EngineOptions(
+                model_dir=Path(tmp), dtype=args.torch_dtype, attention_backend=backend,
+                num_blocks=args.num_blocks, block_size=16, max_batch_size=64,
+                max_batch_tokens=4096, max_wait_s=0.0, is_prefix_caching=False))
+            await engines[backend].start()
+        ours, before = engines[args.attention_backend], engines[args.before]
         try:
             print(f"model: {params / 1e6:.0f} M parameters, {args.dtype}, "
-                  f"{torch.get_num_threads()} threads")
-            await ours_prefill(engine, 64, 999)  # warm-up
+                  f"{torch.get_num_threads()} threads; attention {args.attention_backend}, "
+                  f"before {args.before}")
+            for engine in (ours, before):
+                await ours_prefill(engine, 64, 999)  # warm-up
             hf_prefill(hf, 64, 999)
             rows = []
             for i, length in enumerate(args.prompts):
-                rows.append((f"prefill {length} tok", await ours_prefill(engine, length, i),
+                rows.append((f"prefill {length} tok", await ours_prefill(ours, length, i),
+                             await ours_prefill(before, length, i),
                              hf_prefill(hf, length, i)))
             for i, batch in enumerate(args.batches):
                 rows.append((f"decode batch {batch}",
-                             await ours_decode(engine, batch, args.decode_tokens, i),
+                             await ours_decode(ours, batch, args.decode_tokens, i),
+                             await ours_decode(before, batch, args.decode_tokens, i),
                              hf_decode(hf, batch, args.decode_tokens, i)))
         finally:
-            await engine.close()
-    print(f"{'workload':<18} {'halfmoon tok/s':>15} {'transformers tok/s':>19} {'ratio':>7}")
-    for name, ours, theirs in rows:
-        print(f"{name:<18} {ours:>15.1f} {theirs:>19.1f} {ours / theirs:>6.2f}x")
+            for engine in engines.values():
+                await engine.close()
+    print(f"{'workload':<18} {'halfmoon tok/s':>15} {'before tok/s':>13} "
+          f"{'transformers tok/s':>19} {'vs transformers':>16} {'vs before':>10}")
+    for name, now, then, theirs in rows:
+        print(f"{name:<18} {now:>15.1f} {then:>13.1f} {theirs:>19.1f} "
+              f"{now / theirs:>15.2f}x {now / then:>9.2f}x")
     bandwidth = copy_bandwidth_gbs()
     weight_bytes = params * torch.tensor([], dtype=args.torch_dtype).element_size()
     limit = bandwidth * 1e9 / weight_bytes
-    batch1 = next((ours for name, ours, _ in rows if name == "decode batch 1"), None)
+    batch1 = next((now for name, now, _, _ in rows if name == "decode batch 1"), None)
     print(f"memory bandwidth (copy, read + write) {bandwidth:.1f} GB/s; weights "
           f"{weight_bytes / 1e9:.2f} GB per step -> batch-1 limit {limit:.1f} tok/s")
     if batch1 is not None:
@@ -164,6 +177,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=1024)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--attention-backend", choices=BACKENDS[1:], default="torch")
+    parser.add_argument("--before", choices=BACKENDS[1:], default="reference")
     args = parser.parse_args()
     args.torch_dtype = getattr(torch, args.dtype)
     asyncio.run(run(args))

@@ -24,14 +24,15 @@ import itertools
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from engine.attention import AttentionMetadata, SequenceSlice, TorchAttention
 from engine.kv_cache import KvCache
 from engine.linear import linear, policy_for
-from engine.model import _attend
 from engine.model_config import ModelConfig
 from engine.protocol import DecodeRequest, PrefillRequest
 from engine.sim_cost import Accelerator, SimProfile
@@ -83,29 +84,35 @@ def measure_matmul_curve(config: ModelConfig, rows: tuple[int, ...] = (1, 4, 16,
     return tuple(curve)
 
 
+def _one_sequence_attention(config: ModelConfig, context_len: int, query_len: int
+                            ) -> Callable[[], object]:
+    """One sequence's attention as the engine runs it (`TorchAttention`: plan and one call
+    over its context, gathered from scattered blocks of the paged pool)."""
+    num_blocks = 4 * -(-context_len // 16)
+    kv = KvCache(num_layers=1, num_blocks=num_blocks, block_size=16,
+                 num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                 dtype=torch.float32, device=torch.device("cpu"))
+    blocks = torch.randperm(num_blocks)[:-(-context_len // 16)].tolist()
+    meta = AttentionMetadata(torch.zeros(query_len, dtype=torch.long),
+                             [SequenceSlice(0, query_len, context_len, blocks)])
+    backend = TorchAttention(torch.device("cpu"))
+    q = torch.randn(query_len, config.num_heads, config.head_dim)
+    return lambda: backend.attend(q, kv, 0, backend.plan(meta, kv))
+
+
 def measure_attention_call(config: ModelConfig, context_len: int = DECODE_CONTEXT) -> float:
     """One decode attention call as the engine makes it: gather one sequence's context from
     the paged KV pool, attend one query over it."""
-    kv = KvCache(num_layers=1, num_blocks=4 * context_len // 16, block_size=16,
-                 num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                 dtype=torch.float32, device=torch.device("cpu"))
-    slots = torch.randperm(4 * context_len)[:context_len]
-    q = torch.randn(1, config.num_heads, config.head_dim)
-
-    def call() -> None:
-        k, v = kv.gather(0, slots)
-        _attend(q, k, v, context_len)
-
+    call = _one_sequence_attention(config, context_len, 1)
     call()
     return min(_timed(call) for _ in range(200))
 
 
 def measure_attention_flops(config: ModelConfig, num_tokens: int = 1024) -> float:
     """Achieved FLOP/s of causal attention over a prompt of `num_tokens` (one layer)."""
-    q = torch.randn(num_tokens, config.num_heads, config.head_dim)
-    k, v = (torch.randn(num_tokens, config.num_kv_heads, config.head_dim) for _ in range(2))
-    _attend(q, k, v, num_tokens)
-    seconds = min(_timed(lambda: _attend(q, k, v, num_tokens)) for _ in range(5))
+    call = _one_sequence_attention(config, num_tokens, num_tokens)
+    call()
+    seconds = min(_timed(call) for _ in range(5))
     pairs = num_tokens * (num_tokens + 1) / 2
     return 4 * config.num_heads * config.head_dim * pairs / seconds
 

@@ -70,6 +70,11 @@ class BlockAllocator:
             else:
                 self._free.append(block)
 
+    def share(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference to each used block (a forked sequence reads them too)."""
+        for block in block_ids:
+            self._refs[block] += 1
+
     def match_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
         """Take a reference to the longest run of blocks holding `hashes`, in order."""
         matched = []

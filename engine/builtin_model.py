@@ -2,8 +2,9 @@
 
 `write_builtin_model(dir)` writes `config.json`, `model.safetensors`, `tokenizer.json` (a
 byte-level BPE trained with `tokenizers` on `engine/data/corpus.txt`), `tokenizer_config.json`
-(with a ChatML chat template) and `generation_config.json`, so halfmoon runs offline. The
-weights are random (seeded), so its answers are noise, but every code path is the real one.
+(with a ChatML chat template that renders tools) and `generation_config.json`, so halfmoon
+runs offline. The weights are random (seeded), so its answers are noise, but every code path
+is the real one.
 """
 
 from __future__ import annotations
@@ -20,16 +21,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from engine.model import CausalLM
 from engine.model_config import ModelConfig
+from shared.chat_templates import CHATML_WITH_TOOLS
 from shared.model_dir import default_model_dir
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+CHAT_TEMPLATE = CHATML_WITH_TOOLS
 
 
 def ensure_builtin_model(path: Path | None = None) -> Path:
@@ -37,6 +34,7 @@ def ensure_builtin_model(path: Path | None = None) -> Path:
     temporary folder and renamed, so processes starting together never see half a model."""
     path = path or default_model_dir()
     if (path / "config.json").exists():
+        _refresh_template(path)
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=path.parent))
@@ -46,6 +44,19 @@ def ensure_builtin_model(path: Path | None = None) -> Path:
     except OSError:  # another process won the race
         shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+def _refresh_template(path: Path) -> None:
+    """A model written by an older halfmoon gets the current chat template (tools); its
+    weights and tokenizer are the same. Replaced atomically, like the model itself."""
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    if config.get("chat_template") == CHAT_TEMPLATE:
+        return
+    config["chat_template"] = CHAT_TEMPLATE
+    staging = config_path.with_name(f".{config_path.name}.{os.getpid()}")
+    staging.write_text(json.dumps(config, indent=2))
+    os.replace(staging, config_path)
 
 
 def train_tokenizer(vocab_size: int = 1024) -> Tokenizer:

@@ -1,27 +1,27 @@
 """A deterministic fake engine: no model, same protocol, same batching shape.
 
-Token `i` of a request is a hash of (prompt, seed, i) mapped onto lowercase letters and space,
-so outputs are reproducible in any process and readable through the byte tokenizer.
+Each token is a hash of (the context so far, seed) mapped onto lowercase letters and space, so
+outputs are reproducible in any process, readable through the byte tokenizer, and, like a
+real model's greedy output, continue unchanged after a continuation (prompt + output so far).
 
 Cost model (sleeps): prefill batches whatever is waiting when the previous batch ends (up to
 `max_batch_size`) and costs `prefill_delay_s + prefill_s_per_token x` the batch's uncached
 prompt tokens; each decode step costs `token_delay_s`. The engine reports that cost model as
 its fitted prefill cost, so the conductor predicts it as it would a real engine's.
 
-KV blocks are counted for real by the engine's `BlockAllocator`, prefix cache included: a
-prompt's full blocks are hashed and registered when its prefill completes, later prompts
-sharing a prefix skip those blocks (and their cost), and the cache's stored/removed events
-feed the conductor's prefix index as the real engine's do. No KV bytes exist, so none move.
+KV blocks are counted for real by a `BlockLedger` (prefix cache included: later prompts
+sharing a prefix skip those blocks and their cost), which is also the engine's
+`prefix_cache`. No KV bytes exist, so none move. `PrefillJob`, `FakeSequence` and the token
+functions are shared with the simulated engine, which composes the same parts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import math
 from dataclasses import dataclass
 
-from engine.block_allocator import BlockAllocator
+from engine.block_ledger import BlockLedger
 from engine.protocol import (
     DecodeRequest,
     EngineStats,
@@ -30,34 +30,46 @@ from engine.protocol import (
     TokenOutput,
 )
 from engine.stopping import finish_reason
-from shared.block_hash import block_hashes
-from shared.errors import CapacityExhausted, EngineFailure, InvalidRequest
+from shared.errors import EngineFailure, InvalidRequest
 from shared.messages import SamplingParams
 
 ALPHABET = b"abcdefghijklmnopqrstuvwxyz "
 
 
-def fake_token(prompt_digest: bytes, seed: int | None, index: int) -> int:
-    """The fake model's token at output position `index`."""
-    seed_bytes = (seed or 0).to_bytes(8, "little", signed=True)
-    key = prompt_digest + seed_bytes + index.to_bytes(4, "little")
+# The fake model's context state: a polynomial hash of every token so far (prompt and
+# output alike), so a continuation (prompt + tokens already streamed) continues with exactly
+# the tokens the original would have: greedy output survives a failover, as with a real model.
+_MODULUS = (1 << 61) - 1
+_BASE = 1_000_003
+
+
+def context_state(token_ids: list[int], state: int = 0) -> int:
+    """The state after `token_ids`, continuing from `state`."""
+    for token_id in token_ids:
+        state = (state * _BASE + token_id + 1) % _MODULUS
+    return state
+
+
+def fake_token(state: int, seed: int | None) -> int:
+    """The fake model's next token after a context with this state."""
+    key = state.to_bytes(8, "little") + (seed or 0).to_bytes(8, "little", signed=True)
     value = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
     return ALPHABET[value % len(ALPHABET)]
 
 
-def prompt_digest(prompt_token_ids: list[int]) -> bytes:
-    data = b"".join(t.to_bytes(4, "little") for t in prompt_token_ids)
-    return hashlib.blake2b(data, digest_size=16).digest()
-
-
 def fake_completion(prompt_token_ids: list[int], seed: int | None, num_tokens: int) -> list[int]:
     """The whole output the fake engine gives (before any stop rule): for tests and tools."""
-    digest = prompt_digest(prompt_token_ids)
-    return [fake_token(digest, seed, i) for i in range(num_tokens)]
+    state, output = context_state(prompt_token_ids), []
+    for _ in range(num_tokens):
+        output.append(fake_token(state, seed))
+        state = context_state(output[-1:], state)
+    return output
 
 
 @dataclass
-class _PrefillJob:
+class PrefillJob:
+    """A prompt waiting for (or in) a prefill step, and who waits for its result."""
+
     request: PrefillRequest
     hashes: list[bytes]  # of the prompt's full blocks; empty without prefix caching
     num_cached: int  # leading prompt tokens found in the prefix cache
@@ -67,13 +79,59 @@ class _PrefillJob:
     def num_uncached(self) -> int:
         return len(self.request.prompt_token_ids) - self.num_cached
 
+    def first_token(self, compute_s: float, blocks: list[int],
+                    eos_token_ids: tuple[int, ...]) -> PrefillResult:
+        """The fake model's first token for this prompt."""
+        request = self.request
+        token = fake_token(context_state(request.prompt_token_ids), request.sampling.seed)
+        return PrefillResult(
+            request_id=request.request_id, first_token_id=token, block_ids=blocks,
+            finish_reason=finish_reason(token, 1, request.sampling, eos_token_ids),
+            num_cached_tokens=self.num_cached, compute_s=compute_s)
+
 
 @dataclass
-class _Running:
+class FakeSequence:
+    """A request in the decode batch: its next token derives from its context's state."""
+
     request_id: str
     sampling: SamplingParams
-    digest: bytes  # of the prompt: the tokens derive from it
+    state: int  # `context_state` of the prompt and the tokens generated so far
     num_generated: int
+    prompt_len: int = 0
+
+    @property
+    def context_len(self) -> int:
+        return self.prompt_len + self.num_generated
+
+    def step(self, eos_token_ids: tuple[int, ...]) -> TokenOutput:
+        """The next token; `finish_reason` set when the sequence is done."""
+        token = fake_token(self.state, self.sampling.seed)
+        self.state = context_state([token], self.state)
+        self.num_generated += 1
+        reason = finish_reason(token, self.num_generated, self.sampling, eos_token_ids)
+        return TokenOutput(self.request_id, self.num_generated - 1, token, reason)
+
+
+def new_sequence(request_id: str, sampling: SamplingParams, prompt: list[int],
+                 num_generated: int) -> FakeSequence:
+    """A sequence after `prompt` and the first `num_generated` (0 or 1) tokens, which the
+    fake model derives from the prompt (decode recomputes prefill's first token)."""
+    state = context_state(prompt)
+    if num_generated:
+        state = context_state([fake_token(state, sampling.seed)], state)
+    return FakeSequence(request_id, sampling, state, num_generated, prompt_len=len(prompt))
+
+
+def refuse_unserved(sampling: SamplingParams) -> None:
+    """A model-less engine can neither keep an output inside a grammar nor fork choices:
+    say so."""
+    if sampling.grammar is not None:
+        raise InvalidRequest("structured outputs need the torch engine (this worker has no "
+                             "model)", param="response_format")
+    if sampling.n > 1:
+        raise InvalidRequest("n > 1 needs the torch engine (this worker has no model)",
+                             param="n")
 
 
 class FakeEngine:
@@ -90,19 +148,14 @@ class FakeEngine:
         token_delay_s: float = 0.0,
         is_prefix_caching: bool = True,
     ) -> None:
-        self.block_size = block_size
-        self.num_blocks = num_blocks
         self.max_batch_size = max_batch_size
         self.prefill_delay_s = prefill_delay_s
         self.prefill_s_per_token = prefill_s_per_token
         self.token_delay_s = token_delay_s
-        self.is_prefix_caching = is_prefix_caching
-        self._events: list[tuple[str, bytes]] = []
-        self._allocator = BlockAllocator(num_blocks, on_event=self._record_event)
-        self._owned: dict[str, list[int]] = {}
+        self.ledger = BlockLedger(num_blocks, block_size, is_prefix_caching=is_prefix_caching)
         self._num_waiting_tokens = 0
-        self._prefill_queue: asyncio.Queue[_PrefillJob]
-        self._running: dict[str, _Running] = {}
+        self._prefill_queue: asyncio.Queue[PrefillJob]
+        self._running: dict[str, FakeSequence] = {}
         self._has_work = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._is_closed = False
@@ -110,6 +163,10 @@ class FakeEngine:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return ()
+
+    @property
+    def prefix_cache(self) -> BlockLedger:
+        return self.ledger
 
     async def start(self) -> None:
         self._prefill_queue = asyncio.Queue()
@@ -122,42 +179,32 @@ class FakeEngine:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        for request_id in list(self._owned):
+        for request_id in self.ledger.request_ids():
             self.abort(request_id)
+
+    def check(self, sampling: SamplingParams) -> None:
+        refuse_unserved(sampling)
+
+    async def prepare(self, sampling: SamplingParams) -> None:
+        """Nothing to ready: `check` refuses whatever needs it."""
 
     # Prefill side.
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         if self._task is None or self._is_closed:
             raise EngineFailure("engine is not running")
-        prompt = request.prompt_token_ids
-        if not prompt:
+        refuse_unserved(request.sampling)
+        if not request.prompt_token_ids:
             raise InvalidRequest("empty prompt", param="prompt")
-        hashes = block_hashes(prompt, self.block_size) if self.is_prefix_caching else []
-        num_cached = self._allocate_prompt(request.request_id, prompt, hashes)
-        job = _PrefillJob(request, hashes, num_cached,
-                          asyncio.get_running_loop().create_future())
+        blocks = self.ledger.allocate_prompt(request.request_id, request.prompt_token_ids)
+        job = PrefillJob(request, blocks.hashes, blocks.num_cached_tokens,
+                         asyncio.get_running_loop().create_future())
         self._num_waiting_tokens += job.num_uncached
-        self._enqueue(job)
+        self._prefill_queue.put_nowait(job)
         try:
             return await job.future
         except BaseException:
             self.abort(request.request_id)
             raise
-
-    def _enqueue(self, job: _PrefillJob) -> None:
-        self._prefill_queue.put_nowait(job)
-
-    def _allocate_prompt(self, request_id: str, prompt: list[int], hashes: list[bytes]) -> int:
-        """Take the cached leading blocks of `prompt` and fresh ones for the rest; return how
-        many prompt tokens are cached (at least one token is always computed)."""
-        cached = self._allocator.match_prefix(hashes)
-        needed = math.ceil(len(prompt) / self.block_size) - len(cached)
-        try:
-            self._owned[request_id] = cached + self._take(needed)
-        except CapacityExhausted:
-            self._allocator.free(cached)
-            raise
-        return min(len(cached) * self.block_size, len(prompt) - 1)
 
     async def _prefill_loop(self) -> None:
         while True:
@@ -171,50 +218,35 @@ class FakeEngine:
             self._num_waiting_tokens -= num_tokens
             for job in batch:
                 if not job.future.done():
-                    self._register(job)
-                    job.future.set_result(self._first_token(job, delay_s))
-
-    def _register(self, job: _PrefillJob) -> None:
-        """The prompt's full blocks are computed: they join the prefix cache."""
-        blocks = self._owned.get(job.request.request_id, [])
-        for block, block_hash in zip(blocks, job.hashes, strict=False):
-            self._allocator.register(block, block_hash)
-
-    def _first_token(self, job: _PrefillJob, compute_s: float) -> PrefillResult:
-        request = job.request
-        token = fake_token(prompt_digest(request.prompt_token_ids), request.sampling.seed, 0)
-        return PrefillResult(
-            request_id=request.request_id,
-            first_token_id=token,
-            block_ids=list(self._owned.get(request.request_id, [])),
-            finish_reason=finish_reason(token, 1, request.sampling, self.eos_token_ids),
-            num_cached_tokens=job.num_cached,
-            compute_s=compute_s,
-        )
+                    request_id = job.request.request_id
+                    self.ledger.register(request_id, job.hashes)
+                    job.future.set_result(job.first_token(
+                        delay_s, self.ledger.blocks(request_id), self.eos_token_ids))
 
     def release(self, request_id: str) -> None:
-        self._free(request_id)
+        self.ledger.free(request_id)
 
     # Decode side.
-    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
-        return list(self._allocate(request_id, num_tokens))
+    def reserve(self, request_id: str, num_tokens: int, *, num_choices: int = 1,
+                num_prompt_tokens: int = 0) -> list[int]:
+        return self.ledger.reserve(request_id, num_tokens)
 
     def generate(self, request: PrefillRequest) -> None:
         if not request.prompt_token_ids:
             raise InvalidRequest("empty prompt", param="prompt")
-        self._allocate(request.request_id,
-                       len(request.prompt_token_ids) + request.sampling.max_tokens)
-        self._running[request.request_id] = _Running(
-            request.request_id, request.sampling, prompt_digest(request.prompt_token_ids),
-            num_generated=0)
-        self._has_work.set()
+        self.ledger.reserve(request.request_id,
+                            len(request.prompt_token_ids) + request.sampling.max_tokens)
+        self._start_running(new_sequence(request.request_id, request.sampling,
+                                         request.prompt_token_ids, num_generated=0))
 
     def join(self, request: DecodeRequest) -> None:
-        if request.request_id not in self._owned:
+        if not self.ledger.owns(request.request_id):
             raise InvalidRequest(f"request {request.request_id} has no reserved blocks")
-        self._running[request.request_id] = _Running(
-            request.request_id, request.sampling, prompt_digest(request.prompt_token_ids),
-            num_generated=1)
+        self._start_running(new_sequence(request.request_id, request.sampling,
+                                         request.prompt_token_ids, num_generated=1))
+
+    def _start_running(self, sequence: FakeSequence) -> None:
+        self._running[sequence.request_id] = sequence
         self._has_work.set()
 
     async def next_step(self) -> list[TokenOutput]:
@@ -223,45 +255,25 @@ class FakeEngine:
             await self._has_work.wait()
         await asyncio.sleep(self.token_delay_s)
         batch = list(self._running.values())[: self.max_batch_size]
-        return [self._decode_one(state) for state in batch]
+        return [self._decode_one(sequence) for sequence in batch]
 
-    def _decode_one(self, state: _Running) -> TokenOutput:
-        token = fake_token(state.digest, state.sampling.seed, state.num_generated)
-        state.num_generated += 1
-        reason = finish_reason(token, state.num_generated, state.sampling, self.eos_token_ids)
-        if reason is not None:
-            self.abort(state.request_id)
-        return TokenOutput(state.request_id, state.num_generated - 1, token, reason)
+    def _decode_one(self, sequence: FakeSequence) -> TokenOutput:
+        output = sequence.step(self.eos_token_ids)
+        if output.finish_reason is not None:
+            self.abort(sequence.request_id)
+        return output
 
     def abort(self, request_id: str) -> bool:
         was_running = self._running.pop(request_id, None) is not None
-        return self._free(request_id) or was_running
-
-    def drain_kv_events(self) -> list[tuple[str, bytes]]:
-        events, self._events = self._events, []
-        return events
-
-    # Prefix reuse across workers: the block bookkeeping is real, the (absent) bytes are not.
-    def num_cached_blocks(self, block_hashes: list[bytes]) -> int:
-        return self._allocator.peek_prefix(block_hashes)
-
-    def hold_prefix(self, block_hashes: list[bytes]) -> list[int]:
-        return self._allocator.match_prefix(block_hashes)
-
-    def release_blocks(self, block_ids: list[int]) -> None:
-        self._allocator.free(block_ids)
-
-    def allocate_blocks(self, count: int) -> list[int]:
-        return self._take(count)
-
-    def cache_blocks(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
-        self._allocator.cache(block_ids, block_hashes)
-
-    def _record_event(self, kind: str, block_hash: bytes) -> None:
-        self._events.append((kind, block_hash))
+        return self.ledger.free(request_id) or was_running
 
     def kv_layout(self) -> None:
         return None  # no KV exists: decode regenerates its state, nothing is moved
+
+    kv_device = "cpu"
+
+    def kv_pool_tensor(self) -> None:
+        return None
 
     def use_kv_buffer(self, buffer: memoryview) -> None:
         raise InvalidRequest("the fake engine keeps no KV")
@@ -270,31 +282,11 @@ class FakeEngine:
         return EngineStats(
             num_running=len(self._running),
             num_waiting=self._prefill_queue.qsize() if self._task else 0,
-            num_free_blocks=self._allocator.num_available,
-            num_total_blocks=self.num_blocks,
+            num_free_blocks=self.ledger.num_available,
+            num_total_blocks=self.ledger.num_blocks,
             max_batch_size=self.max_batch_size,
             num_waiting_tokens=self._num_waiting_tokens,
             decode_step_s=self.token_delay_s,
             prefill_overhead_s=self.prefill_delay_s,
             prefill_s_per_token=self.prefill_s_per_token,
         )
-
-    # Blocks.
-    def _allocate(self, request_id: str, num_tokens: int) -> list[int]:
-        if request_id not in self._owned:
-            self._owned[request_id] = self._take(max(1, math.ceil(num_tokens / self.block_size)))
-        return self._owned[request_id]
-
-    def _take(self, count: int) -> list[int]:
-        available = self._allocator.num_available
-        if count > available:
-            raise CapacityExhausted(f"need {count} KV blocks, {available} free",
-                                    param="max_tokens")
-        return self._allocator.allocate(count)
-
-    def _free(self, request_id: str) -> bool:
-        blocks = self._owned.pop(request_id, None)
-        if blocks is None:
-            return False
-        self._allocator.free(blocks)
-        return True

@@ -37,6 +37,10 @@ class KvCache:
         flat = self._slots[layer]
         return flat[0].index_select(0, slots), flat[1].index_select(0, slots)
 
+    def copy_block(self, source: int, target: int) -> None:
+        """Every layer's K and V of block `source` into block `target`."""
+        self.data[:, :, target] = self.data[:, :, source]
+
     def view(self, layer: int, first_slot: int, length: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `length` consecutive slots, as views (no copy)."""

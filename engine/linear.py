@@ -14,6 +14,7 @@ engine works around on CPU only (CUDA and CPUs with bf16 units run plain `F.line
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ class CpuGemmPolicy:
     chunk_columns: int
 
 
+@functools.cache
 def cpu_has_native_bf16() -> bool:
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(torch.cpu, name, lambda: False)() for name in checks)

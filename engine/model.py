@@ -1,47 +1,26 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE) over a paged KV cache.
 
 Inputs are flattened: the new tokens of every sequence in the batch, one after another
 (`[T]`), with their positions. Linear layers and the MLP run on all T tokens at once;
-attention runs per sequence over exactly its own context (read through its block table), so
-a decode batch is never padded to its longest sequence. q/k/v and gate/up projections are
-fused at load time (one matmul each).
+attention is one call per layer through the chosen backend (`engine.attention`), each
+sequence over exactly its own context, read through its block table. q/k/v and gate/up
+projections are fused at load time (one matmul each). A routed MLP (`SparseMoe`) runs each
+expert over only the tokens routed to it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention import AttentionBackend, AttentionMetadata, make_backend
 from engine.kv_cache import KvCache
 from engine.linear import CpuGemmPolicy, Linear, linear
-from engine.model_config import ModelConfig
+from engine.model_config import ModelConfig, MoeConfig
 from engine.rope import RotaryEmbedding
-
-
-@dataclass(frozen=True)
-class SequenceSlice:
-    """One sequence's share of a flattened batch."""
-
-    query_start: int
-    query_len: int
-    context_len: int  # tokens in the cache once this step's tokens are written
-    context_start: int | None  # offset in the step's gathered K/V
-    # First slot of a context whose blocks are consecutive: read in place. Both None: the
-    # sequence has no cached context and attends to this step's K/V.
-    context_slot: int | None = None
-
-
-@dataclass(frozen=True)
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T]: where each new token's K/V goes
-    sequences: list[SequenceSlice]
-    # Slots of every cached context that is read this step, all sequences end to end: one
-    # gather per layer instead of one per sequence.
-    context_slots: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -67,61 +46,67 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, qkv_size, bias=config.has_qkv_bias)
         self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size,
                                 bias=False)
+        self.q_norm = self.k_norm = None
+        if config.has_qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv: KvCache, rope: RotaryEmbedding) -> torch.Tensor:
+                kv: KvCache, rope: RotaryEmbedding, attention: AttentionBackend) -> torch.Tensor:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k, positions)
         kv.write(self.layer, meta.slot_mapping, k, v)
-        if meta.context_slots is not None:
-            cached_k, cached_v = kv.gather(self.layer, meta.context_slots)
-        out = torch.empty_like(q)
-        for seq in meta.sequences:
-            span = slice(seq.query_start, seq.query_start + seq.query_len)
-            if seq.context_slot is not None:
-                keys, values = kv.view(self.layer, seq.context_slot, seq.context_len)
-            elif seq.context_start is not None:
-                context = slice(seq.context_start, seq.context_start + seq.context_len)
-                keys, values = cached_k[context], cached_v[context]
-            else:
-                keys, values = k[span], v[span]
-            out[span] = _attend(q[span], keys, values, seq.context_len)
-        return self.o_proj(out.flatten(1))
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int
-            ) -> torch.Tensor:
-    """Causal attention of q (`[L, Hq, D]`, the last L positions) over k/v (`[C, Hkv, D]`)."""
-    query_len = q.shape[0]
-    mask = None
-    if 1 < query_len < context_len:  # chunk after a cached prefix: shift the causal band
-        rows = torch.arange(query_len, device=q.device).unsqueeze(1) + (context_len - query_len)
-        mask = torch.arange(context_len, device=q.device).unsqueeze(0) <= rows
-    # 4-D inputs: with 3-D ones torch takes its slow "math" path (measured 5x slower on CPU).
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0), attn_mask=mask,
-        is_causal=query_len > 1 and query_len == context_len, enable_gqa=True,
-    )
-    return out[0].transpose(0, 1)
+        return self.o_proj(attention.attend(q, kv, self.layer, meta.plan).flatten(1))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
-                                      bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+class SparseMoe(nn.Module):
+    """A router (`gate`) picks each token's top-k experts; each expert runs once per step
+    over the tokens routed to it, and their outputs are summed with the router's weights."""
+
+    def __init__(self, hidden_size: int, moe: MoeConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.gate = Linear(hidden_size, moe.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(hidden_size, moe.intermediate_size)
+                                     for _ in range(moe.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = probs.topk(self.moe.top_k, dim=-1)  # [T, k]
+        if self.moe.is_top_k_normalized:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype).flatten()
+        # (token, expert) pairs sorted by expert: each expert's tokens are one slice.
+        order = chosen.flatten().argsort(stable=True)
+        counts = torch.bincount(chosen.flatten(), minlength=self.moe.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts, strict=True):
+            if count:
+                pairs = order[start:start + count]
+                tokens = pairs // self.moe.top_k
+                out.index_add_(0, tokens, expert(x[tokens]) * weights[pairs].unsqueeze(1))
+                start += count
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -130,11 +115,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = (
+            SparseMoe(config.hidden_size, config.moe)
+            if config.moe is not None and layer in config.moe.layers
+            else MLP(config.hidden_size, config.intermediate_size))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv: KvCache, rope: RotaryEmbedding) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv, rope)
+                kv: KvCache, rope: RotaryEmbedding, attention: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv, rope, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -157,6 +145,7 @@ class CausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
         self.gemm_policy: CpuGemmPolicy | None = None
+        self.attention: AttentionBackend | None = None  # made by `init_runtime`
 
     def set_gemm_policy(self, policy: CpuGemmPolicy | None) -> None:
         self.gemm_policy = policy
@@ -164,20 +153,24 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.policy = policy
 
-    def init_rope(self, max_positions: int, device: torch.device) -> None:
+    def init_runtime(self, max_positions: int, device: torch.device,
+                  attention: str = "auto") -> None:
+        """Ready the model to run on `device`: rotary tables and the attention backend."""
         config = self.config
         self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                     config.rope_scaling, device)
+        self.attention = make_backend(attention, device, config.num_heads)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: KvCache, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Hidden states after the final norm, `[T, hidden]`. `on_layer(i)` runs after layer
         i has written its K/V (layer-wise KV transfer hooks in here)."""
-        if self.rope is None:
-            raise RuntimeError("call init_rope() before forward()")
+        if self.rope is None or self.attention is None:
+            raise RuntimeError("call init_runtime() before forward()")
+        meta.plan = self.attention.plan(meta, kv)
         h = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, positions, meta, kv, self.rope)
+            h = layer(h, positions, meta, kv, self.rope, self.attention)
             if on_layer is not None:
                 on_layer(i)
         return self.model.norm(h)

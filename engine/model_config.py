@@ -1,4 +1,5 @@
-"""A Llama-family model's shape, read from a Hugging Face `config.json`."""
+"""A Llama-family model's shape, read from a Hugging Face `config.json`: Llama 2/3, Mistral,
+Qwen2, Qwen3 (q/k norms) and Qwen3-MoE (routed experts in the MLP)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,35 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+_QWEN = ("qwen2", "qwen3", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Routed experts: each token runs through `top_k` of `num_experts` MLPs, weighted."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    is_top_k_normalized: bool  # the top-k weights renormalized to sum to 1
+    layers: frozenset[int]  # the layers whose MLP is routed (the others are dense)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> MoeConfig | None:
+        # The Hub's Qwen3-MoE configs say `num_experts`; transformers 5 writes the other.
+        num_experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+        if not num_experts:
+            return None
+        step = raw.get("decoder_sparse_step") or 1
+        dense = set(raw.get("mlp_only_layers") or ())
+        return cls(num_experts=num_experts, top_k=raw["num_experts_per_tok"],
+                   intermediate_size=raw["moe_intermediate_size"],
+                   is_top_k_normalized=bool(raw.get("norm_topk_prob", False)),
+                   layers=frozenset(i for i in range(raw["num_hidden_layers"])
+                                    if i not in dense and (i + 1) % step == 0))
 
 
 @dataclass(frozen=True)
@@ -35,6 +64,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     sliding_window: int | None = None  # attention here is full: contexts are capped to it
+    has_qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rope
+    moe: MoeConfig | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -63,6 +94,8 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_as_ids(eos),
             sliding_window=_sliding_window(raw, family),
+            has_qk_norm=family in ("qwen3", "qwen3_moe"),
+            moe=MoeConfig.from_dict(raw) if family == "qwen3_moe" else None,
         )
 
     @classmethod
@@ -91,7 +124,7 @@ def _as_ids(value: object) -> tuple[int, ...]:
 
 def _sliding_window(raw: dict[str, Any], family: str) -> int | None:
     window = raw.get("sliding_window")
-    if family == "qwen2" and not raw.get("use_sliding_window", False):
+    if family in _QWEN and not raw.get("use_sliding_window", False):
         return None
     return int(window) if window else None
 

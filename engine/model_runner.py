@@ -10,29 +10,34 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from engine.attention import AttentionMetadata, SequenceSlice
 from engine.block_allocator import BlockAllocator
 from engine.kv_cache import KvCache
-from engine.model import AttentionMetadata, CausalLM, SequenceSlice
-from engine.sampler import sample
+from engine.model import CausalLM
+from engine.sampler import Draw, Pick, prompt_logprobs, sample
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from shared.block_hash import block_hashes
+from shared.messages import TokenLogprob
 
 
 @dataclass(frozen=True)
 class Sampled:
     seq: Sequence
     token_id: int
-    logprob: float
+    logprob: TokenLogprob
+    forks: list[Pick] = field(default_factory=list)  # n > 1, first token: choices 1..n-1
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: KvCache, allocator: BlockAllocator, *,
-                 device: torch.device, is_prefix_caching: bool) -> None:
+                 device: torch.device, is_prefix_caching: bool,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.eos_token_ids = eos_token_ids
         self.model = model
         self.kv = kv
         self.allocator = allocator
@@ -40,23 +45,23 @@ class ModelRunner:
         self.device = device
         self.is_prefix_caching = is_prefix_caching
 
-    def admit(self, seq: Sequence, num_reserved_tokens: int) -> None:
-        """Give a new prompt its blocks, reusing the longest cached prefix, and reserve room
-        for `num_reserved_tokens` in all: with no preemption, a request that was admitted
-        never runs out of blocks mid-generation. At least one token is always left to
-        compute, so the step yields logits to sample from."""
-        if self.is_prefix_caching:
-            seq.block_hashes = block_hashes(seq.token_ids[: seq.num_prompt_tokens],
-                                            self.block_size)
-            usable = seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]
-            seq.block_ids = self.allocator.match_prefix(usable)
-            seq.num_computed = seq.num_cached = len(seq.block_ids) * self.block_size
-            seq.num_registered = len(seq.block_ids)
-        try:
-            self.ensure_blocks(seq, max(seq.num_tokens, num_reserved_tokens))
-        except BaseException:
-            self.free(seq)
-            raise
+    def admit(self, seq: Sequence) -> None:
+        """Give a sequence without blocks the longest cached prefix of its prompt (a new
+        prompt, or a preempted sequence computed again); the rest is allocated as its steps
+        need it. At least one token is always left to compute, so the step yields logits to
+        sample from. A prompt whose logprobs were asked for is computed whole (the cache
+        holds K/V, not logits)."""
+        if not self.is_prefix_caching:
+            return
+        seq.block_hashes = block_hashes(seq.token_ids[: seq.num_prompt_tokens], self.block_size)
+        usable = seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]
+        if seq.sampling.prompt_logprobs is not None and seq.num_generated == 0:
+            usable = []
+        seq.block_ids = self.allocator.match_prefix(usable)
+        seq.num_computed = len(seq.block_ids) * self.block_size
+        if seq.num_generated == 0:
+            seq.num_cached = seq.num_computed
+        seq.num_registered = len(seq.block_ids)
 
     def ensure_blocks(self, seq: Sequence, num_tokens: int) -> None:
         missing = math.ceil(num_tokens / self.block_size) - len(seq.block_ids)
@@ -68,12 +73,19 @@ class ModelRunner:
             self.allocator.free(seq.block_ids)
             seq.block_ids = []
 
+    def preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks (its computed prompt blocks stay in the prefix cache)
+        and forget its KV: it is computed again, prompt and output so far, when resumed."""
+        self.free(seq)
+        seq.num_computed = seq.num_registered = 0
+        seq.admitted = -1
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[Sampled]:
         """Compute the batch's new tokens; sample for every sequence that has no uncomputed
         token left afterwards."""
-        ids, positions, slots, contexts, slices = [], [], [], [], []
-        offset = context_offset = 0
+        ids, positions, slots, slices = [], [], [], []
+        offset = 0
         for seq, count in zip(batch.sequences, batch.num_new_tokens, strict=True):
             start = seq.num_computed
             self.ensure_blocks(seq, start + count)
@@ -83,18 +95,9 @@ class ModelRunner:
                                     device=self.device))
             positions.append(pos)
             slots.append(self._slots(table, pos))
-            context_start = context_slot = None
-            if start > 0 and self._is_contiguous(seq.block_ids, start + count):
-                context_slot = seq.block_ids[0] * self.block_size  # read in place, no copy
-            elif start > 0:  # a cached context to gather: prefix, earlier chunks, or decode
-                contexts.append(self._slots(table, torch.arange(start + count,
-                                                                device=self.device)))
-                context_start, context_offset = context_offset, context_offset + start + count
-            slices.append(SequenceSlice(offset, count, start + count, context_start,
-                                        context_slot))
+            slices.append(SequenceSlice(offset, count, start + count, seq.block_ids))
             offset += count
-        meta = AttentionMetadata(torch.cat(slots), slices,
-                                 torch.cat(contexts) if contexts else None)
+        meta = AttentionMetadata(torch.cat(slots), slices)
         # Only sequences whose prompt completes in this step: their KV is then whole per layer.
         listeners = [
             functools.partial(seq.on_layer, block_ids=list(seq.block_ids))
@@ -105,10 +108,6 @@ class ModelRunner:
                             on_layer=_fan_out(listeners) if listeners else None)
         return self._advance_and_sample(batch, slices, hidden)
 
-    def _is_contiguous(self, block_ids: list[int], num_tokens: int) -> bool:
-        used = -(-num_tokens // self.block_size)
-        return block_ids[:used] == list(range(block_ids[0], block_ids[0] + used))
-
     def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
@@ -116,18 +115,50 @@ class ModelRunner:
                             hidden: torch.Tensor) -> list[Sampled]:
         ready: list[Sequence] = []
         rows: list[int] = []
+        draws: list[Draw] = []
         for seq, count, piece in zip(batch.sequences, batch.num_new_tokens, slices, strict=True):
+            if (seq.sampling.prompt_logprobs is not None and seq.num_generated == 0
+                    and seq.num_computed < seq.output_start):
+                self._score_prompt(seq, count, piece, hidden)
             seq.num_computed += count
             self._register_full_blocks(seq)
             if seq.num_uncomputed == 0:
                 ready.append(seq)
-                rows.append(piece.query_start + piece.query_len - 1)
+                # A prompt's first token, for n > 1: one draw per choice, each its stream.
+                num_draws = seq.sampling.n if seq.num_generated == 0 else 1
+                for choice in range(num_draws):
+                    rows.append(piece.query_start + piece.query_len - 1)
+                    draws.append(Draw(
+                        seq.sampling, None if seq.seed is None else seq.seed + choice,
+                        seq.token_ids, seq.output_start, seq.matcher,
+                        seq.sampling.max_tokens - seq.num_generated))
         if not ready:
             return []
-        logits = self.model.logits(hidden[rows])
-        tokens, logprobs = sample(logits, [s.sampling for s in ready],
-                                  [s.generator for s in ready])
-        return [Sampled(s, t, lp) for s, t, lp in zip(ready, tokens, logprobs, strict=True)]
+        picks = iter(sample(self.model.logits(hidden[rows]), draws, self.eos_token_ids))
+        sampled = []
+        for seq in ready:
+            pick = next(picks)
+            forks = [next(picks) for _ in range(seq.sampling.n - 1)] \
+                if seq.num_generated == 0 else []
+            if seq.matcher is not None:
+                seq.matcher.accept(pick.token_id)
+            sampled.append(Sampled(seq, pick.token_id, pick.logprob, forks))
+        return sampled
+
+    def _score_prompt(self, seq: Sequence, count: int, piece: SequenceSlice,
+                      hidden: torch.Tensor) -> None:
+        """The logprobs of the prompt tokens this chunk predicts (position i predicts i + 1;
+        the first prompt token has none)."""
+        start = seq.num_computed
+        if start == 0:
+            seq.prompt_logprobs.append(TokenLogprob(None))
+        end = min(start + count, seq.output_start - 1)  # the last position predicts output
+        if end <= start:
+            return
+        rows = hidden[piece.query_start:piece.query_start + end - start]
+        seq.prompt_logprobs.extend(prompt_logprobs(
+            self.model.logits(rows), seq.token_ids[start + 1:end + 1],
+            seq.sampling.prompt_logprobs or 0))
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         full = min(seq.num_computed // self.block_size, len(seq.block_hashes))

@@ -1,41 +1,158 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, chosen logprobs."""
+"""Token sampling, one module for every worker (prefill's first token, decode's later ones):
+logit controls (bias, min_tokens, penalties), greedy or temperature with min-p, top-k and
+top-p, per-request seeds, and the logprobs a client asked for.
+
+Logprobs are those of the model's own distribution (`log_softmax` of the raw logits), as
+OpenAI reports them, whatever controls shaped the pick.
+
+Randomness is addressed by position: output token i of a request with seed s is drawn from a
+generator seeded with (s, i). So the same seed gives the same tokens whatever the batch, and
+whichever worker draws them: prefill's first token and decode's next ones continue one
+stream, after a handoff or a failover alike.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from shared.messages import SamplingParams
+from shared.messages import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.grammar import Matcher
+
+MAX_LOGPROBS = 20
 
 
-def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """A per-request generator: the same seed gives the same tokens whatever the batch."""
+def base_seed(params: SamplingParams, offset: int = 0) -> int | None:
+    """The seed of a request's random stream (None when greedy): its own seed, or a random
+    one. `offset` gives each of several streams of one request its own (`seed + offset`)."""
     if params.temperature == 0.0:
         return None
-    generator = torch.Generator(device=device)
-    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
-    generator.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
-    return generator
+    if params.seed is None:
+        return int.from_bytes(os.urandom(8), "little") >> 1
+    return params.seed + offset
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> tuple[list[int], list[float]]:
-    """Pick one token per row of `logits` (`[B, V]`, float32). Returns the tokens and the
-    log-probability of each under the model's unmodified distribution."""
-    log_probs = torch.log_softmax(logits, dim=-1)
-    tokens = logits.argmax(dim=-1)
-    for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
-        if p.temperature > 0.0:
-            tokens[row] = _sample_row(logits[row], p, generator)
-    chosen = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    return tokens.tolist(), chosen.tolist()
+@dataclass(frozen=True)
+class Draw:
+    """One row to sample: its controls, its random stream's seed, and its context (prompt,
+    then output; the output starts at `output_start`), which the penalties and `min_tokens`
+    read and whose output length picks the draw within the stream."""
+
+    sampling: SamplingParams
+    seed: int | None
+    token_ids: Sequence[int]
+    output_start: int
+    matcher: Matcher | None = None  # the grammar the next token must keep to
+    remaining: int = 1 << 30  # output tokens the budget still allows, this one included
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        position = len(self.token_ids) - self.output_start
+        seed = (self.seed * 0x9E3779B97F4A7C15 + position) & 0x7FFF_FFFF_FFFF_FFFF
+        return torch.Generator(device=device).manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class Pick:
+    token_id: int
+    logprob: TokenLogprob
+
+
+def sample(logits: torch.Tensor, draws: Sequence[Draw],
+           eos_token_ids: Collection[int] = ()) -> list[Pick]:
+    """Pick one token per row of `logits` (`[B, V]`, float32)."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    shaped = logits
+    controlled = [row for row, d in enumerate(draws)
+                  if has_controls(d.sampling) or d.matcher is not None]
+    if controlled:
+        shaped = logits.clone()
+        for row in controlled:
+            apply_controls(shaped[row], draws[row], eos_token_ids)
+    tokens = shaped.argmax(dim=-1)
+    for row, draw in enumerate(draws):
+        if draw.sampling.temperature > 0.0:
+            tokens[row] = _sample_row(shaped[row], draw.sampling,
+                                      draw.generator(logits.device))
+    chosen = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    picks = []
+    for row, (token, logprob, draw) in enumerate(zip(tokens.tolist(), chosen, draws,
+                                                      strict=True)):
+        top = top_logprobs(log_probs[row], draw.sampling.logprobs)
+        picks.append(Pick(token, TokenLogprob(logprob, top)))
+    return picks
+
+
+def top_logprobs(log_probs: torch.Tensor, count: int | None) -> list[tuple[int, float]]:
+    """The `count` most likely tokens of one row of logprobs, most likely first."""
+    if not count:
+        return []
+    values, ids = torch.topk(log_probs, min(count, log_probs.shape[-1]))
+    return list(zip(ids.tolist(), values.tolist(), strict=True))
+
+
+def prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int], count: int
+                    ) -> list[TokenLogprob]:
+    """Row i of `logits` predicts `next_token_ids[i]`: its logprob and the top `count`."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(list(next_token_ids), dtype=torch.long, device=logits.device)
+    chosen = log_probs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    return [TokenLogprob(value, top_logprobs(log_probs[row], count))
+            for row, value in enumerate(chosen)]
+
+
+def has_controls(p: SamplingParams) -> bool:
+    return bool(p.logit_bias) or p.min_tokens > 0 or p.has_penalties
+
+
+def apply_controls(logits: torch.Tensor, draw: Draw, eos_token_ids: Collection[int]) -> None:
+    """Shape one row of logits in place: the grammar's mask, bias, min_tokens, then the
+    penalties."""
+    p = draw.sampling
+    if draw.matcher is not None:
+        draw.matcher.mask(logits, draw.remaining, p.max_tokens)
+    if p.logit_bias:
+        ids, biases = zip(*p.logit_bias, strict=True)
+        logits[list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+    if len(draw.token_ids) - draw.output_start < p.min_tokens:
+        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        if banned:
+            logits[sorted(banned)] = float("-inf")
+    if not p.has_penalties:
+        return
+    context = torch.tensor(list(draw.token_ids), dtype=torch.long, device=logits.device)
+    if p.repetition_penalty != 1.0 and len(context):
+        seen = context.unique()
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / p.repetition_penalty,
+                                   values * p.repetition_penalty)
+    output = context[draw.output_start:]
+    if (p.frequency_penalty or p.presence_penalty) and len(output):
+        counts = torch.bincount(output, minlength=logits.shape[-1]).to(logits.dtype)
+        logits -= counts * p.frequency_penalty + (counts > 0).to(logits.dtype) \
+            * p.presence_penalty
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None
                 ) -> torch.Tensor:
+    probs = torch.softmax(warp(logits, p), dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row scaled by temperature (> 0), the tokens that min-p, top-k and top-p leave out
+    at -inf."""
     scaled = logits / p.temperature
+    if p.min_p > 0.0:
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_k is not None and p.top_k < scaled.shape[-1]:
         threshold = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
@@ -45,5 +162,4 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         # Drop a token once the tokens before it already reach top_p (the first one stays).
         drop = (cumulative - torch.softmax(ordered, dim=-1)) >= p.top_p
         scaled = scaled.scatter(0, order, ordered.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(scaled, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[0]
+    return scaled

@@ -9,7 +9,8 @@ sequences join and leave between steps.
 
 When both kinds wait, decode runs unless prefill is due: the oldest waiting prompt has waited
 `max_wait_s`, or the waiting prompts fill the token budget. An engine with nothing to decode
-starts a prefill at once (waiting would only add latency).
+starts a prefill at once (waiting would only add latency). A preempted sequence (its blocks
+taken for others) waits first in line.
 """
 
 from __future__ import annotations
@@ -52,12 +53,22 @@ class Scheduler:
     def schedule(self, now_s: float) -> ScheduledBatch | None:
         if self.waiting and (not self.running or self._is_prefill_due(now_s)):
             return self._prefill_batch()
-        if self.running:
-            batch = self.running[: self.max_batch_size]
-            # Rotate so that, past max_batch_size, every sequence gets its turn.
-            self.running = self.running[self.max_batch_size:] + batch
-            return ScheduledBatch(batch, [1] * len(batch), is_prefill=False)
-        return None
+        return self.decode_batch()
+
+    def decode_batch(self) -> ScheduledBatch | None:
+        """The next decode step's sequences (also when the prefill due cannot run)."""
+        if not self.running:
+            return None
+        batch = self.running[: self.max_batch_size]
+        # Rotate so that, past max_batch_size, every sequence gets its turn.
+        self.running = self.running[self.max_batch_size:] + batch
+        return ScheduledBatch(batch, [1] * len(batch), is_prefill=False)
+
+    def preempt(self, seq: Sequence) -> None:
+        """A running sequence gives its blocks up: it waits first in line to be computed
+        again (prompt and output so far), then decodes on."""
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
 
     def _is_prefill_due(self, now_s: float) -> bool:
         if now_s - self.waiting[0].arrived_at_s >= self.max_wait_s:

@@ -4,21 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from shared.messages import FinishReason, SamplingParams, TokenLogprob
 
-from shared.messages import FinishReason, SamplingParams
+if TYPE_CHECKING:
+    from engine.grammar import Matcher
 
 LayerListener = Callable[[int, list[int]], None]  # (layer, the request's block ids)
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: `in` and `remove` go by identity
 class Sequence:
     request_id: str
     token_ids: list[int]  # prompt, then generated tokens
     num_prompt_tokens: int
     sampling: SamplingParams
-    generator: torch.Generator | None
+    seed: int | None  # of its random stream (`engine.sampler`); None when greedy
     arrived_at_s: float
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose K/V is in the cache
@@ -30,6 +32,18 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of the prompt's full blocks
     num_registered: int = 0  # leading prompt blocks already in the prefix cache
     compute_started_at: float = 0.0  # perf_counter() when its first step began
+    # Where the output starts in `token_ids`: a continuation's prompt ends with output
+    # already streamed (the penalties and `min_tokens` count it as output).
+    output_start: int = -1  # -1: at num_prompt_tokens
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked
+    matcher: Matcher | None = None  # its place in the grammar of a structured output
+    # When it got its first blocks (an engine-wide count; -1: it holds none yet, or it was
+    # preempted). The most recently admitted running sequence is preempted first.
+    admitted: int = -1
+
+    def __post_init__(self) -> None:
+        if self.output_start < 0:
+            self.output_start = self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

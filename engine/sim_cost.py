@@ -74,6 +74,11 @@ class SimProfile:
     memory_utilization: float = 0.9  # of device memory for weights + KV, as vLLM's default
 
     @property
+    def kv_dtype(self) -> str:
+        """The KV pool's dtype name (as torch spells it) for `dtype_bytes`."""
+        return {4: "float32", 2: "bfloat16", 1: "float8_e4m3fn"}[self.dtype_bytes]
+
+    @property
     def layer_params(self) -> int:
         m = self.model
         attention = m.hidden_size * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)

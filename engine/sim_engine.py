@@ -4,8 +4,9 @@ A worker with this engine behaves, to the rest of halfmoon, like one driving a r
 the chosen profile (`engine/sim_cost.py`): each model step takes the time the cost model
 gives for it (times `time_scale`, to slow the whole simulation down when the host is the
 bottleneck), so batching, scheduling, admission and KV transfer all run as production code
-against realistic step times. Tokens are the fake engine's (deterministic letters); blocks are
-counted for real, prefix cache included.
+against realistic step times. It composes the fake engine's parts: tokens are the fake
+model's (deterministic letters, `FakeSequence`), blocks are counted for real by a
+`BlockLedger`, prefix cache included.
 
 One device per worker, one step at a time, as on a GPU:
   - prefill step: the waiting prompts, first come first served, whole, up to
@@ -26,34 +27,23 @@ steps: utilization is its growth over wall time.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.fake_engine import FakeEngine, _PrefillJob, _Running, prompt_digest
+from engine.block_ledger import BlockLedger
+from engine.fake_engine import FakeSequence, PrefillJob, new_sequence, refuse_unserved
 from engine.prefill_cost import PrefillCostFit
 from engine.protocol import (
     DecodeRequest,
     EngineStats,
-    KvLayout,
     PrefillRequest,
     PrefillResult,
     TokenOutput,
 )
 from engine.sim_cost import SimProfile
-from shared.block_hash import block_hashes
 from shared.errors import CapacityExhausted, EngineFailure, InvalidRequest
-from shared.messages import SamplingParams
-
-
-@dataclass
-class _SimRunning(_Running):
-    prompt_len: int = 0
-
-    @property
-    def context_len(self) -> int:
-        return self.prompt_len + self.num_generated
+from shared.messages import KvPoolLayout, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -67,7 +57,7 @@ class SimOptions:
     is_prefix_caching: bool = True
 
 
-class SimEngine(FakeEngine):
+class SimEngine:
     """Implements `engine.protocol.Engine` on a simulated device."""
 
     def __init__(self, options: SimOptions) -> None:
@@ -75,23 +65,36 @@ class SimEngine(FakeEngine):
         num_blocks = profile.kv_capacity_tokens() // options.block_size  # device memory
         if num_blocks <= 0:
             raise InvalidRequest(f"profile {profile.name}: the weights leave no room for KV")
-        super().__init__(num_blocks=num_blocks, block_size=options.block_size,
-                         max_batch_size=options.max_batch_size,
-                         is_prefix_caching=options.is_prefix_caching)
         self.options = options
         self.profile = profile
+        self.max_batch_size = options.max_batch_size
+        self.ledger = BlockLedger(num_blocks, options.block_size,
+                                  is_prefix_caching=options.is_prefix_caching)
         model = profile.model
-        block_bytes = options.block_size * model.num_kv_heads * model.head_dim \
-            * profile.dtype_bytes
-        self._layout = KvLayout(model.num_layers, num_blocks,
-                                max(1, block_bytes // options.kv_byte_scale))
+        self._layout = KvPoolLayout(
+            num_layers=model.num_layers, num_blocks=num_blocks, block_size=options.block_size,
+            num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+            dtype=profile.kv_dtype, byte_scale=options.kv_byte_scale)
         self._kv: memoryview | None = None
-        self._waiting: deque[_PrefillJob] = deque()
+        self._waiting: deque[PrefillJob] = deque()
+        self._num_waiting_tokens = 0
+        self._running: dict[str, FakeSequence] = {}
         self._local: dict[str, bool] = {}  # prefilled here to decode here: emit first token?
         self._outputs: asyncio.Queue[list[TokenOutput]] = asyncio.Queue()
+        self._has_work = asyncio.Event()
         self._prefill_cost = PrefillCostFit()
         self._decode_step_s = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self._is_closed = False
         self.busy_s = 0.0
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return ()
+
+    @property
+    def prefix_cache(self) -> BlockLedger:
+        return self.ledger
 
     async def start(self) -> None:
         if self._kv is None:
@@ -99,13 +102,25 @@ class SimEngine(FakeEngine):
         self._task = asyncio.create_task(self._device_loop(), name="sim.device")
 
     async def close(self) -> None:
+        if self._is_closed:
+            return
+        self._is_closed = True
         for job in self._waiting:
             if not job.future.done():
                 job.future.set_exception(EngineFailure("engine closed"))
-        await super().close()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for request_id in self.ledger.request_ids():
+            self.abort(request_id)
 
-    def kv_layout(self) -> KvLayout:
+    def kv_layout(self) -> KvPoolLayout:
         return self._layout
+
+    kv_device = "cpu"
+
+    def kv_pool_tensor(self) -> memoryview | None:
+        return self._kv
 
     def use_kv_buffer(self, buffer: memoryview) -> None:
         if len(buffer) < self._layout.size_bytes:
@@ -114,57 +129,80 @@ class SimEngine(FakeEngine):
         self._kv = buffer
 
     # Work in.
-    def _enqueue(self, job: _PrefillJob) -> None:
+    def check(self, sampling: SamplingParams) -> None:
+        refuse_unserved(sampling)
+
+    async def prepare(self, sampling: SamplingParams) -> None:
+        """Nothing to ready: `check` refuses whatever needs it."""
+
+    async def prefill(self, request: PrefillRequest) -> PrefillResult:
+        refuse_unserved(request.sampling)
+        if self._task is None or self._is_closed:
+            raise EngineFailure("engine is not running")
+        job = self._new_job(request)
+        self._num_waiting_tokens += job.num_uncached
+        self._enqueue(job)
+        try:
+            return await job.future
+        except BaseException:
+            self.abort(request.request_id)
+            raise
+
+    def _new_job(self, request: PrefillRequest) -> PrefillJob:
+        if not request.prompt_token_ids:
+            raise InvalidRequest("empty prompt", param="prompt")
+        blocks = self.ledger.allocate_prompt(request.request_id, request.prompt_token_ids)
+        return PrefillJob(request, blocks.hashes, blocks.num_cached_tokens,
+                          asyncio.get_running_loop().create_future())
+
+    def _enqueue(self, job: PrefillJob) -> None:
         self._waiting.append(job)
         self._has_work.set()
 
+    def release(self, request_id: str) -> None:
+        self.ledger.free(request_id)
+
+    def reserve(self, request_id: str, num_tokens: int, *, num_choices: int = 1,
+                num_prompt_tokens: int = 0) -> list[int]:
+        return self.ledger.reserve(request_id, num_tokens)
+
     def generate(self, request: PrefillRequest) -> None:
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise InvalidRequest("empty prompt", param="prompt")
-        hashes = block_hashes(prompt, self.block_size) if self.is_prefix_caching else []
-        num_cached = self._allocate_prompt(request.request_id, prompt, hashes)
-        num_more = math.ceil((len(prompt) + request.sampling.max_tokens) / self.block_size) \
-            - len(self._owned[request.request_id])
+        job = self._new_job(request)
         try:
-            self._owned[request.request_id] += self._take(max(0, num_more))
+            self.ledger.grow(request.request_id,
+                             len(request.prompt_token_ids) + request.sampling.max_tokens)
         except CapacityExhausted:
-            self._free(request.request_id)
+            self.ledger.free(request.request_id)
             raise
-        self._queue_local(_PrefillJob(request, hashes, num_cached, self._new_future()),
-                          is_first_token_out=True)
+        self._queue_local(job, is_first_token_out=True)
 
     def join(self, request: DecodeRequest) -> None:
-        if request.request_id not in self._owned:
+        if not self.ledger.owns(request.request_id):
             raise InvalidRequest(f"request {request.request_id} has no reserved blocks")
         if request.is_kv_ready:
-            self._start_running(request.request_id, request.sampling,
-                                request.prompt_token_ids, num_generated=1)
+            self._start_running(new_sequence(request.request_id, request.sampling,
+                                             request.prompt_token_ids, num_generated=1))
             return
         # The KV did not come: recompute it into the reserved blocks, then decode.
         prefill = PrefillRequest(request.request_id, request.prompt_token_ids, request.sampling)
-        self._queue_local(_PrefillJob(prefill, [], 0, self._new_future()),
+        self._queue_local(PrefillJob(prefill, [], 0, asyncio.get_running_loop().create_future()),
                           is_first_token_out=False)
 
-    def _new_future(self) -> asyncio.Future[PrefillResult]:
-        return asyncio.get_running_loop().create_future()
-
-    def _queue_local(self, job: _PrefillJob, *, is_first_token_out: bool) -> None:
+    def _queue_local(self, job: PrefillJob, *, is_first_token_out: bool) -> None:
         """A prompt prefilled here to be decoded here: no result waits on it; it joins the
         running batch when computed (and its first token goes out if `is_first_token_out`)."""
         self._local[job.request.request_id] = is_first_token_out
         self._num_waiting_tokens += job.num_uncached
         self._enqueue(job)
 
-    def _start_running(self, request_id: str, sampling: SamplingParams, prompt: list[int],
-                       num_generated: int) -> None:
-        self._running[request_id] = _SimRunning(request_id, sampling, prompt_digest(prompt),
-                                                num_generated, prompt_len=len(prompt))
+    def _start_running(self, sequence: FakeSequence) -> None:
+        self._running[sequence.request_id] = sequence
         self._has_work.set()
 
     def abort(self, request_id: str) -> bool:
         self._local.pop(request_id, None)
-        return super().abort(request_id)
+        was_running = self._running.pop(request_id, None) is not None
+        return self.ledger.free(request_id) or was_running
 
     # The device.
     async def _device_loop(self) -> None:
@@ -179,12 +217,12 @@ class SimEngine(FakeEngine):
             else:
                 await self._decode_step()
 
-    def _next_prefill_batch(self) -> list[_PrefillJob]:
-        batch: list[_PrefillJob] = []
+    def _next_prefill_batch(self) -> list[PrefillJob]:
+        batch: list[PrefillJob] = []
         budget = self.options.max_batch_tokens
         while self._waiting and len(batch) < self.max_batch_size:
             job = self._waiting[0]
-            if job.request.request_id not in self._owned:  # aborted while waiting
+            if not self.ledger.owns(job.request.request_id):  # aborted while waiting
                 self._waiting.popleft()
                 self._num_waiting_tokens -= job.num_uncached
                 continue
@@ -206,46 +244,54 @@ class SimEngine(FakeEngine):
         wall_s = await self._run(duration_s, callbacks)
         self._prefill_cost.observe(num_tokens, wall_s)
         self._num_waiting_tokens -= num_tokens
-        first_tokens = []
-        for job in batch:
-            if job.request.request_id not in self._owned:
-                continue  # aborted during the step
-            self._register(job)
-            result = self._first_token(job, wall_s)
-            is_local = self._local.pop(job.request.request_id, None)
-            if is_local is None:
-                if not job.future.done():
-                    job.future.set_result(result)
-                continue
-            request = job.request
-            self._start_running(request.request_id, request.sampling,
-                                request.prompt_token_ids, num_generated=1)
-            if is_local:
-                first_tokens.append(self._first_output(job, result))
+        first_tokens = [output for job in batch
+                        if (output := self._prefilled(job, wall_s)) is not None]
         if first_tokens:
             self._outputs.put_nowait(first_tokens)
 
-    def _first_output(self, job: _PrefillJob, result: PrefillResult) -> TokenOutput:
+    def _prefilled(self, job: PrefillJob, wall_s: float) -> TokenOutput | None:
+        """A prompt is computed: answer its waiter, or start decoding it here; return the
+        first token when it goes out of `next_step`."""
+        request = job.request
+        if not self.ledger.owns(request.request_id):
+            return None  # aborted during the step
+        self.ledger.register(request.request_id, job.hashes)
+        result = job.first_token(wall_s, self.ledger.blocks(request.request_id),
+                                 self.eos_token_ids)
+        is_local = self._local.pop(request.request_id, None)
+        if is_local is None:
+            if not job.future.done():
+                job.future.set_result(result)
+            return None
+        self._start_running(new_sequence(request.request_id, request.sampling,
+                                         request.prompt_token_ids, num_generated=1))
+        if not is_local:
+            return None
         if result.finish_reason is not None:
-            self.abort(job.request.request_id)
-        return TokenOutput(job.request.request_id, 0, result.first_token_id,
-                           result.finish_reason, num_cached_tokens=job.num_cached)
+            self.abort(request.request_id)
+        return TokenOutput(request.request_id, 0, result.first_token_id, result.finish_reason,
+                           num_cached_tokens=job.num_cached)
 
     async def _decode_step(self) -> None:
-        batch = [state for state in self._running.values()][: self.max_batch_size]
-        duration_s = self.profile.decode_s(
-            state.context_len for state in batch)  # type: ignore[attr-defined]
+        batch = list(self._running.values())[: self.max_batch_size]
+        duration_s = self.profile.decode_s(sequence.context_len for sequence in batch)
         wall_s = await self._run(duration_s, [])
         old = self._decode_step_s
         self._decode_step_s = wall_s if old == 0 else 0.8 * old + 0.2 * wall_s
-        outputs = [self._decode_one(state) for state in batch
-                   if state.request_id in self._running]
+        outputs = [self._decode_one(sequence) for sequence in batch
+                   if sequence.request_id in self._running]
         # Rotate, so that past max_batch_size every sequence gets its turn.
-        for state in batch:
-            if self._running.pop(state.request_id, None) is not None:
-                self._running[state.request_id] = state
+        for sequence in batch:
+            if self._running.pop(sequence.request_id, None) is not None:
+                self._running[sequence.request_id] = sequence
         if outputs:
             self._outputs.put_nowait(outputs)
+
+    def _decode_one(self, sequence: FakeSequence) -> TokenOutput:
+        output = sequence.step(self.eos_token_ids)
+        if output.finish_reason is not None:
+            self.abort(sequence.request_id)
+        return output
 
     async def _run(self, duration_s: float,
                    callbacks: list[tuple[Callable[[int, list[int]], None], str]]) -> float:
@@ -258,8 +304,8 @@ class SimEngine(FakeEngine):
             await asyncio.sleep(max(0.0, started + wall_s * (layer + 1) / num_layers
                                     - loop.time()))
             for on_layer, request_id in callbacks:
-                if (blocks := self._owned.get(request_id)) is not None:
-                    on_layer(layer, list(blocks))
+                if self.ledger.owns(request_id):
+                    on_layer(layer, self.ledger.blocks(request_id))
         self.busy_s += wall_s
         return wall_s
 
@@ -271,8 +317,8 @@ class SimEngine(FakeEngine):
         return EngineStats(
             num_running=len(self._running),
             num_waiting=len(self._waiting),
-            num_free_blocks=self._allocator.num_available,
-            num_total_blocks=self.num_blocks,
+            num_free_blocks=self.ledger.num_available,
+            num_total_blocks=self.ledger.num_blocks,
             max_batch_size=self.max_batch_size,
             num_waiting_tokens=self._num_waiting_tokens,
             decode_step_s=self._decode_step_s,

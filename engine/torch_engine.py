@@ -11,6 +11,7 @@ allocator is guarded by a lock that is never held across a model step.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import threading
 import time
@@ -18,10 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from engine.block_allocator import BlockAllocator
 from engine.bridge import EngineThread
+from engine.grammar import Grammars
+from engine.kv_budget import pool_blocks
 from engine.kv_cache import KvCache
 from engine.linear import policy_for
 from engine.model import CausalLM
@@ -31,17 +35,18 @@ from engine.prefill_cost import PrefillCostFit
 from engine.protocol import (
     DecodeRequest,
     EngineStats,
-    KvLayout,
+    FirstToken,
     PrefillRequest,
     PrefillResult,
     TokenOutput,
 )
-from engine.sampler import make_generator
-from engine.scheduler import Scheduler
+from engine.sampler import Pick, base_seed
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.stopping import finish_reason
 from engine.weights import load_weights
-from shared.errors import EngineFailure, HalfmoonError, InvalidRequest
+from shared.errors import CapacityExhausted, EngineFailure, HalfmoonError, InvalidRequest
+from shared.messages import FinishReason, KvPoolLayout, SamplingParams, choice_id, request_of
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,14 @@ class EngineOptions:
     model_dir: Path
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
-    num_blocks: int = 1024
+    attention_backend: str = "auto"  # engine.attention.BACKENDS
+    num_blocks: int = 1024  # unless a memory budget below sizes the pool (engine.kv_budget)
+    kv_cache_memory_gb: float = 0.0
+    gpu_memory_utilization: float = 0.0
+    # A colocated request's blocks: taken as it grows ("growth"), or for prompt + max_tokens
+    # when it is admitted ("up-front": the engine's earlier policy, the memory benchmark's
+    # baseline; it never preempts).
+    kv_reservation: str = "growth"
     block_size: int = 16
     max_batch_size: int = 64
     max_batch_tokens: int = 2048
@@ -82,6 +94,10 @@ class LockedAllocator(BlockAllocator):
         with self.lock:
             super().free(block_ids)
 
+    def share(self, block_ids: Any) -> None:
+        with self.lock:
+            super().share(block_ids)
+
     def match_prefix(self, hashes: Any) -> list[int]:
         with self.lock:
             return super().match_prefix(hashes)
@@ -108,7 +124,18 @@ class TorchEngine:
         self.max_model_len = min(options.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings,
                                  self.config.sliding_window or self.config.max_position_embeddings)
-        self.allocator = LockedAllocator(options.num_blocks)
+        layout = KvPoolLayout(
+            num_layers=self.config.num_layers, num_blocks=options.num_blocks,
+            block_size=options.block_size, num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim, dtype=str(options.dtype).removeprefix("torch."))
+        self.num_blocks = pool_blocks(
+            self.config, layout, device=self.device,
+            kv_cache_memory_gb=options.kv_cache_memory_gb,
+            gpu_memory_utilization=options.gpu_memory_utilization)
+        self._kv_layout = msgspec.structs.replace(layout, num_blocks=self.num_blocks)
+        self.allocator = LockedAllocator(self.num_blocks)
+        self.grammars = Grammars(options.model_dir, self.config.vocab_size,
+                                 self.config.eos_token_ids)
         self.scheduler = Scheduler(max_batch_tokens=options.max_batch_tokens,
                                    max_batch_size=options.max_batch_size,
                                    max_wait_s=options.max_wait_s)
@@ -119,18 +146,17 @@ class TorchEngine:
         self._parked: dict[str, Sequence] = {}  # prefilled, KV held until release()
         self._reserved: dict[str, list[int]] = {}
         self._local: set[str] = set()  # colocated requests (generate)
+        self._choices: dict[str, list[str]] = {}  # n > 1: a request's choice ids
         self._outputs: asyncio.Queue[list[TokenOutput]] = asyncio.Queue()
         self._crash: BaseException | None = None
         self._prefill_tokens_per_s = 0.0
         self._decode_step_s = 0.0
         self._busy_s = 0.0
+        self._num_prompt_computed = 0
+        self._num_preemptions = 0
+        self._admissions = itertools.count()
         self._prefill_cost = PrefillCostFit()
         self._kv_buffer: memoryview | None = None
-        itemsize = torch.empty((), dtype=options.dtype).element_size()
-        self._kv_layout = KvLayout(
-            num_layers=self.config.num_layers, num_blocks=options.num_blocks,
-            block_bytes=options.block_size * self.config.num_kv_heads * self.config.head_dim
-            * itemsize)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -140,19 +166,34 @@ class TorchEngine:
     async def start(self) -> None:
         model = await asyncio.to_thread(self._load_model)
         self.kv = KvCache(
-            num_layers=self.config.num_layers, num_blocks=self.options.num_blocks,
+            num_layers=self.config.num_layers, num_blocks=self.num_blocks,
             block_size=self.options.block_size, num_kv_heads=self.config.num_kv_heads,
             head_dim=self.config.head_dim, dtype=self.options.dtype, device=self.device,
             storage=self._kv_storage(),
         )
         self._runner = ModelRunner(model, self.kv, self.allocator, device=self.device,
-                                   is_prefix_caching=self.options.is_prefix_caching)
+                                   is_prefix_caching=self.options.is_prefix_caching,
+                                   eos_token_ids=self.eos_token_ids)
         self._thread = EngineThread(asyncio.get_running_loop(), self._step, self._on_crash,
                                     name="engine")
         self._thread.start()
 
-    def kv_layout(self) -> KvLayout:
+    @property
+    def prefix_cache(self) -> TorchEngine:
+        """This engine is its own prefix cache (its allocator's, over the real KV pool)."""
+        return self
+
+    def kv_layout(self) -> KvPoolLayout:
         return self._kv_layout
+
+    @property
+    def kv_device(self) -> str:
+        return str(self.device)
+
+    def kv_pool_tensor(self) -> torch.Tensor:
+        if self.kv is None:
+            raise EngineFailure("engine is not started")
+        return self.kv.data
 
     def use_kv_buffer(self, buffer: memoryview) -> None:
         if self.device.type != "cpu":
@@ -166,7 +207,7 @@ class TorchEngine:
     def _kv_storage(self) -> torch.Tensor | None:
         if self._kv_buffer is None:
             return None
-        shape = (self.config.num_layers, 2, self.options.num_blocks, self.options.block_size,
+        shape = (self.config.num_layers, 2, self.num_blocks, self.options.block_size,
                  self.config.num_kv_heads, self.config.head_dim)
         flat = torch.frombuffer(self._kv_buffer, dtype=torch.uint8)
         return flat[:self.kv_layout().size_bytes].view(self.options.dtype).view(shape)
@@ -178,7 +219,7 @@ class TorchEngine:
         model = model.to_empty(device=self.device).to(self.options.dtype)
         load_weights(model, self.options.model_dir, self.options.dtype)
         model.set_gemm_policy(policy_for(self.device, self.options.dtype))
-        model.init_rope(self.max_model_len, self.device)
+        model.init_runtime(self.max_model_len, self.device, self.options.attention_backend)
         return model.eval()
 
     async def close(self) -> None:
@@ -190,12 +231,23 @@ class TorchEngine:
                 future.set_exception(EngineFailure("engine closed"))
         self._prefills.clear()
 
+    def check(self, sampling: SamplingParams) -> None:
+        """Every sampling control is served here (a grammar's own faults show in `prepare`)."""
+
+    async def prepare(self, sampling: SamplingParams) -> None:
+        """Compile the request's grammar off the engine thread (cached per spec), so that
+        the step that admits it only builds a matcher; raises `InvalidRequest`."""
+        if sampling.grammar is not None:
+            await asyncio.to_thread(self.grammars.compile, sampling.grammar)
+
     # Prefill side.
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         self._check_prompt(request.prompt_token_ids)
+        await self.prepare(request.sampling)
         future: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
         self._prefills[request.request_id] = future
-        seq = self._new_sequence(request.request_id, request.prompt_token_ids, request.sampling)
+        seq = self._new_sequence(request.request_id, request.prompt_token_ids, request.sampling,
+                                 request.output_offset)
         seq.is_prefill_only = True
         seq.on_layer = request.on_layer
         self._submit(lambda: self._admit(seq))
@@ -208,16 +260,25 @@ class TorchEngine:
         """Prefill and decode here (colocated): every token, from index 0, comes out of
         `next_step`."""
         self._check_prompt(request.prompt_token_ids)
-        seq = self._new_sequence(request.request_id, request.prompt_token_ids, request.sampling)
-        self._local.add(request.request_id)
+        n = request.sampling.n
+        seq = self._new_sequence(choice_id(request.request_id, 0, n), request.prompt_token_ids,
+                                 request.sampling, request.output_offset)
+        if n > 1:  # the other choices fork from it at its first token
+            self._choices[request.request_id] = [
+                choice_id(request.request_id, j, n) for j in range(n)]
+        self._local.update(self._choices.get(request.request_id, [request.request_id]))
         self._submit(lambda: self._admit(seq))
 
     def release(self, request_id: str) -> None:
         self._submit(lambda: self._release_parked(request_id))
 
     # Decode side.
-    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
-        blocks = self.allocator.allocate(math.ceil(num_tokens / self.options.block_size))
+    def reserve(self, request_id: str, num_tokens: int, *, num_choices: int = 1,
+                num_prompt_tokens: int = 0) -> list[int]:
+        """The prompt's blocks and a block of headroom per choice, not `num_tokens`: the
+        rest is taken as the choices grow (`_secure_blocks`)."""
+        per_choice, own = self._choice_blocks(num_prompt_tokens, num_tokens)
+        blocks = self.allocator.allocate(per_choice + (num_choices - 1) * own)
         self._reserved[request_id] = blocks
         return list(blocks)
 
@@ -225,17 +286,33 @@ class TorchEngine:
         blocks = self._reserved.pop(request.request_id, None)
         if blocks is None:
             raise InvalidRequest(f"request {request.request_id} has no reserved blocks")
-        seq = self._new_sequence(request.request_id,
-                                 [*request.prompt_token_ids, request.first_token_id],
-                                 request.sampling)
-        seq.num_prompt_tokens = len(request.prompt_token_ids)
-        seq.num_generated = 1
-        seq.block_ids = blocks
-        if request.is_kv_ready:
-            seq.num_computed = seq.num_prompt_tokens
-            self._submit(lambda: self.scheduler.add_running(seq))
-        else:
-            self._submit(lambda: self.scheduler.add_waiting(seq))
+        n = request.sampling.n
+        if n > 1 and not request.is_kv_ready:
+            self.allocator.free(blocks)
+            raise InvalidRequest("n > 1 needs the prompt's KV from prefill")
+        first_tokens = request.first_token_ids or [request.first_token_id]
+        per_choice, _ = self._choice_blocks(
+            len(request.prompt_token_ids),
+            len(request.prompt_token_ids) + request.sampling.max_tokens)
+        sequences = []
+        for choice, token in enumerate(first_tokens):
+            seq = self._new_sequence(choice_id(request.request_id, choice, n),
+                                     [*request.prompt_token_ids, token], request.sampling)
+            if seq.seed is not None and choice:
+                seq.seed = sequences[0].seed + choice
+            seq.num_prompt_tokens = len(request.prompt_token_ids)
+            seq.output_start = seq.num_prompt_tokens - request.output_offset
+            seq.num_generated = 1
+            if request.is_kv_ready:
+                seq.num_computed = seq.num_prompt_tokens
+            sequences.append(seq)
+        sequences[0].block_ids = blocks[:per_choice]
+        own = blocks[per_choice:]
+        if n > 1:
+            self._choices[request.request_id] = [s.request_id for s in sequences]
+        finished = set(request.finished_choices)
+        self._submit(lambda: self._join(sequences, own, finished,
+                                        is_kv_ready=request.is_kv_ready))
 
     async def next_step(self) -> list[TokenOutput]:
         outputs = await self._outputs.get()
@@ -244,11 +321,33 @@ class TorchEngine:
         for output in outputs:
             if output.finish_reason is not None or output.error is not None:
                 self._local.discard(output.request_id)
+                self._forget_choice(output.request_id)
         return outputs
 
+    def _choice_blocks(self, num_prompt_tokens: int, num_tokens: int) -> tuple[int, int]:
+        """The first blocks of a choice that may reach `num_tokens` (prompt and output): the
+        prompt's and one block of headroom, all of them, and its own (beyond the full prompt
+        blocks it shares with the request's other choices). It grows from there."""
+        first = num_tokens if num_prompt_tokens == 0 else min(  # 0: unknown, all of it
+            num_tokens, num_prompt_tokens + self.options.block_size)
+        per_choice = math.ceil(first / self.options.block_size)
+        return per_choice, per_choice - num_prompt_tokens // self.options.block_size
+
+    def _forget_choice(self, request_id: str) -> None:
+        parent = request_of(request_id)
+        choices = self._choices.get(parent)
+        if choices is not None and request_id in choices:
+            choices.remove(request_id)
+            if not choices:
+                del self._choices[parent]
+
     def abort(self, request_id: str) -> bool:
-        known = (request_id in self._prefills or request_id in self._reserved
-                 or request_id in self._parked or request_id in self._local)
+        choices = self._choices.pop(request_id, [])
+        for choice in choices:
+            self.abort(choice)
+        known = bool(choices) or (
+            request_id in self._prefills or request_id in self._reserved
+            or request_id in self._parked or request_id in self._local)
         self._local.discard(request_id)
         blocks = self._reserved.pop(request_id, None)
         if blocks is not None:
@@ -290,6 +389,8 @@ class TorchEngine:
             num_waiting_tokens=sum(s.num_uncomputed for s in list(self.scheduler.waiting)),
             decode_step_s=self._decode_step_s,
             prefill_overhead_s=overhead, prefill_s_per_token=per_token, busy_s=self._busy_s,
+            num_prompt_tokens_computed=self._num_prompt_computed,
+            num_preemptions=self._num_preemptions,
         )
 
     @property
@@ -309,11 +410,13 @@ class TorchEngine:
             raise InvalidRequest(f"token ids must lie in [0, {self.config.vocab_size})",
                                  param="prompt")
 
-    def _new_sequence(self, request_id: str, token_ids: list[int], sampling: Any) -> Sequence:
+    def _new_sequence(self, request_id: str, token_ids: list[int], sampling: Any,
+                      output_offset: int = 0) -> Sequence:
         return Sequence(request_id=request_id, token_ids=list(token_ids),
                         num_prompt_tokens=len(token_ids), sampling=sampling,
-                        generator=make_generator(sampling, self.device),
-                        arrived_at_s=time.monotonic())
+                        seed=base_seed(sampling),
+                        arrived_at_s=time.monotonic(),
+                        output_start=len(token_ids) - output_offset)
 
     def _submit(self, command: Any) -> None:
         if self._thread is None:
@@ -321,11 +424,61 @@ class TorchEngine:
         self._thread.submit(command)
 
     # In the engine thread.
+    def _attach_grammar(self, seq: Sequence) -> None:
+        """The sequence's grammar matcher, past the output it already has (a decode
+        worker's first token from prefill, a continuation's streamed tokens)."""
+        if seq.sampling.grammar is not None:
+            seq.matcher = self.grammars.matcher(seq.sampling.grammar,
+                                                seq.token_ids[seq.output_start:])
+
+    def _join(self, sequences: list[Sequence], own_blocks: list[int], finished: set[int], *,
+              is_kv_ready: bool) -> None:
+        """The request's KV is in the first sequence's blocks: fork it to the other choices
+        (`_fork`, taking their blocks from `own_blocks`), and run every choice still open."""
+        first = sequences[0]
+        per_fork = len(own_blocks) // max(1, len(sequences) - 1)
+        for index, seq in enumerate(sequences[1:]):
+            self._fork(first, seq, own_blocks[index * per_fork:(index + 1) * per_fork])
+        for choice, seq in enumerate(sequences):
+            seq.admitted = next(self._admissions)
+            if choice in finished:
+                self.runner.free(seq)
+                continue
+            try:
+                self._attach_grammar(seq)
+            except HalfmoonError as exc:
+                self.runner.free(seq)
+                self._post(self._outputs.put_nowait, [
+                    TokenOutput(seq.request_id, seq.num_generated, -1, None, error=exc)])
+                continue
+            if is_kv_ready:
+                self.scheduler.add_running(seq)
+            else:
+                self.scheduler.add_waiting(seq)
+
+    def _fork(self, source: Sequence, fork: Sequence, own_blocks: list[int]) -> None:
+        """Give `fork` the prompt KV of `source`: its full prompt blocks shared (one more
+        reference each), the partly filled last one copied into the fork's first own block
+        (both will write into it), then the fork's own blocks to grow into."""
+        num_full = source.num_prompt_tokens // self.options.block_size
+        shared = source.block_ids[:num_full]
+        self.allocator.share(shared)
+        if source.num_prompt_tokens % self.options.block_size and self.kv is not None:
+            self.kv.copy_block(source.block_ids[num_full], own_blocks[0])
+        fork.block_ids = [*shared, *own_blocks]
+
     def _admit(self, seq: Sequence) -> None:
+        """Queue a new prompt; it takes blocks when its steps run (`_secure_blocks`). Only a
+        request that could not fit the whole pool by itself is refused."""
         try:
-            reserve = seq.num_tokens if seq.is_prefill_only else min(
+            self._attach_grammar(seq)
+            most = seq.num_tokens if seq.is_prefill_only else min(
                 self.max_model_len, seq.num_prompt_tokens + seq.sampling.max_tokens)
-            self.runner.admit(seq, reserve)
+            if -(-most // self.options.block_size) > self.allocator.num_blocks:
+                raise CapacityExhausted(
+                    f"a request of up to {most} tokens needs more KV blocks than this "
+                    f"worker's pool holds ({self.allocator.num_blocks} of "
+                    f"{self.options.block_size} tokens)")
         except HalfmoonError as exc:
             if seq.is_prefill_only:
                 self._post_prefill_error(seq.request_id, exc)
@@ -336,8 +489,13 @@ class TorchEngine:
         self.scheduler.add_waiting(seq)
 
     def _step(self) -> bool:
-        """Run one scheduled batch; False when there is nothing to do."""
+        """Run one scheduled batch; False when there is nothing to do (or nothing can run
+        until blocks are freed: a release, an abort or a join wakes the thread)."""
         batch = self.scheduler.schedule(time.monotonic())
+        if batch is not None and batch.is_prefill:
+            batch = self._secure_blocks(batch) or self.scheduler.decode_batch()
+        if batch is not None and not batch.is_prefill:
+            batch = self._secure_blocks(batch)
         if batch is None:
             return False
         started = time.perf_counter()
@@ -351,15 +509,105 @@ class TorchEngine:
             return True
         self._measure(batch.is_prefill, sum(batch.num_new_tokens),
                       time.perf_counter() - started)
-        outputs = [out for s in sampled if (out := self._on_sampled(s)) is not None]
+        outputs = [out for s in sampled for out in self._on_sampled(s)]
         if outputs:
             self._post(self._outputs.put_nowait, outputs)
         return True
+
+    def _secure_blocks(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """Blocks for every token the batch computes, taken as sequences grow. A prompt that
+        finds none waits, and the prompts behind it too (first come, first served); a
+        running sequence that finds none takes them from the most recently admitted running
+        sequence, preempted by recompute (possibly itself)."""
+        sequences, counts = [], []
+        for seq, count in zip(batch.sequences, batch.num_new_tokens, strict=True):
+            if batch.is_prefill != (seq in self.scheduler.waiting):
+                continue  # preempted by an earlier sequence of this batch
+            count = self._grow(seq, count, is_prefill=batch.is_prefill, secured=sequences)
+            if count:
+                sequences.append(seq)
+                counts.append(count)
+            elif batch.is_prefill:
+                break
+        if not sequences:
+            return None
+        return ScheduledBatch(sequences, counts, batch.is_prefill)
+
+    def _grow(self, seq: Sequence, count: int, *, is_prefill: bool,
+              secured: list[Sequence]) -> int:
+        """How many of its next `count` tokens `seq` now holds blocks for (all or none). A
+        sequence without blocks first takes its cached prefix (`admit`), which may leave
+        fewer to compute. A prompt takes blocks from others only when nothing runs (from
+        waiting prompts admitted after it: a chunked prompt may hold some)."""
+        is_first = seq.admitted < 0
+        if is_first:
+            self.runner.admit(seq)
+            seq.admitted = next(self._admissions)
+            count = min(count, seq.num_uncomputed)
+        needed = seq.num_computed + count
+        if is_first and self.options.kv_reservation == "up-front" and not seq.is_prefill_only:
+            needed = max(needed, min(self.max_model_len,
+                                     seq.num_prompt_tokens + seq.sampling.max_tokens))
+        while True:
+            try:
+                if is_first and is_prefill and not self._leaves_room_to_grow(seq, needed):
+                    raise CapacityExhausted("no room left for the running sequences to grow")
+                self.runner.ensure_blocks(seq, needed)
+                return count
+            except CapacityExhausted:
+                victim = self._victim(seq, is_prefill, secured)
+                if victim is None:
+                    if is_prefill and seq.num_computed == seq.num_cached:
+                        self.runner.preempt(seq)  # holds nothing while it waits
+                    return 0
+                self._preempt(victim)
+                if victim is seq:
+                    return 0
+
+    def _leaves_room_to_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether admitting `seq` leaves a free block for each running sequence (which
+        would otherwise soon preempt the newcomer again)."""
+        missing = -(-num_tokens // self.options.block_size) - len(seq.block_ids)
+        return self.allocator.num_available - missing >= len(self.scheduler.running)
+
+    def _victim(self, seq: Sequence, is_prefill: bool, secured: list[Sequence]
+                ) -> Sequence | None:
+        """Whose blocks `seq` may take: the most recently admitted running sequence not
+        already given its blocks for this step (for a prompt, only when nothing runs: then
+        a waiting prompt admitted after it)."""
+        if is_prefill:
+            if self.scheduler.running:
+                return None
+            candidates = [s for s in self.scheduler.waiting
+                          if s.block_ids and s.admitted > seq.admitted]
+        else:
+            candidates = [s for s in self.scheduler.running if s.block_ids]
+        return max((s for s in candidates if s not in secured), key=lambda s: s.admitted,
+                   default=None)
+
+    def _allocate(self, count: int, keep: Sequence) -> list[int]:
+        """`count` blocks, preempting running sequences (most recently admitted first, never
+        `keep`) while the pool is short; `CapacityExhausted` when none is left to take."""
+        while True:
+            try:
+                return self.allocator.allocate(count)
+            except CapacityExhausted:
+                victim = self._victim(keep, is_prefill=False, secured=[keep])
+                if victim is None:
+                    raise
+                self._preempt(victim)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.runner.preempt(seq)
+        if seq in self.scheduler.running:
+            self.scheduler.preempt(seq)
+            self._num_preemptions += 1
 
     def _measure(self, is_prefill: bool, num_tokens: int, elapsed_s: float) -> None:
         """Moving averages the conductor's cost model reads from heartbeats."""
         self._busy_s += elapsed_s
         if is_prefill:
+            self._num_prompt_computed += num_tokens
             self._prefill_cost.observe(num_tokens, elapsed_s)
             rate = num_tokens / max(elapsed_s, 1e-9)
             old = self._prefill_tokens_per_s
@@ -368,31 +616,77 @@ class TorchEngine:
             old = self._decode_step_s
             self._decode_step_s = elapsed_s if old == 0 else 0.8 * old + 0.2 * elapsed_s
 
-    def _on_sampled(self, sampled: Sampled) -> TokenOutput | None:
+    def _on_sampled(self, sampled: Sampled) -> list[TokenOutput]:
         seq = sampled.seq
         if seq in self.scheduler.waiting:
             self.scheduler.finish_prefill(seq)
             if not seq.is_prefill_only:
                 self.scheduler.add_running(seq)
+        # Colocated n > 1: the other choices fork off the prompt before it grows.
+        forks = ([] if seq.is_prefill_only or not sampled.forks
+                 else self._fork_choices(seq, sampled.forks))
         seq.token_ids.append(sampled.token_id)
         seq.num_generated += 1
-        reason = finish_reason(sampled.token_id, seq.num_generated, seq.sampling,
-                               self.eos_token_ids)
-        if reason is None and seq.num_tokens >= self.max_model_len:
-            reason = "length"
+        reason = self._finish_reason(seq, sampled.token_id)
+        prompt_logprobs = (seq.prompt_logprobs if seq.sampling.prompt_logprobs is not None
+                           and seq.num_generated == 1 else None)
         if seq.is_prefill_only:
             self._parked[seq.request_id] = seq
-            result = PrefillResult(seq.request_id, sampled.token_id, list(seq.block_ids),
-                                   reason, sampled.logprob, seq.num_cached,
-                                   time.perf_counter() - seq.compute_started_at)
+            result = PrefillResult(
+                seq.request_id, sampled.token_id, list(seq.block_ids), reason, sampled.logprob,
+                seq.num_cached, time.perf_counter() - seq.compute_started_at, prompt_logprobs,
+                forks=[FirstToken(p.token_id, p.logprob, finish_reason(
+                    p.token_id, 1, seq.sampling, self.eos_token_ids)) for p in sampled.forks])
             self._post(self._resolve_prefill, result)
-            return None
+            return []
         if reason is not None:
             self.scheduler.remove(seq.request_id)
             self.runner.free(seq)
-        return TokenOutput(seq.request_id, seq.num_generated - 1, sampled.token_id, reason,
-                           sampled.logprob,
-                           num_cached_tokens=seq.num_cached if seq.num_generated == 1 else 0)
+        return [TokenOutput(seq.request_id, seq.num_generated - 1, sampled.token_id, reason,
+                            sampled.logprob,
+                            num_cached_tokens=seq.num_cached if seq.num_generated == 1 else 0,
+                            prompt_logprobs=prompt_logprobs), *forks]
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        reason = finish_reason(token_id, seq.num_generated, seq.sampling, self.eos_token_ids)
+        if reason is None and seq.matcher is not None and seq.matcher.is_terminated:
+            reason = "stop"  # the output is complete in its grammar
+        if reason is None and seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        return reason
+
+    def _fork_choices(self, seq: Sequence, picks: list[Pick]) -> list[TokenOutput]:
+        """Colocated n > 1, at the first token: choices 1..n-1 of `seq` (choice 0), each
+        with the prompt's KV (`_fork`), blocks of its own, and its first token."""
+        parent, n = request_of(seq.request_id), seq.sampling.n
+        num_prompt = seq.num_prompt_tokens
+        _, num_own = self._choice_blocks(
+            num_prompt, min(self.max_model_len, num_prompt + seq.sampling.max_tokens))
+        outputs = []
+        for choice, pick in enumerate(picks, start=1):
+            fork = self._new_sequence(choice_id(parent, choice, n), seq.token_ids[:num_prompt],
+                                      seq.sampling)
+            fork.seed = None if seq.seed is None else seq.seed + choice
+            fork.output_start, fork.num_cached = seq.output_start, seq.num_cached
+            try:
+                own = self._allocate(num_own, keep=seq)
+            except HalfmoonError as exc:
+                outputs.append(TokenOutput(fork.request_id, 0, -1, None, error=exc))
+                continue
+            self._fork(seq, fork, own)
+            fork.admitted = next(self._admissions)
+            fork.num_computed = num_prompt
+            fork.token_ids.append(pick.token_id)
+            fork.num_generated = 1
+            self._attach_grammar(fork)
+            reason = self._finish_reason(fork, pick.token_id)
+            if reason is None:
+                self.scheduler.add_running(fork)
+            else:
+                self.runner.free(fork)
+            outputs.append(TokenOutput(fork.request_id, 0, pick.token_id, reason, pick.logprob,
+                                       num_cached_tokens=seq.num_cached))
+        return outputs
 
     def _fail_batch(self, sequences: list[Sequence], error: HalfmoonError) -> None:
         outputs = []

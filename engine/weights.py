@@ -12,9 +12,10 @@ from safetensors import safe_open
 from engine.model import CausalLM
 from shared.errors import ConfigError
 
+# Ours fused (a name part) -> the checkpoint's parts; an expert's MLP fuses like a dense one.
 _FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    ".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."),
+    ".gate_up_proj.": (".gate_proj.", ".up_proj."),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 

@@ -5,6 +5,7 @@
     halfmoon bench serve --url URL ...        load-test an OpenAI-compatible server
     halfmoon bench compare ...                colocated against disaggregated serving
     halfmoon bench transfer [--max-mib N]     transfer-engine benchmark (two processes)
+    halfmoon schema [--out docs/contract]     the NATS contract: JSON Schemas + AsyncAPI
 
 Every service flag is also an environment variable `HALFMOON_<FLAG>` and a key of the TOML
 file given with `--config`.
@@ -16,6 +17,8 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 
 import uvloop
 
@@ -81,8 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("directory", nargs="?", default=None,
                       help="default: the built-in model's cache directory")
     init.add_argument("--force", action="store_true", help="overwrite an existing model")
+    schema = commands.add_parser("schema", help="write the NATS contract: JSON Schemas and "
+                                 "an AsyncAPI document")
+    schema.add_argument("--out", default="docs/contract", help="default: docs/contract")
     bench = commands.add_parser("bench", help="benchmarks (bench serve --help)")
-    bench.add_argument("target", choices=list(BENCHMARKS), help="what to measure")
+    bench.add_argument("target", choices=sorted(benchmarks()), help="what to measure")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER,
                        help="options of that benchmark")
     return parser
@@ -95,6 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_up(UpOptions.from_args(args))
         if args.command == "model":
             return init_model(args.directory, is_forced=args.force)
+        if args.command == "schema":
+            return write_schema(Path(args.out))
         if args.command == "bench":
             return run_benchmark(args.target, args.bench_args)
         return run_service(args.command, vars(args))
@@ -106,17 +114,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-BENCHMARKS = {
-    "serve": "bench.serve",
-    "compare": "bench.compare",
-    "transfer": "transfer_engine.bench",
-}
+BENCHMARK_GROUP = "halfmoon.bench"
+
+
+def benchmarks() -> dict[str, EntryPoint]:
+    """The `halfmoon bench` subcommands: entry points of group `halfmoon.bench`."""
+    return {entry.name: entry for entry in entry_points(group=BENCHMARK_GROUP)}
 
 
 def run_benchmark(target: str, argv: list[str]) -> int:
-    import importlib
+    main: Callable[[list[str]], int | None] = benchmarks()[target].load()
+    return main(argv) or 0
 
-    return importlib.import_module(BENCHMARKS[target]).main(argv) or 0
+
+def write_schema(out_dir: Path) -> int:
+    from shared.contract import write_contract
+
+    written = write_contract(out_dir)
+    print(f"wrote {len(written)} files under {out_dir}")
+    return 0
 
 
 def init_model(directory: str | None, *, is_forced: bool) -> int:

@@ -1,33 +1,75 @@
 """`halfmoon up`: the whole system on one machine, each service its own OS process.
 
 Order: NATS (embedded, unless `--nats` names a server) -> conductor -> prefill and decode
-workers -> gateway; ready once the gateway's /health sees every worker. Ctrl-C or SIGTERM
-stops the gateway first (no new requests), then workers and conductor, then NATS; children
-that do not stop in time are killed, and children die with the launcher (PDEATHSIG).
+workers -> gateway; ready once the gateway's /health sees every worker. From then on the
+launcher supervises: a child that exits unexpectedly is restarted with backoff while the
+others keep serving, and a crash loop (`--max-restarts` within `--restart-window-s`) stops
+everything with the process's last log lines (`supervisor.py`); restarts are counted on the
+launcher's own /metrics (`halfmoon_process_restarts_total{service}`). Ctrl-C or SIGTERM stops
+the gateway first (no new requests), then workers and conductor, then NATS (children run in
+sessions of their own: a terminal's Ctrl-C reaches only the launcher); children that do not
+stop in time are killed, and children die with the launcher (PDEATHSIG).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from types import FrameType
 
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+
+from services.supervisor import CrashLoop, RestartPolicy, Supervisor
+from shared.config import (
+    ConductorConfig,
+    FlatField,
+    GatewayConfig,
+    ServiceConfig,
+    WorkerConfig,
+    add_field_flag,
+    flat_fields,
+)
 from shared.errors import ServiceStartFailed
 from shared.nats_server import EmbeddedNatsServer
 
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
+
+
+# The configs of the processes `up` starts, by role.
+ROLE_CONFIGS: dict[str, type[ServiceConfig]] = {
+    "gateway": GatewayConfig, "conductor": ConductorConfig, "prefill": WorkerConfig,
+    "decode": WorkerConfig,
+}
+# Settings `up` sets itself (per process, or from its own flags), never passed through.
+_SET_BY_UP = {"nats_url", "cluster", "host", "port", "worker_id", "gateway_id", "metrics_port",
+              "transfer_port", "transfer_secret", "model", "model_path",
+              "local_prefill_max_tokens"}
+
+
+def passthrough_fields() -> dict[str, FlatField]:
+    """Every service setting `up` passes on: one flag each, derived from the configs."""
+    fields: dict[str, FlatField] = {}
+    for config in ROLE_CONFIGS.values():
+        for field in flat_fields(config):
+            if field.name not in _SET_BY_UP:
+                fields.setdefault(field.name, field)
+    return fields
+
+
+def _role_settings() -> dict[str, set[str]]:
+    return {role: {f.name for f in flat_fields(config)} for role, config in ROLE_CONFIGS.items()}
 
 
 @dataclass(frozen=True)
@@ -40,12 +82,15 @@ class UpOptions:
     num_decode: int
     cluster: str
     is_colocated: bool  # then the decode workers prefill too, and num_prefill is 0
-    service_flags: tuple[tuple[str, str], ...]  # (flag, value) passed on to services
+    settings: tuple[tuple[str, object], ...]  # (flat setting name, value) passed on
+    restart_policy: RestartPolicy = dataclass_field(default_factory=RestartPolicy)
+    metrics_port: int = 0  # the launcher's own /metrics (0: a free port)
+    num_gateways: int = 1  # on ports port, port + 1, ...
 
     @property
     def is_builtin_model(self) -> bool:
-        flags = dict(self.service_flags)
-        return flags.get("--engine", "torch") == "torch" and "--model-path" not in flags
+        settings = dict(self.settings)
+        return settings.get("engine", "torch") == "torch" and "model_path" not in settings
 
     @staticmethod
     def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -67,133 +112,104 @@ class UpOptions:
         parser.add_argument("--local-prefill-max-tokens", default=None,
                             help="disaggregated: decode workers prefill prompts up to this "
                                  "many tokens themselves (conditional disaggregation)")
-        parser.add_argument("--kv-streaming", default=None, choices=["layerwise", "whole"],
-                            help="disaggregated: stream KV per layer (default) or after prefill")
         parser.add_argument("--cluster", default="default")
-        parser.add_argument("--engine", default=None, choices=["torch", "fake", "sim"],
-                            help="sim: a simulated accelerator (--sim-profile)")
-        parser.add_argument("--sim-profile", default=None,
-                            help="sim engine: model and device (default llama-3-8b-h200)")
-        parser.add_argument("--sim-time-scale", default=None,
-                            help="sim engine: wall seconds per simulated second")
-        parser.add_argument("--max-batch-size", default=None, help="sequences per step")
-        parser.add_argument("--max-batch-tokens", default=None,
-                            help="prompt tokens per prefill step")
-        parser.add_argument("--model", dest="model_path", default=None,
+        parser.add_argument("--gateways", dest="num_gateways", type=int, default=1,
+                            help="gateways, on --port, --port + 1, ... (stateless replicas)")
+        parser.add_argument("--max-restarts", type=int, default=RestartPolicy.max_crashes,
+                            help="crashes of one process within --restart-window-s after "
+                                 "which everything stops")
+        parser.add_argument("--restart-window-s", type=float,
+                            default=RestartPolicy.crash_window_s)
+        parser.add_argument("--metrics-port", type=int, default=0,
+                            help="the launcher's /metrics (child restarts); 0: a free port")
+        parser.add_argument("--model", "--model-path", dest="model_path", default=None,
                             help="a Hugging Face model directory (default: the built-in model)")
-        parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
-        parser.add_argument("--api-key", default=None)
-        parser.add_argument("--log-level", default=None)
-        parser.add_argument("--fake-token-delay-s", default=None)
-        parser.add_argument("--fake-prefill-delay-s", default=None)
-        parser.add_argument("--fake-prefill-s-per-token", default=None)
-        parser.add_argument("--num-blocks", default=None, help="KV blocks per worker")
-        parser.add_argument("--max-model-len", default=None, help="context length in tokens")
-        parser.add_argument("--policy", default=None,
-                            choices=["least-loaded", "round-robin", "cache-aware", "seed",
-                                     "longest-prefix"],
-                            help="the conductor's prefill placement policy")
-        parser.add_argument("--ttft-slo-ms", default=None,
-                            help="reject requests whose predicted TTFT exceeds this")
-        parser.add_argument("--tbt-slo-ms", default=None,
-                            help="reject requests whose predicted decode step exceeds this")
-        parser.add_argument("--tracing", default=None,
-                            choices=["auto", "off", "otlp-grpc", "otlp-http"],
-                            help="export spans over OTLP (auto: when OTEL_EXPORTER_OTLP_"
-                                 "ENDPOINT is set)")
-        parser.add_argument("--otlp-endpoint", default=None)
-        parser.add_argument("--trace-sample-ratio", default=None)
+        services = parser.add_argument_group(
+            "service settings", "passed to every process whose config has them (see "
+            "`halfmoon gateway|conductor|prefill|decode --help`)")
+        for field in passthrough_fields().values():
+            add_field_flag(services, field)  # type: ignore[arg-type]
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> UpOptions:
-        passthrough = ("engine", "api_key", "log_level", "fake_token_delay_s",
-                       "fake_prefill_delay_s", "fake_prefill_s_per_token", "num_blocks",
-                       "max_model_len", "model_path", "dtype", "local_prefill_max_tokens",
-                       "kv_streaming", "policy", "ttft_slo_ms", "tbt_slo_ms", "tracing",
-                       "otlp_endpoint", "trace_sample_ratio", "sim_profile", "sim_time_scale",
-                       "max_batch_size", "max_batch_tokens")
-        flags = [("--" + name.replace("_", "-"), str(getattr(args, name)))
-                 for name in passthrough if getattr(args, name) is not None]
+        settings: list[tuple[str, object]] = [
+            (name, getattr(args, name)) for name in passthrough_fields()
+            if getattr(args, name) is not None]
         if args.engine in ("fake", "sim"):
-            flags.append(("--tokenizer", "bytes"))
+            settings.append(("tokenizer", "bytes"))
+        if args.log_format is None and sys.stderr.isatty():
+            # Children log through the launcher's pipe; on a terminal they should still look
+            # as they would on one.
+            settings.append(("log_format", "console"))
         if args.model_path is not None:
-            flags.append(("--model", Path(args.model_path).name))
+            settings += [("model_path", args.model_path), ("model", Path(args.model_path).name)]
         is_colocated = args.mode == "colocated"
+        if is_colocated:  # a colocated worker prefills every prompt it could ever hold
+            settings.append(("local_prefill_max_tokens", 1 << 30))
+        elif args.local_prefill_max_tokens is not None:
+            settings.append(("local_prefill_max_tokens", args.local_prefill_max_tokens))
         return cls(host=args.host, port=args.port, nats_url=args.nats_url,
                    nats_port=args.nats_port,
                    num_prefill=0 if is_colocated else args.num_prefill,
                    num_decode=args.num_workers if is_colocated else args.num_decode,
                    cluster=args.cluster, is_colocated=is_colocated,
-                   service_flags=tuple(flags))
+                   num_gateways=max(1, args.num_gateways),
+                   settings=tuple(settings), metrics_port=args.metrics_port,
+                   restart_policy=RestartPolicy(max_crashes=args.max_restarts,
+                                                crash_window_s=args.restart_window_s))
 
-
-# Flags each service understands, out of UpOptions.service_flags.
-_COMMON_FLAGS = {"--log-level", "--tracing", "--otlp-endpoint", "--trace-sample-ratio"}
-_WORKER_FLAGS = _COMMON_FLAGS | {"--engine", "--fake-token-delay-s", "--fake-prefill-delay-s",
-                 "--fake-prefill-s-per-token", "--num-blocks", "--max-model-len",
-                 "--model-path", "--model", "--dtype", "--sim-profile", "--sim-time-scale",
-                 "--max-batch-size", "--max-batch-tokens"}
-_ACCEPTS = {
-    "gateway": _COMMON_FLAGS | {"--api-key", "--model-path", "--model", "--tokenizer",
-                                "--max-model-len"},
-    "conductor": _COMMON_FLAGS | {"--policy", "--ttft-slo-ms", "--tbt-slo-ms"},
-    "prefill": _WORKER_FLAGS | {"--kv-streaming"},
-    "decode": _WORKER_FLAGS | {"--local-prefill-max-tokens"},
-}
-# A colocated worker prefills every prompt it could ever hold.
-_COLOCATED = ("--local-prefill-max-tokens", str(1 << 30))
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM if the launcher dies (Linux)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-    except OSError:
-        pass
+    def flags_for(self, role: str) -> list[str]:
+        """The command-line flags of this role's settings."""
+        accepted = _role_settings()[role]
+        flags: list[str] = []
+        for name, value in self.settings:
+            if name in accepted:
+                flag = "--" + name.replace("_", "-")
+                if isinstance(value, bool):
+                    flags.append(flag if value else "--no-" + flag[2:])
+                else:
+                    flags += [flag, str(value)]
+        return flags
 
 
 class Cluster:
-    """The child processes of `halfmoon up`."""
+    """The child processes of `halfmoon up`, supervised: after start-up a child that exits
+    unexpectedly is restarted (`supervisor.py`); before it, any exit fails the start."""
 
-    def __init__(self, options: UpOptions, nats_url: str) -> None:
+    def __init__(self, options: UpOptions, nats_url: str,
+                 on_restart: Callable[[str], None] | None = None) -> None:
         self.options = options
         self.nats_url = nats_url
-        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.supervisor = Supervisor(options.restart_policy, on_restart)
         # Workers authenticate each other's transfer engines with this; one per `up`, unless
         # the caller set their own.
         self.env = {**os.environ}
         self.env.setdefault("HALFMOON_TRANSFER_SECRET", secrets.token_hex(16))
 
     def spawn(self, role: str, *extra: str) -> None:
-        own = [part for flag, value in self.options.service_flags
-               if flag in _ACCEPTS[role] for part in (flag, value)]
         command = [sys.executable, "-m", "services.cli", role, "--nats-url", self.nats_url,
-                   "--cluster", self.options.cluster, *own, *extra]
-        process = subprocess.Popen(command, preexec_fn=_die_with_parent, env=self.env)
-        self.children.append((role, process))
+                   "--cluster", self.options.cluster, *self.options.flags_for(role), *extra]
+        self.supervisor.spawn(role, command, self.env)
 
     def start(self) -> None:
         self.spawn("conductor")
         for _ in range(self.options.num_prefill):
             self.spawn("prefill")
         for _ in range(self.options.num_decode):
-            self.spawn("decode", *(_COLOCATED if self.options.is_colocated else ()))
-        self.spawn("gateway", "--host", self.options.host, "--port", str(self.options.port))
+            self.spawn("decode")
+        for i in range(self.options.num_gateways):
+            self.spawn("gateway", "--host", self.options.host,
+                       "--port", str(self.options.port + i))
 
-    def failed_child(self) -> str | None:
-        for role, process in self.children:
-            if process.poll() is not None:
-                return f"{role} (pid {process.pid}) exited with {process.returncode}"
-        return None
-
-    def wait_ready(self, url: str) -> None:
+    def wait_ready(self, urls: list[str]) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
-            if (failure := self.failed_child()) is not None:
-                raise ServiceStartFailed(f"{failure} during start-up")
-            if self._is_healthy(url):
+            if (child := self.supervisor.first_exited()) is not None:
+                last = "\n".join(f"    {line}" for line in child.tail) or "    (no output)"
+                code = child.process.returncode if child.process is not None else None
+                raise ServiceStartFailed(f"{child.name} exited with {code} during start-up; "
+                                         f"its last lines:\n{last}")
+            if all(self._is_healthy(url) for url in urls):
                 return
             time.sleep(0.1)
         raise ServiceStartFailed(f"not ready within {READY_TIMEOUT_S}s")
@@ -209,18 +225,22 @@ class Cluster:
                 and body.get("num_decode_workers", 0) >= self.options.num_decode)
 
     def stop(self) -> None:
-        """Gateway first, then the rest; kill what outlives STOP_TIMEOUT_S."""
-        for group in (("gateway",), ("prefill", "decode", "conductor")):
-            members = [p for role, p in self.children if role in group and p.poll() is None]
-            for process in members:
-                process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + STOP_TIMEOUT_S
-            for process in members:
-                try:
-                    process.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+        """Gateway first (no new requests), then workers and conductor."""
+        self.supervisor.stop((("gateway",), ("prefill", "decode", "conductor")), STOP_TIMEOUT_S)
+
+
+class LauncherMetrics:
+    """The launcher's own Prometheus page: child restarts."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.restarts = Counter("halfmoon_process_restarts", "children of halfmoon up "
+                                "restarted after exiting unexpectedly", ["service"],
+                                registry=self.registry)
+
+    def serve(self, host: str, port: int) -> str:
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return f"http://{host}:{server.server_port}/metrics"
 
 
 def run_up(options: UpOptions) -> int:
@@ -235,22 +255,34 @@ def run_up(options: UpOptions) -> int:
         from engine.builtin_model import ensure_builtin_model
 
         ensure_builtin_model()  # once here, not racing in every worker
+    metrics = LauncherMetrics()
     server = None if options.nats_url else EmbeddedNatsServer(port=options.nats_port)
     nats_url = options.nats_url or server.start()  # type: ignore[union-attr]
-    cluster = Cluster(options, nats_url)
-    url = f"http://{options.host}:{options.port}"
+    cluster = Cluster(options, nats_url, lambda role: metrics.restarts.labels(role).inc())
+    urls = [f"http://{options.host}:{options.port + i}" for i in range(options.num_gateways)]
+    url = urls[0]
     try:
         cluster.start()
-        cluster.wait_ready(url)
-        print(f"halfmoon is up: OpenAI API at {url}/v1 (NATS {nats_url}); Ctrl-C stops it",
-              flush=True)
+        cluster.wait_ready(urls)
+        metrics_url = metrics.serve(options.host, options.metrics_port)
+        more = f" and {len(urls) - 1} more on the next ports" if len(urls) > 1 else ""
+        print(f"halfmoon is up: OpenAI API at {url}/v1{more} (NATS {nats_url}, launcher metrics "
+              f"{metrics_url}); Ctrl-C stops it", flush=True)
         while not stop_signal:
-            if (failure := cluster.failed_child()) is not None:
-                print(f"halfmoon: {failure}; stopping", file=sys.stderr, flush=True)
-                return 1
+            cluster.supervisor.poll()
+            if server is not None and not server.is_running():
+                # The services reconnect by themselves; the store (the request queue, KV
+                # events) survives the server's restart.
+                print("halfmoon: the embedded nats-server exited; restarting it on the same "
+                      "port with its store", file=sys.stderr, flush=True)
+                server.restart()
+                metrics.restarts.labels("nats").inc()
             time.sleep(0.2)
         return 0
+    except CrashLoop as exc:
+        print(f"halfmoon: {exc.message}; stopping", file=sys.stderr, flush=True)
+        return 1
     finally:
-        cluster.stop()
+        cluster.stop()  # services first: they drain while NATS is still there
         if server is not None:
             server.stop()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import ipaddress
 import socket
 import time
 import uuid
@@ -20,25 +19,26 @@ from typing import Any
 import nats.errors
 from nats.js.kv import KeyValue
 
-from engine.factory import build_engine
 from engine.protocol import Engine
+from services.kv_handoff import KvHandoff, NoKvHandoff
+from services.kv_leases import LeaseTable
+from services.prefill.prefix_reuse import PrefixSharing
+from services.worker_parts import assemble, register_device_kv
 from shared.config import WorkerConfig
-from shared.errors import ConfigError
 from shared.messages import (
     AbortRequest,
     DispatchReply,
     KvBlockEvent,
     KvEventBatch,
+    KvLeaseEvent,
     WorkerHeartbeat,
     WorkerRole,
 )
-from shared.metrics import WorkerMetrics
+from shared.metrics import CounterAtScrape, WorkerMetrics
 from shared.nats_client import encode, ensure_bucket, ensure_kv_event_stream
 from shared.service import Service
 from transfer_engine.batch import Notification
-from transfer_engine.engine import TransferConfig, TransferEngine
-from transfer_engine.handoff import KV_SEGMENT
-from transfer_engine.registry import NatsEndpointRegistry
+from transfer_engine.engine import TransferEngine
 
 # Registry entries outlive a few missed heartbeats, then the bucket drops them.
 REGISTRY_TTL_HEARTBEATS = 10
@@ -58,7 +58,12 @@ class WorkerService(Service):
         self._registry: KeyValue | None = None
         self._work_subscriptions: list[Any] = []
         self._is_engine_started = False
+        # Assembled at start (`worker_parts`).
         self.transfer: TransferEngine | None = None  # for engines with a KV pool
+        self.handoff: KvHandoff = NoKvHandoff()
+        self.prefix_sharing: PrefixSharing | None = None
+        # Every hold of KV blocks on behalf of another party (`kv_leases`).
+        self.leases = LeaseTable(self.worker_id, self.metrics, self._publish_lease_event)
         self._kv_event_flush: asyncio.Task[None] | None = None
 
     @property
@@ -72,16 +77,14 @@ class WorkerService(Service):
         return self._engine
 
     async def _setup(self) -> None:
-        if self._engine is None:  # built here, not in __init__: it reads (or writes) files
-            self._engine = await asyncio.to_thread(build_engine, self.config)
-        layout = self.engine.kv_layout()
-        if layout is not None:
-            self.transfer = await self._start_transfer_engine()
-            # The KV pool lives in the transfer engine's shared memory: same-host peers write
-            # into it one-sidedly, others land in it straight from their sockets.
-            self.engine.use_kv_buffer(await self.transfer.allocate(KV_SEGMENT, layout.size_bytes))
+        parts = await assemble(self.config, self.role, self.worker_id, self.nc, self.subjects,
+                               self.metrics, self.leases, self._on_kv_notice,
+                               engine=self._engine)
+        self._engine, self.handoff = parts.engine, parts.handoff
+        self.transfer, self.prefix_sharing = parts.transfer, parts.prefix_sharing
         await self.engine.start()
         self._is_engine_started = True
+        await register_device_kv(parts)
         self._read_gauges_at_scrape()
         self._registry = await ensure_bucket(
             self.nc.jetstream(), self.subjects.workers_bucket,
@@ -103,25 +106,14 @@ class WorkerService(Service):
         metrics.busy_seconds.set_function(lambda: engine.stats().busy_s)
         metrics.kv_blocks_used.set_function(
             lambda: (stats := engine.stats()).num_total_blocks - stats.num_free_blocks)
+        metrics.registry.register(CounterAtScrape(
+            "halfmoon_preemptions", "running requests whose KV blocks were taken for others "
+            "(each is computed again, prompt and output so far, then decodes on)",
+            lambda: engine.stats().num_preemptions))
 
-    async def _start_transfer_engine(self) -> TransferEngine:
-        config = self.config
-        secret = config.transfer_secret
-        if not secret:
-            if not ipaddress.ip_address(config.transfer_host).is_loopback:
-                raise ConfigError("set transfer_secret (HALFMOON_TRANSFER_SECRET) when the "
-                                  "transfer engine listens beyond loopback")
-            secret = f"halfmoon-local-{self.config.cluster}"  # loopback only: same machine
-        registry = await NatsEndpointRegistry.open(self.nc.jetstream(),
-                                                   self.subjects.transfer_bucket)
-        transfer = TransferEngine(TransferConfig(
-            engine_id=self.worker_id, secret=secret.encode(), listen_host=config.transfer_host,
-            listen_port=config.transfer_port, advertise_host=config.transfer_advertise_host,
-            transports=tuple(t.strip() for t in config.transfer_transports.split(",")),
-            timeout_s=config.kv_wait_timeout_s,
-        ), registry, on_notification=self._on_kv_notice)
-        await transfer.start()
-        return transfer
+    def _publish_lease_event(self, event: KvLeaseEvent) -> None:
+        if self._nc is not None and not self._nc.is_closed:
+            self.spawn(self.events.lease(event), f"lease.{event.request_id}")
 
     def _on_kv_notice(self, notification: Notification) -> None:
         """A handoff's last write landed here: continue its trace (decode)."""
@@ -146,7 +138,7 @@ class WorkerService(Service):
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.config.heartbeat_interval_s)
+            await self._sleep_judging_on_time(self.config.heartbeat_interval_s)
             self._on_tick()
             await self._publish_kv_events()
             await self._heartbeat()
@@ -170,10 +162,10 @@ class WorkerService(Service):
         """Tell the conductors' prefix index what this worker's cache gained and lost; return
         whether there was anything to tell."""
         events = [KvBlockEvent(kind=kind, block_hash=block_hash.hex())  # type: ignore[arg-type]
-                  for kind, block_hash in self.engine.drain_kv_events()]
+                  for kind, block_hash in self.engine.prefix_cache.drain_kv_events()]
         if not events and not is_reset:
             return False
-        batch = KvEventBatch(worker_id=self.worker_id, block_size=self.config.block_size,
+        batch = KvEventBatch(worker_id=self.worker_id, block_size=self.config.engine.block_size,
                              events=events, is_reset=is_reset)
         await self.nc.jetstream().publish(self.subjects.kv_events(self.worker_id),
                                           encode(batch))
@@ -194,7 +186,7 @@ class WorkerService(Service):
             host=self.config.host_name or socket.gethostname(),
             num_running=stats.num_running, num_waiting=self._num_waiting(),
             max_batch_size=stats.max_batch_size, num_free_blocks=stats.num_free_blocks,
-            num_total_blocks=stats.num_total_blocks, block_size=self.config.block_size,
+            num_total_blocks=stats.num_total_blocks, block_size=self.config.engine.block_size,
             heartbeat_interval_s=self.config.heartbeat_interval_s, sent_at_s=time.time(),
             is_draining=self.is_draining, compute_score=self.config.compute_score,
             zone=self.config.zone, prefill_tokens_per_s=stats.prefill_tokens_per_s,
@@ -203,7 +195,7 @@ class WorkerService(Service):
             prefill_s_per_token=stats.prefill_s_per_token,
             local_prefill_max_tokens=self.config.local_prefill_max_tokens
             if self.role == "decode" else 0,
-            kv_bytes_per_block=layout.num_layers * 2 * layout.block_bytes
+            kv_bytes_per_block=layout.block_bytes
             if (layout := self.engine.kv_layout()) is not None else 0,
             busy_s=stats.busy_s,
         )

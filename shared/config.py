@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import tomllib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import msgspec
 
@@ -50,6 +51,9 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     api_key: str | None = None
     request_timeout_s: float = 60.0
     heartbeat_timeout_s: float = 2.0  # a worker silent this long is lost: fail over
+    # A stream with no new token for this long asks its decode worker to send again what it
+    # may have lost (`StreamResume`), at most once per this interval.
+    resume_after_s: float = 1.0
     chat_template_path: str | None = None
     model_path: str | None = None  # None: the built-in model
     tokenizer: Literal["model", "bytes"] = "model"  # "bytes" pairs with the fake engine
@@ -71,77 +75,155 @@ class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):
     prefix_fetch: bool = True
     transfer_bytes_per_s: float = 2e9
     transfer_overhead_s: float = 0.002
+    # The prefix index survives restarts as a snapshot (object store) plus the KV events after
+    # it; a starting conductor waits up to this long for its index to catch up.
+    prefix_snapshot_interval_s: float = 30.0  # 0: never save one
+    prefix_catch_up_timeout_s: float = 30.0
 
 
-class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
-    """Settings of a prefill or decode worker."""
+class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """Which engine runs the model, on what, and how big its batches and KV pool are."""
 
-    worker_id: str | None = None
-    model: str = "halfmoon-tiny"
-    host_name: str | None = None
-    engine: EngineKind = "torch"
+    kind: EngineKind = msgspec.field(default="torch", name="engine")
     model_path: str | None = None  # None: the built-in model
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "cpu"
+    # One attention call per layer (engine/attention.py); auto: flashinfer on CUDA when it
+    # imports, else torch. `reference` is the per-sequence loop the others are tested against.
+    attention_backend: Literal["auto", "torch", "flex", "flashinfer", "reference"] = "auto"
     max_model_len: int = 2048
     num_blocks: int = 4096
+    # The pool sized from memory instead (engine/kv_budget.py): GiB for KV on any device;
+    # or, on CUDA, the share of device memory for weights + KV (0: use num_blocks).
+    kv_cache_memory_gb: float = 0.0
+    gpu_memory_utilization: float = 0.9
     block_size: int = 16
     max_batch_size: int = 64
     max_batch_tokens: int = 2048
     prefill_max_wait_ms: float = 10.0
     enable_prefix_caching: bool = True
+
+
+class TransferSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """KV transfer, for engines with a KV pool: where this worker's transfer engine listens,
+    what peers dial, the transports it may use (in preference order), the shared secret every
+    worker of the cluster holds, whether KV streams layer by layer or after prefill, and how
+    long a KV handoff may take."""
+
+    host: str = msgspec.field(default="127.0.0.1", name="transfer_host")
+    port: int = msgspec.field(default=0, name="transfer_port")
+    advertise_host: str | None = msgspec.field(default=None, name="transfer_advertise_host")
+    transports: str = msgspec.field(default="shm,tcp", name="transfer_transports")
+    secret: str = msgspec.field(default="", name="transfer_secret")
+    kv_streaming: Literal["layerwise", "whole"] = "layerwise"
+    # KV this worker sends (handoffs, prefix fetches it serves) quantized on the wire, per
+    # 256-value block with a float32 scale, and dequantized into the receiver's pool: about
+    # 2x fewer bytes from a bf16 pool with either, 4x from fp32. TCP only (shm moves KV as is).
+    kv_transfer_dtype: Literal["none", "fp8", "int8"] = "none"
+    kv_wait_timeout_s: float = 10.0
+    # After a handoff to a decode worker failed, how long prefill keeps the computed KV while
+    # the conductor places the decode side again (a `prefill_hold` lease).
+    kv_hold_s: float = 10.0
+
+
+class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The simulated engine: a model on an accelerator (engine/sim_cost.py PROFILES), its
+    steps slowed by `time_scale` (wall s per simulated s), its KV bytes divided by
+    `kv_byte_scale`; its KV capacity is what the profile's device memory holds. Its KV
+    handoffs take the time of the full bytes over a link of `link_bytes_per_s` (50 GB/s: one
+    400 Gb/s RDMA NIC per device; 0: only the real, scaled-down transfer's time)."""
+
+    profile: str = msgspec.field(default="llama-3-8b-h200", name="sim_profile")
+    time_scale: float = msgspec.field(default=1.0, name="sim_time_scale")
+    kv_byte_scale: int = msgspec.field(default=4096, name="sim_kv_byte_scale")
+    link_bytes_per_s: float = msgspec.field(default=50e9, name="sim_link_bytes_per_s")
+
+
+class FakeSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The fake engine's costs: per prefill batch, plus per uncached prompt token, and per
+    decode step."""
+
+    prefill_delay_s: float = msgspec.field(default=0.0, name="fake_prefill_delay_s")
+    prefill_s_per_token: float = msgspec.field(default=0.0, name="fake_prefill_s_per_token")
+    token_delay_s: float = msgspec.field(default=0.0, name="fake_token_delay_s")
+
+
+class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
+    """Settings of a prefill or decode worker, nested by concern. Flags, environment
+    variables and TOML keys stay flat (`--num-blocks`, `HALFMOON_TRANSFER_HOST`,
+    `sim_profile = ...`): each nested field's encoded name is its flat name."""
+
+    worker_id: str | None = None
+    model: str = "halfmoon-tiny"
+    host_name: str | None = None
     max_queue: int = 256
     heartbeat_interval_s: float = 0.5
-    kv_wait_timeout_s: float = 10.0
     compute_score: float = 1.0
     zone: str = ""
-    fake_prefill_delay_s: float = 0.0  # the fake engine's cost per prefill batch...
-    fake_prefill_s_per_token: float = 0.0  # ...plus this per uncached prompt token
-    fake_token_delay_s: float = 0.0
-    # The simulated engine: a model on an accelerator (engine/sim_cost.py PROFILES), its steps
-    # slowed by `sim_time_scale` (wall s per simulated s), its KV bytes divided by
-    # `sim_kv_byte_scale`; its KV capacity is what the profile's device memory holds. Its KV
-    # handoffs take the time of the full bytes over a link of `sim_link_bytes_per_s` (50 GB/s:
-    # one 400 Gb/s RDMA NIC per device; 0: only the real, scaled-down transfer's time).
-    sim_profile: str = "llama-3-8b-h200"
-    sim_time_scale: float = 1.0
-    sim_kv_byte_scale: int = 4096
-    sim_link_bytes_per_s: float = 50e9
-    # KV transfer (engines with a KV pool): where this worker's transfer engine listens, what
-    # peers dial, the transports it may use (in preference order), the shared secret every
-    # worker of the cluster holds, and whether KV streams layer by layer or after prefill.
-    transfer_host: str = "127.0.0.1"
-    transfer_port: int = 0
-    transfer_advertise_host: str | None = None
-    transfer_transports: str = "shm,tcp"
-    transfer_secret: str = ""
-    kv_streaming: Literal["layerwise", "whole"] = "layerwise"
     # Decode only: prompts of at most this many tokens are prefilled here, not on a prefill
     # worker (conditional disaggregation; 0: off). Colocated mode sets it to the context size.
     local_prefill_max_tokens: int = 0
+    engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
+    transfer: TransferSettings = msgspec.field(default_factory=TransferSettings)
+    sim: SimSettings = msgspec.field(default_factory=SimSettings)
+    fake: FakeSettings = msgspec.field(default_factory=FakeSettings)
 
 
 C = TypeVar("C", bound="ServiceConfig")
 
 
-def config_fields(cls: type[ServiceConfig]) -> tuple[msgspec.structs.FieldInfo, ...]:
-    return msgspec.structs.fields(cls)
+@dataclass(frozen=True)
+class FlatField:
+    """One setting as flags, environment and TOML spell it: `name` is the flat key, `section`
+    the nested struct it lives in (None: the config itself)."""
+
+    name: str
+    section: str | None
+    type: Any
+    default: Any
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def flat_fields(cls: type[ServiceConfig]) -> list[FlatField]:
+    """Every setting of `cls`, nested sections flattened (their fields' encoded names)."""
+    found = []
+    for field in msgspec.structs.fields(cls):
+        if isinstance(field.type, type) and issubclass(field.type, msgspec.Struct):
+            found += [FlatField(inner.encode_name, field.encode_name, inner.type,
+                                _default(inner)) for inner in msgspec.structs.fields(field.type)]
+        else:
+            found.append(FlatField(field.encode_name, None, field.type, _default(field)))
+    return found
+
+
+def _default(field: msgspec.structs.FieldInfo) -> Any:
+    if field.default is not msgspec.NODEFAULT:
+        return field.default
+    return None if field.default_factory is msgspec.NODEFAULT else field.default_factory()
+
+
+def add_field_flag(parser: argparse.ArgumentParser, field: FlatField) -> None:
+    """`--field-name`, with the field's choices when its type is a `Literal`; unset, it
+    overrides nothing."""
+    if field.type is bool:
+        parser.add_argument(field.flag, dest=field.name, default=None,
+                            action=argparse.BooleanOptionalAction)
+        return
+    choices = get_args(field.type) if get_origin(field.type) is Literal else None
+    # `--nats` is the short spelling the docs use for `--nats-url`.
+    aliases = ["--nats"] if field.name == "nats_url" else []
+    parser.add_argument(field.flag, *aliases, dest=field.name, default=None, choices=choices,
+                        help=f"default: {field.default}")
 
 
 def add_config_flags(parser: argparse.ArgumentParser, cls: type[ServiceConfig]) -> None:
-    """One `--field-name` flag per config field; unset flags do not override anything."""
+    """One flag per setting of `cls` (`--config` for a TOML file)."""
     parser.add_argument("--config", dest="config_path", default=None, help="TOML config file")
-    for field in config_fields(cls):
-        flag = "--" + field.name.replace("_", "-")
-        default = field.default if field.default is not msgspec.NODEFAULT else None
-        if field.type is bool:
-            parser.add_argument(flag, dest=field.name, default=None,
-                                action=argparse.BooleanOptionalAction)
-        else:
-            # `--nats` is the short spelling the docs use for `--nats-url`.
-            aliases = ["--nats"] if field.name == "nats_url" else []
-            parser.add_argument(flag, *aliases, dest=field.name, default=None,
-                                help=f"default: {default}")
+    for field in flat_fields(cls):
+        add_field_flag(parser, field)
 
 
 def load_config(
@@ -151,28 +233,38 @@ def load_config(
     env: Mapping[str, str] | None = None,
     toml_path: str | Path | None = None,
 ) -> C:
-    """Merge file, environment and flags over the defaults and validate the result."""
-    names = {field.name for field in config_fields(cls)}
+    """Merge file, environment and flags (all flat keys) over the defaults, nest them and
+    validate the result."""
+    fields = {field.name: field for field in flat_fields(cls)}
     merged: dict[str, Any] = {}
     if toml_path is not None:
-        merged.update(_read_toml(Path(toml_path), names))
+        merged.update(_read_toml(Path(toml_path), cls, set(fields)))
     for key, value in (env or {}).items():
         name = key.removeprefix(ENV_PREFIX).lower()
-        if key.startswith(ENV_PREFIX) and name in names:
+        if key.startswith(ENV_PREFIX) and name in fields:
             merged[name] = value
-    merged.update({k: v for k, v in (flags or {}).items() if k in names and v is not None})
+    merged.update({k: v for k, v in (flags or {}).items() if k in fields and v is not None})
+    nested: dict[str, Any] = {}
+    for name, value in merged.items():
+        section = fields[name].section
+        (nested.setdefault(section, {}) if section else nested)[name] = value
     try:
-        return msgspec.convert(merged, cls, strict=False)
+        return msgspec.convert(nested, cls, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid {cls.__name__}: {exc}") from exc
 
 
-def _read_toml(path: Path, names: set[str]) -> dict[str, Any]:
+def _read_toml(path: Path, cls: type[ServiceConfig], names: set[str]) -> dict[str, Any]:
+    """Flat keys, or the same keys under a table named for their section (`[transfer]`)."""
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from exc
-    unknown = set(data) - names
+    sections = {field.section for field in flat_fields(cls) if field.section}
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        flat.update(value if key in sections and isinstance(value, dict) else {key: value})
+    unknown = set(flat) - names
     if unknown:
         raise ConfigError(f"unknown keys in {path}: {sorted(unknown)}")
-    return data
+    return flat

@@ -46,6 +46,13 @@ class InvalidRequest(HalfmoonError):
     error_type = "invalid_request_error"
 
 
+class UnsupportedParameter(InvalidRequest):
+    """A request field halfmoon does not implement (or does not know): refused, never
+    silently ignored."""
+
+    openai_code = "unsupported_parameter"
+
+
 class ContextLengthExceeded(InvalidRequest):
     """Prompt plus requested tokens do not fit the model's context window."""
 
@@ -138,7 +145,8 @@ _BY_CODE: dict[ErrorCode, type[HalfmoonError]] = {
 }
 
 
-def error_from_code(code: ErrorCode, message: str,
-                    retry_after_s: float | None = None) -> HalfmoonError:
+def error_from_code(code: ErrorCode, message: str, retry_after_s: float | None = None,
+                    param: str | None = None) -> HalfmoonError:
     """Rebuild the typed error a peer reported in a `RequestFailed` message."""
-    return _BY_CODE.get(code, EngineFailure)(message, retry_after_s=retry_after_s)
+    return _BY_CODE.get(code, EngineFailure)(message, retry_after_s=retry_after_s,
+                                             param=param)

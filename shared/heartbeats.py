@@ -18,13 +18,47 @@ class WorkerEntry:
 class WorkerDirectory:
     """Latest heartbeat per worker. A worker is healthy while its last heartbeat is younger
     than `timeout_s` (and never younger than three of its own intervals) and it is not
-    draining. Stale entries are forgotten after ten timeouts."""
+    draining. Stale entries are forgotten after ten timeouts.
+
+    No news is not bad news while the reader itself is cut off from NATS: between
+    `suspend()` (its connection dropped) and `resume()` (it is back) every judgment is made
+    as of the moment it dropped, and on resuming every entry counts as heard from then, so a
+    worker that kept running has a whole timeout (at least three of its heartbeats) to be
+    heard again before it is lost."""
 
     def __init__(self, timeout_s: float,
                  on_expire: Callable[[str], None] | None = None) -> None:
         self.timeout_s = timeout_s
         self._entries: dict[str, WorkerEntry] = {}
         self._on_expire = on_expire
+        self._suspended_at: float | None = None
+
+    def suspend(self, now_s: float | None = None) -> None:
+        """This reader lost its NATS connection: stop judging by silence."""
+        if self._suspended_at is None:
+            self._suspended_at = time.monotonic() if now_s is None else now_s
+
+    def resume(self, now_s: float | None = None) -> None:
+        """Reconnected: every worker counts as heard from now on."""
+        if self._suspended_at is None:
+            return
+        now_s = time.monotonic() if now_s is None else now_s
+        for entry in self._entries.values():
+            entry.received_at_s = max(entry.received_at_s, now_s)
+        self._suspended_at = None
+
+    def excuse_silence(self, now_s: float | None = None) -> None:
+        """This reader heard nothing for a while though connected (its own loop stalled):
+        every worker counts as heard from now on, as after `resume`. No effect while
+        suspended: the reconnection decides then."""
+        if self._suspended_at is None:
+            self._suspended_at = time.monotonic() if now_s is None else now_s
+            self.resume(now_s)
+
+    def _now(self, now_s: float | None) -> float:
+        if self._suspended_at is not None:
+            return self._suspended_at
+        return time.monotonic() if now_s is None else now_s
 
     def observe(self, heartbeat: WorkerHeartbeat, now_s: float | None = None) -> None:
         now_s = time.monotonic() if now_s is None else now_s
@@ -46,19 +80,24 @@ class WorkerDirectory:
     def is_alive(self, worker_id: str, now_s: float | None = None) -> bool:
         """Heartbeats are fresh (a draining worker is alive: it finishes what it holds)."""
         entry = self._entries.get(worker_id)
-        now_s = time.monotonic() if now_s is None else now_s
-        return entry is not None and self._is_fresh(entry, now_s)
+        return entry is not None and self._is_fresh(entry, self._now(now_s))
+
+    def is_lost(self, worker_id: str, now_s: float | None = None) -> bool:
+        """Heard from once, and silent since for longer than the timeout (unknown workers
+        are not lost: nothing is known of them)."""
+        entry = self._entries.get(worker_id)
+        return entry is not None and not self._is_fresh(entry, self._now(now_s))
 
     def is_healthy(self, worker_id: str, now_s: float | None = None) -> bool:
         entry = self._entries.get(worker_id)
-        now_s = time.monotonic() if now_s is None else now_s
+        now_s = self._now(now_s)
         return entry is not None and self._is_fresh(entry, now_s) and (
             not entry.heartbeat.is_draining
         )
 
     def healthy(self, role: WorkerRole, now_s: float | None = None) -> list[WorkerHeartbeat]:
         """Healthy workers of `role`, ordered by worker id (a stable order for placement)."""
-        now_s = time.monotonic() if now_s is None else now_s
+        now_s = self._now(now_s)
         self._expire(now_s)
         return sorted(
             (e.heartbeat for e in self._entries.values()

@@ -35,6 +35,18 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag=True, tag_field="ty
     """Base of every wire message; the tag is the class name."""
 
 
+class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What the output must match (structured outputs): `json_object` any JSON object;
+    `json_schema` the JSON schema in `source` (JSON text); `ebnf` the grammar in `source`.
+    A JSON output may be wrapped in the literal texts `begin` and `end` (a forced tool
+    call: `<tool_call>{...}</tool_call>`)."""
+
+    kind: Literal["json_object", "json_schema", "ebnf"]
+    source: str = ""
+    begin: str = ""
+    end: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to pick tokens. `temperature == 0` means greedy."""
 
@@ -45,6 +57,97 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Controls on the logits, applied in this order before temperature (`engine.sampler`):
+    # `logit_bias` (token id, bias) added; eos and stop tokens masked until `min_tokens`
+    # output tokens; `repetition_penalty` on every token of prompt and output (> 1 dampens);
+    # `frequency_penalty` per occurrence and `presence_penalty` once, on output tokens
+    # (OpenAI's semantics). After temperature: `min_p`, `top_k`, `top_p`.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
+    # Report each output token's logprob with this many alternatives (None: no logprobs);
+    # and, computed on prefill only when asked, each prompt token's (such a prompt is
+    # computed whole: the prefix cache keeps K/V, not the logits).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Constrained decoding: every output token keeps the output inside this grammar.
+    grammar: GrammarSpec | None = None
+    # Choices of one prompt: prefilled once, its KV moved once, then forked on decode into
+    # `n` sequences (choice j draws from `seed + j`), each under `choice_id(request_id, j)`.
+    n: int = 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+def choice_id(request_id: str, choice: int, n: int) -> str:
+    """The id a choice of a request travels under (tokens, aborts, continuations): the
+    request's own for n == 1, `<id>#<choice>` otherwise."""
+    return request_id if n == 1 else f"{request_id}#{choice}"
+
+
+def request_of(choice: str) -> str:
+    """The request a choice id belongs to (the inverse of `choice_id`)."""
+    return choice.rsplit("#", 1)[0]
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One token's log-probability under the model's own distribution (before any sampling
+    control), and the `top` most likely tokens at its position as (token id, logprob), most
+    likely first. `logprob` is None only for a prompt's first token (nothing predicts it)."""
+
+    logprob: float | None
+    top: list[tuple[int, float]] = []
+
+
+# Bytes per element of the KV dtypes a pool may hold (names as torch spells them).
+KV_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "int8": 1}
+
+
+class KvPoolLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's KV pool as it lies in its transfer engine's segment `kv`: one tensor
+    `[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]` of `dtype`.
+
+    Sizes: a *piece* is one layer's K (or V) of one block, `layer_block_bytes` long, at byte
+    `((layer * 2 + kind) * num_blocks + block_id) * layer_block_bytes` (kind 0 = K, 1 = V);
+    a *block* is every layer's K and V, `block_bytes`. A simulated engine keeps only
+    `1 / byte_scale` of each piece's bytes. Two pools exchange KV only when they agree on
+    everything but `num_blocks` (`mismatch`). Carried whole in `KvTarget` and `PrefixFetch`."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    byte_scale: int = 1
+
+    @property
+    def layer_block_bytes(self) -> int:
+        full = self.block_size * self.num_kv_heads * self.head_dim * KV_DTYPE_BYTES[self.dtype]
+        return max(1, full // self.byte_scale)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * 2 * self.layer_block_bytes
+
+    @property
+    def size_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def mismatch(self, other: KvPoolLayout) -> str | None:
+        """Why KV cannot move between this pool and `other`; None when it can."""
+        differing = [name for name in self.__struct_fields__
+                     if name != "num_blocks" and getattr(self, name) != getattr(other, name)]
+        if not differing:
+            return None
+        return ", ".join(f"{name} {getattr(self, name)} here, {getattr(other, name)} there"
+                         for name in differing)
 
 
 class GenerateRequest(Message, frozen=True, kw_only=True):
@@ -94,6 +197,19 @@ class DecodeReservation(Message, frozen=True, kw_only=True):
     is_local_prefill: bool = False
 
 
+class DecodeReplacement(Message, frozen=True, kw_only=True):
+    """Command from a prefill worker to the conductors (`Subjects.decode_replacement`, one
+    conductor answers): the KV handoff to `failed_decode_worker_id` failed after prefill
+    computed the KV, which the prefill worker holds (a `prefill_hold` lease): place the
+    decode side again, on another worker, keeping this prefill worker. Answered with
+    `DispatchReply` once the new decode worker accepted (it then sends its `KvTarget`)."""
+
+    request: GenerateRequest
+    prefill_worker_id: str
+    failed_decode_worker_id: str
+    reason: str = ""
+
+
 class DispatchReply(Message, frozen=True, kw_only=True):
     """A worker's immediate answer to `PrefillTask`, `DecodeReservation` or `KvCommitted`."""
 
@@ -104,15 +220,17 @@ class DispatchReply(Message, frozen=True, kw_only=True):
 
 class KvTarget(Message, frozen=True, kw_only=True):
     """Fact from a decode worker to a prefill worker (`Subjects.kv_target`): the blocks
-    reserved for the request, where prefill must write its KV. `kv_num_blocks` and
-    `kv_block_bytes` give the decode pool's layout (engine.protocol.KvLayout) in its transfer
-    engine's segment `kv` (engine id = `decode_worker_id`); 0 when it has no KV pool."""
+    reserved for the request, where prefill must write its KV. `kv_layout` is the decode
+    pool's layout in its transfer engine's segment `kv` (engine id = `decode_worker_id`);
+    None when it has no KV pool. `kv_num_blocks` and `kv_block_bytes` (one piece: a layer's
+    K or V of one block) repeat it for peers from before `kv_layout`; 0 without a pool."""
 
     request_id: str
     decode_worker_id: str
     block_ids: list[int]
     kv_num_blocks: int = 0
     kv_block_bytes: int = 0
+    kv_layout: KvPoolLayout | None = None
 
 
 class KvCommitted(Message, frozen=True, kw_only=True):
@@ -126,15 +244,34 @@ class KvCommitted(Message, frozen=True, kw_only=True):
     num_prompt_tokens: int
     num_kv_bytes: int = 0
     transport: str = "none"
+    # The KV crossed quantized (`fp8`, `int8`: TCP with `--kv-transfer-dtype`) or as it is,
+    # and the bytes that crossed (`num_kv_bytes` when not quantized).
+    kv_compression: str = "none"
+    num_kv_wire_bytes: int = 0
+    first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    # n > 1: every choice's first token (choice 0's is `first_token_id` too) and logprob,
+    # and the choices that already finished with it.
+    first_token_ids: list[int] = []
+    first_logprobs: list[TokenLogprob] = []
+    finished_choices: list[int] = []
+
+
+class HandoffNotice(Message, frozen=True, kw_only=True):
+    """Rides, as the transfer engine's notification, on the last write of a KV handoff (no
+    subject: prefill's transfer engine delivers it to decode's): whose KV landed, and the
+    W3C trace context of the `kv.transfer` span so decode's spans join the request's trace."""
+
+    request_id: str
+    trace_context: dict[str, str] = {}
 
 
 class PrefixFetch(Message, frozen=True, kw_only=True):
     """Command from one prefill worker to another (`Subjects.prefix_fetch`), sent as a
     request: write the KV of the cached blocks `block_hashes` (hex chain hashes, consecutive
     prompt blocks) into the requester's `block_ids`, every layer, through the transfer engine
-    (engine id = `requester_id`, segment `kv`, pool layout `kv_num_blocks` x
-    `kv_block_bytes`). The holder writes the leading run it still holds and answers
-    `PrefixFetched`."""
+    (engine id = `requester_id`, segment `kv`, pool layout `kv_layout`; peers before it sent
+    only `kv_num_blocks` and `kv_block_bytes`, one piece's size). The holder writes the
+    leading run it still holds and answers `PrefixFetched`."""
 
     request_id: str
     requester_id: str
@@ -142,6 +279,7 @@ class PrefixFetch(Message, frozen=True, kw_only=True):
     block_ids: list[int]
     kv_num_blocks: int
     kv_block_bytes: int
+    kv_layout: KvPoolLayout | None = None
 
 
 class PrefixFetched(Message, frozen=True, kw_only=True):
@@ -151,6 +289,7 @@ class PrefixFetched(Message, frozen=True, kw_only=True):
     num_blocks: int
     num_bytes: int = 0
     transport: str = "none"
+    compression: str = "none"  # the holder's `--kv-transfer-dtype`, as applied on the wire
 
 
 class TokenDelta(msgspec.Struct, frozen=True, kw_only=True):
@@ -163,6 +302,10 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True):
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
+    # When the request asked: one per token of `token_ids`; and, on the first token's delta,
+    # one per prompt token.
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class TokenBatch(Message, frozen=True, kw_only=True):
@@ -182,6 +325,7 @@ class RequestFailed(Message, frozen=True, kw_only=True):
     message: str
     worker_id: str = ""
     retry_after_s: float | None = None  # for rejections: when trying again makes sense
+    param: str | None = None  # the request field at fault, for an invalid request
 
 
 class AbortRequest(Message, frozen=True, kw_only=True):
@@ -242,6 +386,23 @@ class KvEventBatch(Message, frozen=True, kw_only=True):
     is_reset: bool = False
 
 
+class PrefixIndexSnapshot(Message, frozen=True, kw_only=True):
+    """A conductor's global prefix index as of KV-event stream sequence `stream_seq`, kept in
+    the object store bucket `Subjects.snapshot_bucket` (object `Subjects.prefix_snapshot`).
+    A starting conductor restores it and replays only the events after `stream_seq`.
+    Compact, for 10^5..10^6 blocks: `hashes` concatenates every block's chain hash
+    (`hash_bytes` each, least recently used first); `worker_blocks[i]` lists, as unsigned
+    32-bit little-endian integers, the positions in `hashes` of the blocks `workers[i]`
+    holds. (Bytes travel base64-encoded in JSON.)"""
+
+    stream_seq: int
+    taken_at_s: float
+    hash_bytes: int
+    hashes: bytes
+    workers: list[str]
+    worker_blocks: list[bytes]
+
+
 class RequestPlaced(Message, frozen=True, kw_only=True):
     """Fact from the conductor to the request's gateway (`Subjects.gateway`): which workers
     serve it. The gateway watches their heartbeats and places the request again (as a
@@ -253,6 +414,114 @@ class RequestPlaced(Message, frozen=True, kw_only=True):
 
 
 GatewayEvent = TokenBatch | RequestFailed | RequestPlaced
+
+
+KvLeaseKind = Literal["decode_reservation", "prefix_fetch", "prefill_hold"]
+
+
+class KvLeaseEvent(Message, frozen=True, kw_only=True):
+    """Public fact on `Subjects.kv_lease_event(action)`
+    (`halfmoon.<cluster>.v1.events.kv_lease.<action>`, core NATS): a worker (`owner`) holds
+    KV blocks on behalf of another party, or stopped holding them. Every such hold is a
+    lease with an expiry, renewed while the party is alive and progressing:
+        decode_reservation  decode holds blocks for the KV a prefill worker (`party`) will
+                            write; renewed by that worker's `KvLeaseRenewal` while the
+                            request is queued or computing there
+        prefix_fetch        a prefill worker holds cached blocks another (`party`) is reading
+                            (or blocks that one is writing into), for one transfer
+        prefill_hold        a prefill worker keeps a request's computed KV after its handoff
+                            to a decode worker (`party`) failed, while the conductor places
+                            the decode side again (bounded by `--kv-hold-s`)
+    `action`: granted, released (the hold ended as planned), or expired (the party went
+    silent: the blocks are freed, the request, if any, fails)."""
+
+    action: Literal["granted", "released", "expired"]
+    kind: KvLeaseKind
+    owner: str
+    party: str
+    request_id: str
+    num_blocks: int
+    held_s: float = 0.0  # released / expired: how long it was held
+    at_s: float = 0.0
+
+
+class KvLeaseRenewal(Message, frozen=True, kw_only=True):
+    """Command from a prefill worker to a decode worker (`Subjects.kv_lease_renewal`), every
+    heartbeat: these requests are still queued or computing here, keep their reservations."""
+
+    prefill_worker_id: str
+    request_ids: list[str]
+
+
+class ResumePoint(msgspec.Struct, frozen=True, kw_only=True):
+    """One stream to resume: the output index of the first token the gateway still lacks."""
+
+    request_id: str
+    next_index: int
+
+
+class StreamResume(Message, frozen=True, kw_only=True):
+    """Command from a gateway to a decode worker (`Subjects.stream_resume`): these streams
+    made no progress for a while, so token batches may have been lost (core NATS is at most
+    once, e.g. across a NATS restart): send every token from `next_index` on again, as a
+    `TokenBatch` to `reply_subject`. Idempotent: the gateway drops what it already has, and
+    a worker that holds nothing newer sends nothing."""
+
+    reply_subject: str
+    points: list[ResumePoint]
+
+RequestEventKind = Literal["accepted", "placed", "first_token", "kv_committed", "finished",
+                           "failed", "migrated"]
+
+
+class RequestEvent(Message, frozen=True, kw_only=True):
+    """Public fact about one request's life, on `Subjects.request_event(kind)`
+    (`halfmoon.<cluster>.v1.events.request.<kind>`, core NATS, at most once) for anyone on
+    the bus: dashboards, billing, audit. Never carries prompt or output text, only ids,
+    counts and timings. Who publishes each kind, and what it fills in:
+
+        accepted      gateway    model, num_prompt_tokens (published before the request is
+                                 queued: the first event of every request)
+        placed        conductor  prefill_worker_id, decode_worker_id, path, placement_s
+        first_token   gateway    worker ids, num_cached_tokens, ttft_s
+        kv_committed  prefill    worker ids, num_kv_bytes, transport, kv_seconds,
+                                 kv_compression, num_kv_wire_bytes
+        finished      gateway    worker ids, token counts, finish_reason ("stop" | "length",
+                                 or "abort" when the client left first), ttft_s, e2e_s,
+                                 itl_mean_s, itl_max_s
+        failed        gateway    error_code, error, e2e_s
+        migrated      gateway    attempt, num_output_tokens so far, the lost worker's id
+                                 (a continuation is queued after a worker was lost)
+
+    `source` is the publisher's instance id; `at_s` its wall clock (Unix seconds). Times
+    are the gateway's view (what the client sees) unless the kind says otherwise."""
+
+    kind: RequestEventKind
+    request_id: str
+    source: str
+    at_s: float
+    model: str = ""
+    prefill_worker_id: str = ""
+    decode_worker_id: str = ""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    finish_reason: str = ""
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_mean_s: float | None = None
+    itl_max_s: float | None = None
+    path: str = ""  # placed: "disaggregated" | "local"
+    placement_s: float | None = None
+    num_kv_bytes: int = 0
+    transport: str = ""
+    kv_seconds: float | None = None
+    kv_compression: str = ""
+    num_kv_wire_bytes: int = 0
+    attempt: int = 0
+    lost_worker_id: str = ""
+    error_code: str = ""
+    error: str = ""
 
 
 class SegmentInfo(msgspec.Struct, frozen=True, kw_only=True):

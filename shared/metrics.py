@@ -7,7 +7,10 @@ logs). The README lists every metric.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST.split(";")[0]  # aiohttp takes the charset separately
@@ -56,6 +59,9 @@ class GatewayMetrics(ServiceMetrics):
             "halfmoon_prompt_cached_tokens", "prompt tokens the prefix cache served", registry=r)
         self.generation_tokens = Counter("halfmoon_generation_tokens", "tokens generated",
                                          registry=r)
+        self.failovers = Counter("halfmoon_failovers", "requests placed again, as "
+                                 "continuations, after a worker serving them was lost",
+                                 registry=r)
 
 
 class ConductorMetrics(ServiceMetrics):
@@ -76,6 +82,16 @@ class ConductorMetrics(ServiceMetrics):
                                          "block hashes in the global prefix index", registry=r)
 
 
+class CounterAtScrape:
+    """A counter whose value something else keeps (the engine's stats), read at scrape."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], float]) -> None:
+        self.name, self.documentation, self.read = name, documentation, read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.documentation, value=self.read())
+
+
 class WorkerMetrics(ServiceMetrics):
     """Prefill and decode workers."""
 
@@ -92,6 +108,11 @@ class WorkerMetrics(ServiceMetrics):
         self.busy_seconds = Gauge("halfmoon_engine_busy_seconds", "wall seconds the engine's "
                                   "device spent in model steps since start (utilization: its "
                                   "rate)", registry=r)
+        self.kv_leases = Gauge("halfmoon_kv_leases", "KV block holds on behalf of another "
+                               "party, by kind", ["kind"], registry=r)
+        self.kv_lease_expirations = Counter("halfmoon_kv_lease_expirations", "KV leases that "
+                                            "expired (their party went silent), by kind",
+                                            ["kind"], registry=r)
         self.kv_transfer_bytes = Counter("halfmoon_kv_transfer_bytes", "KV bytes moved, by "
                                          "transport", ["transport"], registry=r)
         self.kv_transfer_seconds = Histogram("halfmoon_kv_transfer_seconds",

@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from shared.child_process import die_with_parent
 from shared.errors import ServiceStartFailed
 
 
@@ -49,19 +50,39 @@ class EmbeddedNatsServer:
         return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 10.0) -> str:
-        """Start the server and return its URL once it accepts clients."""
-        self._tmp = tempfile.TemporaryDirectory(prefix="halfmoon-nats-")
+        """Start the server and return its URL once it accepts clients. It runs in a session
+        of its own: a terminal's Ctrl-C reaches the launcher, which stops it last."""
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="halfmoon-nats-")
         work = Path(self._tmp.name)
+        for ports_file in work.glob("*.ports"):
+            ports_file.unlink()
         store = self._store_dir or work / "jetstream"
+        port = self.port or self._port
         args = [
             str(find_nats_server()), "-js", "-a", self.host,
-            "-p", str(self._port if self._port is not None else -1),
+            "-p", str(port if port is not None else -1),
             "-sd", str(store), "--ports_file_dir", str(work),
         ]
-        log_file = (work / "nats.log").open("wb")
-        self._process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
+        log_file = (work / "nats.log").open("ab")
+        self._process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=die_with_parent)
         self.port = self._wait_for_port(work, timeout_s)
         return self.url
+
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash); its port and store stay for `restart()`."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
+    def restart(self, timeout_s: float = 10.0) -> str:
+        """Start it again after it exited, on the same port, with the same JetStream store."""
+        self.kill()
+        return self.start(timeout_s)
 
     def _wait_for_port(self, work: Path, timeout_s: float) -> int:
         deadline = time.monotonic() + timeout_s

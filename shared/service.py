@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import enum
 import signal
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -31,6 +32,8 @@ from nats.aio.msg import Msg
 from shared import tracing
 from shared.config import ServiceConfig
 from shared.errors import HalfmoonError, ServiceStartFailed
+from shared.events import EventPublisher
+from shared.heartbeats import WorkerDirectory
 from shared.logs import get_logger
 from shared.messages import DispatchReply, Message
 from shared.metrics import CONTENT_TYPE, ServiceMetrics
@@ -66,6 +69,7 @@ class Service(abc.ABC):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop_requested = asyncio.Event()
         self._crash: BaseException | None = None
+        self._events: EventPublisher | None = None
 
     @property
     def nc(self) -> NatsClient:
@@ -77,6 +81,13 @@ class Service(abc.ABC):
     def instance_id(self) -> str:
         """The id this instance is known by on the wire."""
         return self.name
+
+    @property
+    def events(self) -> EventPublisher:
+        """The public request-lifecycle events, published as this instance."""
+        if self._events is None:
+            self._events = EventPublisher(self.nc, self.subjects, self.instance_id)
+        return self._events
 
     async def start(self) -> None:
         if self.state is not ServiceState.NEW:
@@ -199,8 +210,10 @@ class Service(abc.ABC):
         subject: str,
         message_type: Any,
         handler: Callable[[Any], Awaitable[Message | None]],
+        queue: str = "",
     ) -> Any:
-        """Subscribe `handler` behind one error boundary.
+        """Subscribe `handler` behind one error boundary (in queue group `queue`, if any: one
+        member of the group gets each message).
 
         Decode -> handle -> reply (when the sender asked for one). Invalid payloads and
         `HalfmoonError`s are answered with a refusal; anything else is logged with its stack
@@ -224,12 +237,34 @@ class Service(abc.ABC):
                 with contextlib.suppress(Exception):
                     await msg.respond(encode(reply))
 
-        return await self.nc.subscribe(subject, cb=callback)
+        return await self.nc.subscribe(subject, queue=queue, cb=callback)
 
     def _on_nats_event(self, event: str) -> None:
+        """Our own NATS connection dropped ("disconnected") or came back ("reconnected")."""
         counter = (self.metrics.nats_reconnects if event == "reconnected"
                    else self.metrics.nats_disconnects)
         counter.inc()
+        for directory in self._worker_views():
+            if event == "disconnected":
+                directory.suspend()  # silence while we are away is not a worker's death
+            else:
+                directory.resume()
+
+    def _worker_views(self) -> list[WorkerDirectory]:
+        """The worker directories this service judges by heartbeats (none by default)."""
+        return []
+
+    async def _sleep_judging_on_time(self, interval_s: float) -> None:
+        """Sleep `interval_s`; if this process's loop woke more than an interval late (a
+        busy CPU, a long GC, a blocking call), it read no heartbeat meanwhile: like a
+        dropped connection, that silence is not the workers' death, and every worker it
+        judges gets a whole timeout from now to be heard again."""
+        due_s = time.monotonic() + interval_s
+        await asyncio.sleep(interval_s)
+        now_s = time.monotonic()
+        if now_s - due_s > interval_s:
+            for directory in self._worker_views():
+                directory.excuse_silence(now_s)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type=CONTENT_TYPE)

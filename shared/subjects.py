@@ -42,12 +42,20 @@ class Subjects:
     def conductor_consumer(self) -> str:
         return "conductor"
 
+    # Core NATS, queue group `conductor_consumer`: any one conductor answers.
+    @property
+    def decode_replacement(self) -> str:
+        return f"{self._root}.conductor.replace_decode"
+
     # Core NATS.
     def gateway(self, gateway_id: str) -> str:
         return f"{self._root}.gateway.{check_token(gateway_id, 'gateway id')}"
 
     def heartbeat(self, role: str, worker_id: str) -> str:
         return f"{self._root}.heartbeat.{role}.{check_token(worker_id, 'worker id')}"
+
+    def role_heartbeats(self, role: str) -> str:
+        return f"{self._root}.heartbeat.{check_token(role, 'role')}.*"
 
     @property
     def all_heartbeats(self) -> str:
@@ -72,8 +80,33 @@ class Subjects:
     def prefix_fetch(self, worker_id: str) -> str:
         return self._worker(worker_id, "prefix_fetch")
 
+    def stream_resume(self, worker_id: str) -> str:
+        return self._worker(worker_id, "resume")
+
+    def kv_lease_renewal(self, worker_id: str) -> str:
+        return self._worker(worker_id, "lease_renewal")
+
     def _worker(self, worker_id: str, verb: str) -> str:
         return f"{self._root}.worker.{check_token(worker_id, 'worker id')}.{verb}"
+
+    # Public events (core NATS): request lifecycle for anyone on the bus.
+    def request_event(self, kind: str) -> str:
+        return f"{self._root}.events.request.{check_token(kind, 'event kind')}"
+
+    @property
+    def all_request_events(self) -> str:
+        return f"{self._root}.events.request.>"
+
+    def kv_lease_event(self, action: str) -> str:
+        return f"{self._root}.events.kv_lease.{check_token(action, 'lease action')}"
+
+    @property
+    def all_kv_lease_events(self) -> str:
+        return f"{self._root}.events.kv_lease.>"
+
+    @property
+    def all_events(self) -> str:
+        return f"{self._root}.events.>"
 
     # JetStream stream of prefix-cache events (limits retention: replayable history).
     def kv_events(self, worker_id: str) -> str:
@@ -94,6 +127,15 @@ class Subjects:
     @property
     def workers_bucket(self) -> str:
         return f"halfmoon_{self.cluster.replace('-', '_')}_workers"
+
+    # Object store: conductor state snapshots (the global prefix index).
+    @property
+    def snapshot_bucket(self) -> str:
+        return f"halfmoon_{self.cluster.replace('-', '_')}_snapshots"
+
+    @property
+    def prefix_snapshot(self) -> str:
+        return "prefix_index"
 
     # NATS KV bucket: transfer-engine descriptors (`TransferEndpoint`), one per engine.
     @property

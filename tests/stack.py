@@ -14,7 +14,7 @@ from services.conductor.service import ConductorService
 from services.decode.service import DecodeService
 from services.gateway.service import GatewayService
 from services.prefill.service import PrefillService
-from shared.config import ConductorConfig, GatewayConfig, WorkerConfig
+from shared.config import ConductorConfig, GatewayConfig, WorkerConfig, load_config
 from shared.service import Service
 
 
@@ -38,13 +38,14 @@ class Stack:
     def __post_init__(self) -> None:
         common = {"nats_url": self.nats_url, "cluster": self.cluster, "log_level": "warning",
                   "drain_timeout_s": 5.0}
-        worker = WorkerConfig(**common, **{"heartbeat_interval_s": 0.2, "engine": "fake",
+        worker = load_config(WorkerConfig, flags={**common, "heartbeat_interval_s": 0.2,
+                                                  "engine": "fake",
                                            **self.worker})
         self.conductor = ConductorService(ConductorConfig(
             **common, **{"heartbeat_timeout_s": 1.0, **self.conductor_options}))
         self.prefills = [PrefillService(worker) for _ in range(self.num_prefill)]
         self.decodes = [DecodeService(worker) for _ in range(self.num_decode)]
-        tokenizer = "bytes" if worker.engine in ("fake", "sim") else "model"
+        tokenizer = "bytes" if worker.engine.kind in ("fake", "sim") else "model"
         self.gateway = GatewayService(GatewayConfig(
             **common, port=0, **{"tokenizer": tokenizer, "heartbeat_timeout_s": 1.0,
                                  **self.gateway_options}))
@@ -99,3 +100,19 @@ class Stack:
             f"{self.gateway.url}{path}", json=body, headers=headers
         ) as response:
             return response.status, await response.json(content_type=None)
+
+
+PATHS = ("disaggregated", "colocated")
+
+
+def torch_stack_on(path: str, nats_url: str, model_dir: str, *,
+                   conductor: dict[str, Any] | None = None, **worker: Any) -> Stack:
+    """A stack on the torch engine serving by one path: `disaggregated` (a prefill and a
+    decode worker) or `colocated` (one decode worker that prefills for itself)."""
+    options = {"engine": "torch", "model_path": model_dir, "num_blocks": 256, **worker}
+    common = {"gateway_options": {"model_path": model_dir}, "conductor_options": conductor or {}}
+    if path == "colocated":
+        return Stack(nats_url, num_prefill=0, worker={**options,
+                                                      "local_prefill_max_tokens": 1 << 30},
+                     **common)
+    return Stack(nats_url, worker=options, **common)

@@ -51,14 +51,16 @@ class PieceArrays:
 @dataclass(frozen=True)
 class TransferResult:
     """What one `write`/`read` did: payload bytes, wall seconds, the transport that carried it,
-    how many pieces remained after coalescing, and the compression applied on the wire (None
-    when the bytes moved as they are, as shared memory always moves them)."""
+    how many pieces remained after coalescing, the compression applied on the wire (None
+    when the bytes moved as they are, as shared memory always moves them), and the bytes that
+    crossed (scales and codes when compressed; else `num_bytes`)."""
 
     num_bytes: int
     seconds: float
     transport: str
     num_pieces: int
     compression: str | None = None
+    wire_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,6 @@ import asyncio
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,13 +36,20 @@ from transfer_engine.batch import (
     coalesce,
     group,
 )
-from transfer_engine.errors import InvalidTransfer, PeerNotFound
+from transfer_engine.config import TransferConfig
+from transfer_engine.errors import (
+    AuthenticationRefused,
+    InvalidTransfer,
+    PeerNotFound,
+    TransferFailed,
+    TransferTimeout,
+)
 from transfer_engine.loopback import LoopbackTransport
 from transfer_engine.memory import LocalMemory
 from transfer_engine.registry import EndpointRegistry
 from transfer_engine.segment import Segment, sweep_orphans
 from transfer_engine.shm import ShmTransport
-from transfer_engine.tcp import TcpOptions, TcpStats, TcpTransport
+from transfer_engine.tcp import TcpStats, TcpTransport
 from transfer_engine.transport import Plan, Transport
 from transfer_engine.wire import Compression
 
@@ -54,29 +59,6 @@ TRANSPORTS = ("rdma", "shm", "tcp", "loopback")
 _UNPUBLISH_TIMEOUT_S = 1.0
 Peer = str | TransferEndpoint  # an engine id, "tcp://host:port", or a descriptor
 Batch = Sequence[TransferPiece | tuple[str, int, str, int, int]] | PieceArrays
-
-
-def default_host_id() -> str:
-    """Same value on every process of one machine (and kernel boot), different elsewhere."""
-    boot_id = Path("/proc/sys/kernel/random/boot_id")
-    suffix = boot_id.read_text().strip() if boot_id.exists() else ""
-    return f"{socket.gethostname()}/{suffix}"
-
-
-@dataclass(frozen=True)
-class TransferConfig:
-    engine_id: str
-    secret: bytes
-    host_id: str = field(default_factory=default_host_id)
-    listen_host: str = "127.0.0.1"
-    listen_port: int = 0
-    advertise_host: str | None = None  # what peers dial; defaults to listen_host
-    transports: tuple[str, ...] = ("rdma", "shm", "tcp")  # preference order
-    timeout_s: float = 30.0
-    rdma_device: str | None = None  # default: the first device found
-    rdma_port_num: int = 1
-    rdma_gid_index: int = 0
-    tcp: TcpOptions = field(default_factory=TcpOptions)
 
 
 class TransferEngine:
@@ -213,23 +195,46 @@ class TransferEngine:
         groups = group(batch)
         endpoint = await self._resolve(peer, {pieces.remote_segment for pieces in groups})
         runs = self._plan(endpoint, groups, is_read=not is_write)
-        transport = self._choose(endpoint, [run.remote for run in runs])
+        candidates = self._reaching(endpoint, [run.remote for run in runs])
+        staged = [run for run in runs if run.local.staging is not None]
+        if staged and is_write:
+            await asyncio.to_thread(_stage, staged, to_device=False)
+        # A transfer that fails on one transport is tried once more on the next one the pair
+        # can use (e.g. shm -> tcp); what is wrong with the batch itself fails at once.
+        for attempt, transport in enumerate(candidates[:2]):
+            plan = self._plan_for(transport, endpoint, runs, notifications, compression,
+                                  timeout_s)
+            try:
+                await (transport.write(plan) if is_write else transport.read(plan))
+                break
+            except (TransferFailed, TransferTimeout) as exc:
+                if attempt + 1 >= min(2, len(candidates)) or isinstance(
+                        exc, InvalidTransfer | AuthenticationRefused):
+                    raise
+                log.warning("transfer.retry_on_next_transport", peer=endpoint.engine_id,
+                            failed=transport.name, next=candidates[attempt + 1].name,
+                            error=repr(exc))
+        if staged and not is_write:
+            await asyncio.to_thread(_stage, staged, to_device=True)
+        wire_bytes = plan.num_bytes
+        if plan.compression is not None:
+            wire_bytes = sum(quantization.compressed_size(length, plan.compression)
+                             for run in runs for length in run.lengths.tolist())
+        return TransferResult(num_bytes=plan.num_bytes, seconds=time.perf_counter() - started,
+                              transport=transport.name, num_pieces=plan.num_pieces,
+                              compression=plan.compression.scheme if plan.compression
+                              else None, wire_bytes=wire_bytes)
+
+    def _plan_for(self, transport: Transport, endpoint: TransferEndpoint, runs: list[Run],
+                  notifications: list[bytes], compression: Compression | None,
+                  timeout_s: float | None) -> Plan:
         if transport.is_one_sided:
             compression = None
         if compression is not None:
             for run in runs:
                 quantization.check_lengths(run.lengths, compression)
-        plan = Plan(endpoint, runs, notifications, compression,
+        return Plan(endpoint, runs, notifications, compression,
                     timeout_s or self.config.timeout_s)
-        staged = [run for run in runs if run.local.staging is not None]
-        if staged and is_write:
-            await asyncio.to_thread(_stage, staged, to_device=False)
-        await (transport.write(plan) if is_write else transport.read(plan))
-        if staged and not is_write:
-            await asyncio.to_thread(_stage, staged, to_device=True)
-        return TransferResult(num_bytes=plan.num_bytes, seconds=time.perf_counter() - started,
-                              transport=transport.name, num_pieces=plan.num_pieces,
-                              compression=compression.scheme if compression else None)
 
     async def _resolve(self, peer: Peer, segment_names: set[str]) -> TransferEndpoint:
         if isinstance(peer, TransferEndpoint):
@@ -251,6 +256,13 @@ class TransferEngine:
         if endpoint is None:
             raise PeerNotFound(f"no transfer engine {peer!r} is registered")
         return endpoint
+
+    async def stop_listening(self) -> None:
+        """Close the TCP listener and every inbound connection: peers can no longer land bytes
+        or notifications here (the memory stays mapped and outbound transfers still work).
+        For draining, and for fault drills."""
+        if self._tcp is not None:
+            await self._tcp.server.close()
 
     async def connect(self, host: str, port: int) -> TransferEndpoint:
         """The direct handshake: authenticate with the engine at host:port and learn its
@@ -284,12 +296,14 @@ class TransferEngine:
                 runs.append(Run(local, remote, local_offsets, remote_offsets, lengths))
         return runs
 
-    def _choose(self, endpoint: TransferEndpoint, remote: list[SegmentInfo]) -> Transport:
-        for transport in self._transports:
-            if transport.can_reach(endpoint, remote):
-                return transport
-        raise PeerNotFound(f"no transport of {self.transport_names} reaches "
-                           f"{endpoint.engine_id!r}")
+    def _reaching(self, endpoint: TransferEndpoint, remote: list[SegmentInfo]
+                  ) -> list[Transport]:
+        """The transports that reach these segments of the peer, in preference order."""
+        reaching = [t for t in self._transports if t.can_reach(endpoint, remote)]
+        if not reaching:
+            raise PeerNotFound(f"no transport of {self.transport_names} reaches "
+                               f"{endpoint.engine_id!r}")
+        return reaching
 
     def _deliver(self, peer_id: str, payloads: list[bytes]) -> None:
         for payload in payloads:

@@ -29,13 +29,13 @@ import structlog
 from shared.messages import RdmaPort, SegmentInfo, TransferEndpoint
 from transfer_engine import wire
 from transfer_engine.batch import Run
+from transfer_engine.config import TransferConfig
 from transfer_engine.errors import TransferFailed, TransferTimeout
 from transfer_engine.memory import LocalMemory
 from transfer_engine.segment import Segment
 from transfer_engine.transport import Plan
 
 if TYPE_CHECKING:
-    from transfer_engine.engine import TransferConfig
     from transfer_engine.tcp import TcpTransport
 
 log = structlog.get_logger(__name__)

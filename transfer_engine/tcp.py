@@ -22,6 +22,7 @@ import structlog
 from shared.messages import SegmentInfo, TransferEndpoint
 from transfer_engine import compression, sock_io, wire
 from transfer_engine.batch import Run, stripe
+from transfer_engine.config import TcpOptions
 from transfer_engine.errors import (
     AuthenticationRefused,
     InvalidTransfer,
@@ -36,14 +37,6 @@ from transfer_engine.transport import Deliver, Plan
 log = structlog.get_logger(__name__)
 
 _MERGE_MAX_BYTES = 4 << 20
-
-
-@dataclass(frozen=True)
-class TcpOptions:
-    num_streams: int = 2  # connections a large batch is striped over (each copies in a thread)
-    stripe_min_bytes: int = 8 << 20
-    connect_timeout_s: float = 5.0
-    frame_timeout_s: float = 30.0
 
 
 @dataclass

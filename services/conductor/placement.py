@@ -65,6 +65,9 @@ class SeedInputs:
     default_tokens_per_s: float = 2000.0
 
 
+FREE_WATERMARK = 0.02  # of a decode worker's blocks, kept free for its requests to grow
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return max(1, math.ceil(num_tokens / block_size))
 
@@ -171,7 +174,9 @@ def pick_decode(
     pending: Mapping[str, PendingWork],
     num_tokens: int,
 ) -> WorkerHeartbeat:
-    """The least-loaded healthy decode worker with room for `num_tokens` of KV."""
+    """The least-loaded healthy decode worker with room for `num_tokens` of KV and, since
+    its running requests grow, a watermark of free blocks (`FREE_WATERMARK` of its pool)
+    left after them."""
     candidates = [w for w in workers if w.worker_id not in excluded]
     if not candidates:
         raise WorkerUnavailable("no healthy decode worker")
@@ -183,7 +188,8 @@ def pick_decode(
     for worker in candidates:
         room = (worker.num_free_blocks
                 - pending.get(worker.worker_id, _NO_PENDING).num_blocks
-                - blocks_needed(num_tokens, worker.block_size))
+                - blocks_needed(num_tokens, worker.block_size)
+                - math.ceil(FREE_WATERMARK * worker.num_total_blocks))
         key = (_decode_work_s(worker, pending, unmeasured_step_s), _load(worker, pending), -room,
                worker.worker_id)
         if room >= 0 and (best is None or key < best):

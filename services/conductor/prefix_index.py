@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
-from shared.block_hash import BlockHash
-from shared.messages import KvEventBatch
+import numpy as np
+
+from shared.block_hash import HASH_BYTES, BlockHash
+from shared.messages import KvEventBatch, PrefixIndexSnapshot
 
 
 class PrefixIndex:
@@ -35,6 +37,35 @@ class PrefixIndex:
                 self._store(worker, block_hash)
             else:
                 self._remove(worker, block_hash)
+
+    def snapshot(self, stream_seq: int, taken_at_s: float) -> PrefixIndexSnapshot:
+        """The whole index, as of KV-event stream sequence `stream_seq`."""
+        hashes = list(self._holders)
+        position = {block_hash: i for i, block_hash in enumerate(hashes)}
+        workers = sorted(self._blocks_of)
+        worker_blocks = [
+            np.fromiter((position[h] for h in self._blocks_of[w] if h in position),
+                        dtype="<u4").tobytes() for w in workers]
+        return PrefixIndexSnapshot(
+            stream_seq=stream_seq, taken_at_s=taken_at_s,
+            hash_bytes=len(hashes[0]) if hashes else HASH_BYTES, hashes=b"".join(hashes),
+            workers=workers, worker_blocks=worker_blocks)
+
+    def restore(self, snapshot: PrefixIndexSnapshot) -> None:
+        """Replace the index with `snapshot`'s (LRU order kept)."""
+        size, data = snapshot.hash_bytes, snapshot.hashes
+        hashes = [data[i:i + size] for i in range(0, len(data), size)]
+        holders: list[set[str]] = [set() for _ in hashes]
+        self._blocks_of = {}
+        for worker, blocks in zip(snapshot.workers, snapshot.worker_blocks, strict=True):
+            positions = np.frombuffer(blocks, dtype="<u4").tolist()
+            for i in positions:
+                holders[i].add(worker)
+            self._blocks_of[worker] = {hashes[i] for i in positions}
+        self._holders = OrderedDict(
+            (block_hash, owners) for block_hash, owners in zip(hashes, holders, strict=True)
+            if owners)
+        self._evict_over_limit()
 
     def forget_worker(self, worker_id: str) -> None:
         for block_hash in self._blocks_of.pop(worker_id, set()):
@@ -68,6 +99,9 @@ class PrefixIndex:
         holders.add(worker)
         self._holders.move_to_end(block_hash)
         self._blocks_of.setdefault(worker, set()).add(block_hash)
+        self._evict_over_limit()
+
+    def _evict_over_limit(self) -> None:
         while len(self._holders) > self.max_blocks:
             oldest, owners = self._holders.popitem(last=False)
             for owner in owners:

@@ -1,11 +1,14 @@
 """The conductor: takes requests off the JetStream work queue and places them.
 
 Replicas share one durable pull consumer, so each request is placed once. Per request:
-pick a prefill and a decode worker from live heartbeats, send `PrefillTask` and
-`DecodeReservation` at the same time, and ack the request once both workers accepted. When
-one side refuses or is gone, only that side is placed again (up to `max_placement_attempts`),
-the accepted side is kept; when placement is impossible the gateway gets `RequestFailed`
-(429 for capacity, 503 for no workers) and any accepted side is aborted.
+pick a prefill and a decode worker from live heartbeats (or one decode worker that prefills
+it itself), send their commands at the same time, and ack the request once every side
+accepted. The decisions are pure functions (`assignment`, `placement`, `cost_model`); this
+module sends and receives. When one side refuses or is gone, only that side is placed again
+(up to `max_placement_attempts`), the accepted side is kept; when placement is impossible
+the gateway gets `RequestFailed` (429 for capacity, 503 for no workers) and any accepted
+side is aborted. The global prefix index follows the workers' KV events
+(`prefix_follower`).
 """
 
 from __future__ import annotations
@@ -13,32 +16,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from typing import Any
 
 import msgspec
 import nats.errors
 import structlog
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig
 from opentelemetry import trace
 
-from services.conductor.cost_model import (
-    Slo,
-    TransferCost,
-    check_slo,
-    predicted_tbt_s,
-    predicted_ttft_s,
-)
-from services.conductor.placement import (
-    PendingWork,
-    PrefixView,
-    SeedInputs,
-    blocks_needed,
-    pick_decode,
-    pick_prefill,
-    prefix_source,
-)
+from services.conductor import assignment
+from services.conductor.assignment import Plan
+from services.conductor.cost_model import Slo, TransferCost
+from services.conductor.placement import PendingWork, PrefixView
+from services.conductor.prefix_follower import PrefixIndexFollower
 from services.conductor.prefix_index import PrefixIndex
 from shared import tracing
 from shared.block_hash import block_hashes
@@ -47,12 +39,9 @@ from shared.errors import HalfmoonError, SloViolation, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
 from shared.messages import (
     AbortRequest,
-    DecodeReservation,
+    DecodeReplacement,
     DispatchReply,
     GenerateRequest,
-    KvEventBatch,
-    PrefillTask,
-    PrefixSource,
     RequestFailed,
     RequestPlaced,
     WorkerHeartbeat,
@@ -61,7 +50,6 @@ from shared.metrics import ConductorMetrics
 from shared.nats_client import (
     dispatch,
     encode,
-    ensure_kv_event_stream,
     ensure_work_queue,
     read_registry,
 )
@@ -70,11 +58,6 @@ from shared.service import Service
 
 def _seconds(ms: float | None) -> float | None:
     return None if ms is None else ms / 1000
-
-
-async def _kept() -> None:
-    """The answer for a side accepted in an earlier attempt: nothing to send."""
-    return None
 
 
 _request_decoder = msgspec.json.Decoder(GenerateRequest)
@@ -92,13 +75,17 @@ class ConductorService(Service):
         self.workers = WorkerDirectory(config.heartbeat_timeout_s,
                                        on_expire=self.prefix_index.forget_worker)
         self._turn = 0
-        self._transfer_cost = TransferCost(config.transfer_bytes_per_s,
-                                           config.transfer_overhead_s)
+        self._rules = assignment.Rules(
+            policy=config.policy, is_prefix_fetch=config.prefix_fetch,
+            transfer_cost=TransferCost(config.transfer_bytes_per_s, config.transfer_overhead_s),
+            default_prefill_tokens_per_s=config.default_prefill_tokens_per_s,
+            slo=Slo(ttft_s=_seconds(config.ttft_slo_ms), tbt_s=_seconds(config.tbt_slo_ms)))
         self.rejections: Counter[str] = Counter()  # by reason (also in the metrics)
-        self._pending: dict[str, PendingWork] = defaultdict(PendingWork)
+        self._pending: dict[str, PendingWork] = {}
         self._num_placing = 0
         self._is_fetching = False
         self._js_subscriptions: list[Any] = []
+        self.prefix_follower: PrefixIndexFollower | None = None
         # Gauges read at scrape time, not kept up to date on every heartbeat.
         for role in ("prefill", "decode"):
             self.metrics.workers.labels(role).set_function(
@@ -107,12 +94,18 @@ class ConductorService(Service):
 
     async def _setup(self) -> None:
         await self.serve(self.subjects.all_heartbeats, WorkerHeartbeat, self._on_heartbeat)
+        await self.serve(self.subjects.decode_replacement, DecodeReplacement,
+                         self._on_replace_decode, queue=self.subjects.conductor_consumer)
         for heartbeat in await read_registry(self.nc.jetstream(), self.subjects.workers_bucket):
             self.workers.observe_entry(heartbeat)
         js = self.nc.jetstream()
         await ensure_work_queue(js, self.subjects.requests_stream, self.subjects.requests,
                                 max_age_s=self.config.request_max_age_s)
-        await self._follow_kv_events(js)
+        self.prefix_follower = PrefixIndexFollower(js, self.subjects, self.prefix_index)
+        await self.prefix_follower.start(self.config.prefix_catch_up_timeout_s)
+        if self.config.prefix_snapshot_interval_s > 0:
+            self.spawn(self.prefix_follower.save_every(self.config.prefix_snapshot_interval_s),
+                       "prefix-snapshots")
         consumer = ConsumerConfig(
             durable_name=self.subjects.conductor_consumer, ack_policy=AckPolicy.EXPLICIT,
             ack_wait=10.0, max_deliver=5, max_ack_pending=4096,
@@ -125,22 +118,6 @@ class ConductorService(Service):
             )
             self._js_subscriptions.append(subscription)
             self.spawn(self._fetch_loop(subscription), f"fetch.{i}")
-
-    async def _follow_kv_events(self, js: Any) -> None:
-        """Replay the prefix-cache history, then follow it live (an ordered consumer: no
-        state on the server, restarted by the client if it falls out of order)."""
-        await ensure_kv_event_stream(js, self.subjects)
-        decoder = msgspec.json.Decoder(KvEventBatch)
-
-        async def on_batch(msg: Msg) -> None:
-            try:
-                self.prefix_index.apply(decoder.decode(msg.data))
-            except msgspec.DecodeError as exc:
-                self.log.warning("message.invalid", subject=msg.subject, error=str(exc))
-
-        self._js_subscriptions.append(await js.subscribe(
-            self.subjects.all_kv_events, cb=on_batch, ordered_consumer=True,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL)))
 
     async def _on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         self.workers.observe(heartbeat)
@@ -181,12 +158,19 @@ class ConductorService(Service):
                         "halfmoon.request_id": request.request_id,
                         "halfmoon.policy": self.config.policy}), \
                     structlog.contextvars.bound_contextvars(request_id=request.request_id):
-                prefill_id, decode_id = await self._place(request)
-            self.metrics.placement_seconds.observe(time.perf_counter() - started)
+                chosen = await self._place(request)
+            prefill_id, decode_id = chosen.prefill.worker_id, chosen.decode.worker_id
+            placement_s = time.perf_counter() - started
+            self.metrics.placement_seconds.observe(placement_s)
             await self.nc.publish(request.reply_subject, encode(RequestPlaced(
                 request_id=request.request_id, prefill_worker_id=prefill_id,
                 decode_worker_id=decode_id)))
+            await self.events.request(
+                "placed", request.request_id, model=request.model,
+                num_prompt_tokens=len(request.prompt_token_ids), prefill_worker_id=prefill_id,
+                decode_worker_id=decode_id, placement_s=placement_s, path=chosen.path)
         except HalfmoonError as exc:
+            await self._abort(request.request_id, exc.message)  # any side that accepted
             await self._reject(request, exc)
         except Exception as exc:
             self.log.error("request.place_failed", request_id=request.request_id, exc_info=exc)
@@ -194,145 +178,68 @@ class ConductorService(Service):
             return
         await msg.ack()
 
-    async def _place(self, request: GenerateRequest) -> tuple[str, str]:
-        """Place the request; return (prefill worker id, decode worker id)."""
-        if self._local_prefill_candidates(request):
-            return await self._place_local(request)
-        excluded: set[str] = set()
-        kept: dict[str, str | None] = {"prefill": None, "decode": None}
-        num_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
+    async def _place(self, request: GenerateRequest,
+                     progress: assignment.Progress | None = None) -> Plan:
+        """Place the request (see `assignment`): one loop for both paths, each attempt's
+        commands sent at once, accepted sides kept (`progress` may hold some already)."""
+        progress = progress or assignment.Progress()
         prefix = self._prefix_view(request)
         error: HalfmoonError = WorkerUnavailable("no placement attempted")
-        for attempt in range(self.config.max_placement_attempts):
-            try:
-                prefill_worker, decode_worker = self._choose(request, kept, excluded, prefix)
-                source = self._prefix_source(prefill_worker, excluded, prefix)
-                if attempt == 0:
-                    self._admit(request, prefill_worker, decode_worker, prefix, source)
-            except HalfmoonError as exc:
-                error = exc
-                break
-            prefill, decode = prefill_worker.worker_id, decode_worker.worker_id
-            # A new prefill worker means decode must learn it too (it re-sends the target).
-            replies = await asyncio.gather(
-                self._dispatch(self.subjects.prefill_task(prefill),
-                               PrefillTask(request=request, prefix_source=source))
-                if kept["prefill"] is None else _kept(),
-                self._dispatch(self.subjects.decode_reserve(decode),
-                               DecodeReservation(request=request, prefill_worker_id=prefill))
-                if kept["prefill"] is None or kept["decode"] is None else _kept(),
-            )
-            for role, worker_id, reply in zip(("prefill", "decode"), (prefill, decode), replies,
-                                              strict=True):
-                if isinstance(reply, DispatchReply) and reply.is_accepted:
-                    kept[role] = worker_id
-                    if role == "decode":
-                        self._count_pending(worker_id, num_tokens)
-                    else:
-                        self._count_pending(worker_id, 0, self._uncached_tokens(
-                            request, prefill_worker, prefix, source))
-                elif reply is not None:
-                    excluded.add(worker_id)
-                    error = self._refusal_error(worker_id, reply)
-            if kept["prefill"] and kept["decode"]:
-                self._count_placement("disaggregated", prefill_worker, decode_worker, prefix,
-                                      source)
-                return kept["prefill"], kept["decode"]
-        await self._abort(request.request_id, error.message)
-        raise error
-
-    def _local_prefill_candidates(self, request: GenerateRequest) -> list[WorkerHeartbeat]:
-        """Decode workers that prefill a prompt this short themselves (colocated workers, or
-        conditional disaggregation)."""
-        num_prompt_tokens = len(request.prompt_token_ids)
-        return [worker for worker in self.workers.healthy("decode")
-                if num_prompt_tokens <= worker.local_prefill_max_tokens]
-
-    async def _place_local(self, request: GenerateRequest) -> tuple[str, str]:
-        """One worker prefills and decodes; no KV moves. Returns (worker id, worker id)."""
-        excluded: set[str] = set()
-        num_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
-        error: HalfmoonError = WorkerUnavailable("no placement attempted")
         for _ in range(self.config.max_placement_attempts):
+            self._turn += 1
             try:
-                worker = pick_decode(self._local_prefill_candidates(request), excluded,
-                                     self._pending, num_tokens).worker_id
+                chosen = assignment.plan(request, self._view(), progress, self._rules,
+                                         prefix=prefix, turn=self._turn)
+                if progress.num_attempts == 1:
+                    assignment.admit(request, chosen, self._pending, prefix, self._rules)
             except HalfmoonError as exc:
                 error = exc
                 break
-            reply = await self._dispatch(self.subjects.decode_reserve(worker), DecodeReservation(
-                request=request, prefill_worker_id=worker, is_local_prefill=True))
-            if isinstance(reply, DispatchReply) and reply.is_accepted:
-                self._count_pending(worker, num_tokens)
-                chosen = self.workers.get(worker)
-                if chosen is not None:
-                    self._count_placement("local", chosen, chosen, None, None)
-                return worker, worker
-            excluded.add(worker)
-            error = self._refusal_error(worker, reply)
-        await self._abort(request.request_id, error.message)
+            replies = await asyncio.gather(*(
+                self._dispatch(self._subject(send), send.message) for send in chosen.sends))
+            for send, reply in zip(chosen.sends, replies, strict=True):
+                if progress.record(send, reply):
+                    self._pending[send.worker.worker_id] = assignment.with_sent(
+                        self._pending.get(send.worker.worker_id), send)
+                else:
+                    error = self._refusal_error(send.worker.worker_id, reply)
+            if progress.is_complete(chosen):
+                self._count_placement(chosen, prefix)
+                return chosen
         raise error
 
-    def _choose(
-        self, request: GenerateRequest, kept: dict[str, str | None], excluded: set[str],
-        prefix: PrefixView | None,
-    ) -> tuple[WorkerHeartbeat, WorkerHeartbeat]:
-        """The (prefill, decode) pair for this attempt: sides accepted earlier are kept (a
-        kept worker whose heartbeats vanished is chosen again)."""
-        decode = self.workers.get(kept["decode"])
-        if decode is None:
-            kept["decode"] = None
-            num_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
-            decode = pick_decode(self.workers.healthy("decode"), excluded, self._pending,
-                                 num_tokens)
-        prefill = self.workers.get(kept["prefill"])
-        if prefill is None:
-            kept["prefill"] = None
-            self._turn += 1
-            prefill = pick_prefill(self.workers.healthy("prefill"), excluded, self._pending,
-                                   policy=self.config.policy, prefix=prefix, turn=self._turn,
-                                   seed=self._seed_inputs(request, decode))
-        return prefill, decode
+    async def _on_replace_decode(self, message: DecodeReplacement) -> DispatchReply:
+        """A KV handoff failed after prefill: another decode worker for the same prefill
+        worker, which still holds the KV (no recompute)."""
+        request = message.request
+        progress = assignment.Progress(kept={"prefill": message.prefill_worker_id},
+                                       excluded={message.failed_decode_worker_id})
+        try:
+            chosen = await self._place(request, progress)
+        except HalfmoonError as exc:
+            return self._refusal(f"no decode worker for {request.request_id}: {exc.message}")
+        decode_id = chosen.decode.worker_id
+        self.log.info("placement.decode_replaced", request_id=request.request_id,
+                      failed=message.failed_decode_worker_id, decode_worker_id=decode_id,
+                      reason=message.reason)
+        await self.nc.publish(request.reply_subject, encode(RequestPlaced(
+            request_id=request.request_id, prefill_worker_id=message.prefill_worker_id,
+            decode_worker_id=decode_id)))
+        await self.events.request(
+            "migrated", request.request_id, model=request.model,
+            prefill_worker_id=message.prefill_worker_id, decode_worker_id=decode_id,
+            lost_worker_id=message.failed_decode_worker_id, error=message.reason)
+        return self.accept()
 
-    def _seed_inputs(self, request: GenerateRequest, decode: WorkerHeartbeat) -> SeedInputs:
-        return SeedInputs(num_prompt_tokens=len(request.prompt_token_ids),
-                          block_size=decode.block_size, decode_zone=decode.zone,
-                          default_tokens_per_s=self.config.default_prefill_tokens_per_s)
+    def _view(self) -> assignment.ClusterView:
+        return assignment.ClusterView(
+            prefill=self.workers.healthy("prefill"), decode=self.workers.healthy("decode"),
+            pending=self._pending, known=self.workers.get)
 
-    def _prefix_source(self, prefill: WorkerHeartbeat, excluded: set[str],
-                       prefix: PrefixView | None) -> PrefixSource | None:
-        if prefix is None or not self.config.prefix_fetch:
-            return None
-        holders = [w for w in self.workers.healthy("prefill") if w.worker_id not in excluded]
-        return prefix_source(prefill, holders, prefix, self._transfer_cost,
-                             self.config.default_prefill_tokens_per_s)
-
-    def _admit(self, request: GenerateRequest, prefill: WorkerHeartbeat,
-               decode: WorkerHeartbeat, prefix: PrefixView | None,
-               source: PrefixSource | None) -> None:
-        """SLO admission on the chosen pair: reject early rather than serve late."""
-        if self.config.ttft_slo_ms is None and self.config.tbt_slo_ms is None:
-            return
-        transfer_s = 0.0
-        if source is not None:
-            cached = prefix.cached_blocks.get(prefill.worker_id, 0) if prefix else 0
-            transfer_s = self._transfer_cost.seconds(
-                (source.num_blocks - cached) * prefill.kv_bytes_per_block)
-        queued = self._pending.get(prefill.worker_id, PendingWork()).num_prefill_tokens
-        ttft_s = predicted_ttft_s(
-            prefill, self._uncached_tokens(request, prefill, prefix, source) + queued,
-            self.config.default_prefill_tokens_per_s, transfer_s)
-        slo = Slo(ttft_s=_seconds(self.config.ttft_slo_ms), tbt_s=_seconds(self.config.tbt_slo_ms))
-        check_slo(ttft_s, predicted_tbt_s(decode), slo)
-
-    @staticmethod
-    def _uncached_tokens(request: GenerateRequest, prefill: WorkerHeartbeat,
-                         prefix: PrefixView | None, source: PrefixSource | None) -> int:
-        """Prompt tokens `prefill` will compute: all but its cached (or fetched) prefix."""
-        cached = prefix.cached_blocks.get(prefill.worker_id, 0) if prefix else 0
-        if source is not None:
-            cached = max(cached, source.num_blocks)
-        return max(1, len(request.prompt_token_ids) - cached * prefill.block_size)
+    def _subject(self, send: assignment.Send) -> str:
+        worker_id = send.worker.worker_id
+        return self.subjects.prefill_task(worker_id) if send.role == "prefill" \
+            else self.subjects.decode_reserve(worker_id)
 
     def _prefix_view(self, request: GenerateRequest) -> PrefixView | None:
         workers = self.workers.healthy("prefill")
@@ -356,26 +263,15 @@ class ConductorService(Service):
         self.log.info("placement.refused", worker_id=worker_id, reason=reason)
         return WorkerUnavailable(f"{worker_id} refused: {reason}")
 
-    def _count_pending(self, worker_id: str, num_tokens: int, num_prefill_tokens: int = 0
-                       ) -> None:
-        """Work sent to a worker until its next heartbeat reports it: `num_tokens` of KV
-        room (decode), `num_prefill_tokens` to compute (prefill)."""
-        entry = self._pending[worker_id]
-        block_size = self.workers.block_size(worker_id)
-        num_blocks = blocks_needed(num_tokens, block_size) if num_tokens else 0
-        self._pending[worker_id] = PendingWork(
-            entry.num_requests + 1, entry.num_blocks + num_blocks,
-            entry.num_prefill_tokens + num_prefill_tokens)
-
-    def _count_placement(self, path: str, prefill: WorkerHeartbeat, decode: WorkerHeartbeat,
-                         prefix: PrefixView | None, source: PrefixSource | None) -> None:
+    def _count_placement(self, chosen: Plan, prefix: PrefixView | None) -> None:
         """Metrics, and the decision with its inputs on the schedule span."""
-        self.metrics.placements.labels(self.config.policy, path,
+        prefill, decode, source = chosen.prefill, chosen.decode, chosen.source
+        self.metrics.placements.labels(self.config.policy, chosen.path,
                                        "true" if source else "false").inc()
         if not tracing.is_enabled():
             return
         trace.get_current_span().set_attributes({
-            "halfmoon.path": path,
+            "halfmoon.path": chosen.path,
             "halfmoon.prefill_worker": prefill.worker_id,
             "halfmoon.decode_worker": decode.worker_id,
             "halfmoon.prompt_blocks": prefix.num_blocks if prefix else 0,
@@ -396,7 +292,7 @@ class ConductorService(Service):
         self.metrics.rejections.labels(reason).inc()
         failure = RequestFailed(request_id=request.request_id, code=error.code,
                                 message=error.message, worker_id=self.instance_id,
-                                retry_after_s=error.retry_after_s)
+                                retry_after_s=error.retry_after_s, param=error.param)
         with contextlib.suppress(nats.errors.Error):
             await self.nc.publish(request.reply_subject, encode(failure))
 
@@ -404,6 +300,9 @@ class ConductorService(Service):
         with contextlib.suppress(nats.errors.Error):
             await self.nc.publish(self.subjects.abort,
                                   encode(AbortRequest(request_id=request_id, reason=reason)))
+
+    def _worker_views(self) -> list[WorkerDirectory]:
+        return [self.workers]
 
     async def _stop_intake(self) -> None:
         self._is_fetching = False
@@ -419,3 +318,6 @@ class ConductorService(Service):
         for subscription in self._js_subscriptions:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
+        if self.prefix_follower is not None:
+            with contextlib.suppress(Exception):
+                await self.prefix_follower.stop()

@@ -1,44 +1,64 @@
 """The decode worker: reserves KV blocks, joins committed requests, streams tokens.
 
 A request's life here:
-  1. `DecodeReservation` (request/reply): reserve blocks for prompt + max_tokens, send the
+  1. `DecodeReservation` (request/reply): reserve blocks (the torch engine takes the
+     prompt's and a block of headroom; the rest as the request grows), send the
      `KvTarget` to the named prefill worker, accept. A repeated reservation (the conductor
      re-placed prefill) keeps the blocks and re-sends the target to the new prefill worker.
-  2. `KvCommitted` (request/reply): the KV is in; join the running batch.
+     What the request needs beyond blocks (a grammar, compiled) is readied meanwhile, off
+     the reply's path: the conductor waits on the reply, and a first compile takes seconds.
+  2. `KvCommitted` (request/reply): the KV is in; join the running batch (once readied).
   3. Each engine step yields one token per running request; they go out as one `TokenBatch`
      per gateway per step. Finished requests leave the batch and free their blocks.
-A reservation whose commit does not come within `kv_wait_timeout_s` is freed; an abort frees
-the request at whatever step it is.
+  4. `StreamResume` (from a gateway whose stream stalled, e.g. across a NATS restart): the
+     tokens sent since the index it names go out again (`sent_tokens`).
+A reservation is a KV lease (`kv_leases`) held for the prefill worker, which renews it every
+heartbeat while the request is queued or computing there; one not renewed for
+`kv_wait_timeout_s` expires, its blocks are freed and the request fails. An abort frees the
+request at whatever step it is.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from opentelemetry import trace
+import msgspec
 from opentelemetry.trace import Span, StatusCode
 
 from engine.protocol import DecodeRequest, PrefillRequest, TokenOutput
+from services.decode.sent_tokens import SentTokens
+from services.kv_handoff import decode_notice
+from services.kv_leases import Lease
 from services.worker import WorkerService
 from shared import tracing
-from shared.errors import HalfmoonError, RequestAborted, TransferTimeout
+from shared.errors import HalfmoonError, InvalidRequest, RequestAborted, TransferTimeout
+from shared.heartbeats import WorkerDirectory
 from shared.messages import (
     DecodeReservation,
     DispatchReply,
     GenerateRequest,
     KvCommitted,
+    KvLeaseRenewal,
     KvTarget,
     RequestFailed,
+    StreamResume,
     TokenBatch,
     TokenDelta,
+    TokenLogprob,
+    WorkerHeartbeat,
+    choice_id,
 )
 from shared.metrics import DecodeMetrics
 from shared.nats_client import encode
 from transfer_engine.batch import Notification
-from transfer_engine.handoff import decode_notice
+
+# How long a finished request's tokens stay, to be sent again if its last batch was lost.
+RESEND_KEEP_S = 30.0
 
 
 @dataclass
@@ -46,50 +66,53 @@ class Reservation:
     request: GenerateRequest
     prefill_worker_id: str
     block_ids: list[int]
-    reserved_at_s: float
+    readied: asyncio.Task[InvalidRequest | None]  # `DecodeService._ready`
+    commit: KvCommitted | None = None  # the KV is in; joins once readied
 
 
 class DecodeSpans:
-    """Each running request's `decode.stream` span (join to last token) and, until its first
-    token, `decode.first_step`; children of the context current at the join (the prefill
-    side's, from `KvCommitted`'s headers). Nothing is kept when not tracing."""
+    """Each running request's `decode.stream` span (join to last token), a child of the
+    context current at the join (the prefill side's, from `KvCommitted`'s headers). The
+    reservation and the first step are events on it, not spans of their own: tracing at
+    100 % costs per span. Nothing is kept when not tracing."""
 
     def __init__(self) -> None:
-        self._open: dict[str, tuple[Span, Span | None]] = {}
+        self._open: dict[str, tuple[Span, bool]] = {}  # request id -> (span, first step seen)
 
-    def start(self, request_id: str, worker_id: str) -> None:
+    def start(self, request_id: str, worker_id: str, lease: Lease | None = None) -> None:
         if not tracing.is_enabled():
             return
-        tracer = tracing.tracer(__name__)
-        attributes = {"halfmoon.request_id": request_id, "halfmoon.worker": worker_id}
-        stream = tracer.start_span("decode.stream", attributes=attributes)
-        with tracing.attached(trace.set_span_in_context(stream)):
-            first = tracer.start_span("decode.first_step", attributes=attributes)
-        self._open[request_id] = (stream, first)
+        stream = tracing.tracer(__name__).start_span("decode.stream", attributes={
+            "halfmoon.request_id": request_id, "halfmoon.worker": worker_id})
+        if lease is not None:  # the reservation, as its lease records it
+            waited_ns = int((time.monotonic() - lease.granted_at) * 1e9)
+            stream.add_event("reserved", {
+                "halfmoon.reserved_blocks": lease.num_blocks,
+                "halfmoon.prefill_worker": lease.party,
+            }, timestamp=time.time_ns() - waited_ns)
+        self._open[request_id] = (stream, False)
 
     def step(self, output: TokenOutput) -> None:
-        spans = self._open.get(output.request_id)
-        if spans is None:
+        entry = self._open.get(output.request_id)
+        if entry is None:
             return
-        stream, first = spans
-        if first is not None:
-            first.end()
-            self._open[output.request_id] = (stream, None)
+        stream, is_first_seen = entry
+        if not is_first_seen:
+            stream.add_event("first_step")
+            self._open[output.request_id] = (stream, True)
         if output.finish_reason is not None:
             stream.set_attributes({"halfmoon.output_tokens": output.index + 1,
                                    "halfmoon.finish_reason": output.finish_reason})
             self.end(output.request_id)
 
     def end(self, request_id: str, error: str | None = None) -> None:
-        spans = self._open.pop(request_id, None)
-        if spans is None:
+        entry = self._open.pop(request_id, None)
+        if entry is None:
             return
-        stream, first = spans
-        for span in (first, stream):
-            if span is not None:
-                if error is not None:
-                    span.set_status(StatusCode.ERROR, error)
-                span.end()
+        stream, _ = entry
+        if error is not None:
+            stream.set_status(StatusCode.ERROR, error)
+        stream.end()
 
 
 class DecodeService(WorkerService):
@@ -101,9 +124,14 @@ class DecodeService(WorkerService):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._reservations: dict[str, Reservation] = {}
-        self._active: dict[str, GenerateRequest] = {}
+        self._local: dict[str, GenerateRequest] = {}  # colocated, until readied
+        self._active: dict[str, GenerateRequest] = {}  # by choice id (`choice_id`)
+        self._choices: dict[str, list[str]] = {}  # n > 1: a request's open choices
         self.kv_commits: Counter[str] = Counter()  # committed requests by KV transport
         self._spans = DecodeSpans()
+        self._sent = SentTokens(keep_s=RESEND_KEEP_S)
+        # Prefill workers' liveness: a reservation held for a dead one is freed at once.
+        self._prefills = WorkerDirectory(timeout_s=4 * self.config.heartbeat_interval_s)
         self._last_step_at: float | None = None
 
     async def _subscribe_work(self) -> list[Any]:
@@ -112,78 +140,163 @@ class DecodeService(WorkerService):
                              self._on_reserve),
             await self.serve(self.subjects.kv_commit(self.worker_id), KvCommitted,
                              self._on_commit),
+            await self.serve(self.subjects.stream_resume(self.worker_id), StreamResume,
+                             self._on_resume),
+            await self.serve(self.subjects.kv_lease_renewal(self.worker_id), KvLeaseRenewal,
+                             self._on_lease_renewal),
+            await self.serve(self.subjects.role_heartbeats("prefill"), WorkerHeartbeat,
+                             self._on_prefill_heartbeat),
         ]
         self.spawn(self._step_loop(), "steps")
         return subscriptions
 
     @property
     def num_open_requests(self) -> int:
-        return len(self._reservations) + len(self._active)
+        return len(self._reservations) + len(self._local) + len(self._active)
 
     def _num_waiting(self) -> int:
-        return len(self._reservations)
+        return len(self._reservations) + len(self._local)
 
     async def _on_reserve(self, message: DecodeReservation) -> DispatchReply:
         request = message.request
         if self.is_draining:
             return self._refusal("worker is draining")
+        try:
+            self.engine.check(request.sampling)
+        except InvalidRequest as exc:  # the client's to fix: a 400, not a retry elsewhere
+            await self._fail(request, exc)
+            return self._refusal(exc.message)
         if message.is_local_prefill:
             return self._prefill_here(request)
         reservation = self._reservations.get(request.request_id)
         if reservation is None:
-            num_tokens = len(request.prompt_token_ids) + request.sampling.max_tokens
-            block_ids = self.engine.reserve(request.request_id, num_tokens)
+            num_prompt = len(request.prompt_token_ids)
+            block_ids = self.engine.reserve(
+                request.request_id, num_prompt + request.sampling.max_tokens,
+                num_choices=request.sampling.n, num_prompt_tokens=num_prompt)
             reservation = Reservation(request, message.prefill_worker_id, block_ids,
-                                      time.monotonic())
+                                      self._readying(request))
             self._reservations[request.request_id] = reservation
         reservation.prefill_worker_id = message.prefill_worker_id
-        if tracing.is_enabled():
-            tracing.record_span(__name__, "decode.reserve", time.perf_counter(),
-                                time.perf_counter(), {
-                                    "halfmoon.request_id": request.request_id,
-                                    "halfmoon.worker": self.worker_id,
-                                    "halfmoon.reserved_blocks": len(reservation.block_ids),
-                                    "halfmoon.prefill_worker": message.prefill_worker_id})
+        self.leases.grant("decode_reservation", request.request_id, message.prefill_worker_id,
+                          len(reservation.block_ids), self.config.transfer.kv_wait_timeout_s)
         layout = self.engine.kv_layout()
         target = KvTarget(request_id=request.request_id, decode_worker_id=self.worker_id,
                           block_ids=reservation.block_ids,
                           kv_num_blocks=layout.num_blocks if layout else 0,
-                          kv_block_bytes=layout.block_bytes if layout else 0)
+                          kv_block_bytes=layout.layer_block_bytes if layout else 0,
+                          kv_layout=layout)
         await self.nc.publish(self.subjects.kv_target(message.prefill_worker_id), encode(target))
         return self.accept()
 
+    def _readying(self, request: GenerateRequest) -> asyncio.Task[InvalidRequest | None]:
+        return self.spawn(self._ready(request), f"ready.{request.request_id}")
+
+    async def _ready(self, request: GenerateRequest) -> InvalidRequest | None:
+        """Ready what the request needs beyond blocks; why it cannot be, if so."""
+        try:
+            await self.engine.prepare(request.sampling)
+        except InvalidRequest as exc:
+            return exc
+        return None
+
+    async def _when_ready(self, request: GenerateRequest,
+                          readied: Awaitable[InvalidRequest | None],
+                          is_still_wanted: Callable[[], bool], then: Callable[[], None]) -> None:
+        """`then()` once the request is readied, unless aborted meanwhile; a request that
+        cannot be readied or started is failed (a 400 for the client) and freed."""
+        error = await readied
+        if not is_still_wanted():
+            return
+        try:
+            if error is not None:
+                raise error
+            then()
+        except HalfmoonError as exc:
+            self._abort(request.request_id)
+            await self._fail(request, exc)
+
     def _prefill_here(self, request: GenerateRequest) -> DispatchReply:
         """Colocated: the engine prefills and decodes; every token comes from the step loop."""
-        if request.request_id not in self._active:
-            self.engine.generate(PrefillRequest(request.request_id, request.prompt_token_ids,
-                                                request.sampling))
-            self._active[request.request_id] = request
+        request_id = request.request_id
+        if request_id in self._active or request_id in self._choices or request_id in self._local:
+            return self.accept()
+        self._local[request_id] = request
+
+        def generate() -> None:
+            del self._local[request_id]
+            self.engine.generate(PrefillRequest(request_id, request.prompt_token_ids,
+                                                request.sampling,
+                                                output_offset=request.output_offset))
+            self._open_choices(request, [], [], [])
             self._count_commit("local")
-            self._spans.start(request.request_id, self.worker_id)
+
+        self.spawn(self._when_ready(request, self._ready(request),
+                                    lambda: self._local.get(request_id) is request, generate),
+                   f"local.{request_id}")
         return self.accept()
+
+    def _open_choices(self, request: GenerateRequest, first_tokens: list[int],
+                      first_logprobs: list[TokenLogprob | None], finished: list[int],
+                      lease: Lease | None = None) -> None:
+        """Follow each choice still open under its own id (the request's own for n = 1),
+        with the tokens it has already (prefill's first ones)."""
+        n = request.sampling.n
+        choices = []
+        for choice in range(n):
+            if choice in finished:
+                continue
+            one = request if n == 1 else msgspec.structs.replace(
+                request, request_id=choice_id(request.request_id, choice, n))
+            choices.append(one.request_id)
+            self._active[one.request_id] = one
+            self._sent.open(one, first_tokens[choice:choice + 1],
+                            first_logprobs[choice:choice + 1])
+            self._spans.start(one.request_id, self.worker_id, lease)
+        if n > 1:
+            self._choices[request.request_id] = choices
 
     def _count_commit(self, transport: str) -> None:
         self.kv_commits[transport] += 1
         self.metrics.kv_commits.labels(transport).inc()
 
     async def _on_commit(self, message: KvCommitted) -> DispatchReply:
-        reservation = self._reservations.pop(message.request_id, None)
+        reservation = self._reservations.get(message.request_id)
         if reservation is None:
             return self._refusal(f"no reservation for {message.request_id}")
-        request = reservation.request
+        if reservation.commit is not None:
+            return self.accept()  # a repeated commit (its first reply was lost)
+        reservation.commit = message
+        lease = self.leases.release("decode_reservation", message.request_id)
         self._count_commit(message.transport)
-        self._spans.start(request.request_id, self.worker_id)
-        self.log.info("decode.kv_committed", request_id=request.request_id,
+        self.log.info("decode.kv_committed", request_id=message.request_id,
                       prefill_worker_id=message.prefill_worker_id,
                       kv_bytes=message.num_kv_bytes, transport=message.transport)
+        if reservation.readied.done() and reservation.readied.result() is None:
+            self._join(reservation, message, lease)
+        else:  # the grammar still compiles (or cannot be): join when it is done
+            self.spawn(self._when_ready(
+                reservation.request, reservation.readied,
+                lambda: self._reservations.get(message.request_id) is reservation,
+                lambda: self._join(reservation, message, lease)), f"join.{message.request_id}")
+        return self.accept()
+
+    def _join(self, reservation: Reservation, message: KvCommitted, lease: Lease | None) -> None:
+        request = reservation.request
+        del self._reservations[request.request_id]
         # No KV crossed (the handoff had nothing to move it with): recompute the prompt here.
         self.engine.join(DecodeRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             first_token_id=message.first_token_id, sampling=request.sampling,
-            is_kv_ready=message.transport != "none",
+            is_kv_ready=message.transport != "none", output_offset=request.output_offset,
+            first_token_ids=message.first_token_ids,
+            finished_choices=message.finished_choices,
         ))
-        self._active[request.request_id] = request
-        return self.accept()
+        first_tokens = message.first_token_ids or [message.first_token_id]
+        first_logprobs: list[TokenLogprob | None] = (
+            list(message.first_logprobs) or [message.first_logprob])
+        self._open_choices(request, first_tokens, first_logprobs, message.finished_choices,
+                           lease)
 
     async def _step_loop(self) -> None:
         while True:
@@ -216,15 +329,21 @@ class DecodeService(WorkerService):
                 continue  # aborted while the step ran
             if output.error is not None:
                 del self._active[output.request_id]
+                self._sent.drop(output.request_id)
                 self._spans.end(output.request_id, error=output.error.message)
                 await self._fail(request, output.error)
                 continue
             self._spans.step(output)
+            wants_logprobs = request.sampling.logprobs is not None and output.logprob is not None
+            self._sent.record(output.request_id, output.token_id, output.finish_reason,
+                              output.logprob if wants_logprobs else None)
             by_gateway[request.reply_subject].append(TokenDelta(
                 request_id=output.request_id, index=request.output_offset + output.index,
                 token_ids=[output.token_id],
                 finish_reason=output.finish_reason,
                 num_cached_tokens=output.num_cached_tokens,
+                logprobs=[output.logprob] if wants_logprobs else None,  # type: ignore[list-item]
+                prompt_logprobs=output.prompt_logprobs,
             ))
             if output.finish_reason is not None:
                 del self._active[output.request_id]
@@ -234,33 +353,69 @@ class DecodeService(WorkerService):
 
     async def _fail(self, request: GenerateRequest, error: HalfmoonError) -> None:
         failure = RequestFailed(request_id=request.request_id, code=error.code,
-                                message=error.message, worker_id=self.worker_id)
+                                message=error.message, worker_id=self.worker_id, param=error.param)
         await self.nc.publish(request.reply_subject, encode(failure))
 
+    async def _on_resume(self, message: StreamResume) -> None:
+        """A gateway may have lost token batches: send them again (it drops duplicates)."""
+        items = [delta for point in message.points
+                 if (delta := self._sent.resend(point)) is not None]
+        if items:
+            await self.nc.publish(message.reply_subject,
+                                  encode(TokenBatch(worker_id=self.worker_id, items=items)))
+            self.log.info("decode.resent", num_requests=len(items),
+                          num_tokens=sum(len(d.token_ids) for d in items))
+
+    async def _on_prefill_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
+        self._prefills.observe(heartbeat)
+
+    async def _on_lease_renewal(self, message: KvLeaseRenewal) -> None:
+        """The prefill worker still queues or computes these requests: keep their blocks."""
+        for request_id in message.request_ids:
+            self.leases.renew("decode_reservation", request_id, message.prefill_worker_id,
+                              self.config.transfer.kv_wait_timeout_s)
+
     def _abort(self, request_id: str) -> None:
+        for choice in self._choices.pop(request_id, []):
+            self._sent.drop(choice)
+            self._active.pop(choice, None)
+            self._spans.end(choice, error="aborted")
+        self._sent.drop(request_id)
+        self.leases.release("decode_reservation", request_id)
         self._reservations.pop(request_id, None)
+        self._local.pop(request_id, None)
         self._active.pop(request_id, None)
         self._spans.end(request_id, error="aborted")
         self.engine.abort(request_id)
 
     def _on_tick(self) -> None:
-        cutoff = time.monotonic() - self.config.kv_wait_timeout_s
-        for request_id, reservation in list(self._reservations.items()):
-            if reservation.reserved_at_s < cutoff:
-                self.log.warning("decode.reservation_expired", request_id=request_id,
-                                 prefill_worker_id=reservation.prefill_worker_id)
-                self._abort(request_id)
-                # The client may hold a first token already: tell it the rest is not coming.
-                error = TransferTimeout(f"the KV from prefill worker "
-                                        f"{reservation.prefill_worker_id} never arrived")
-                self.spawn(self._fail(reservation.request, error), f"expire.{request_id}")
+        self._sent.expire()
+        for lease in self.leases.expired(is_party_lost=self._prefills.is_lost):
+            reservation = self._reservations.get(lease.request_id)
+            if reservation is None:
+                continue
+            is_lost = self._prefills.is_lost(lease.party)
+            self.log.warning("kv_lease.expired", kind=lease.kind, request_id=lease.request_id,
+                             prefill_worker_id=lease.party, blocks_freed=lease.num_blocks,
+                             reason="prefill worker lost" if is_lost else "not renewed")
+            self._abort(lease.request_id)
+            if is_lost:
+                continue  # the gateway places the request again itself (it saw the loss too)
+            # The client may hold a first token already: tell it the rest is not coming.
+            error = TransferTimeout(f"the KV from prefill worker {lease.party} never arrived "
+                                    "and it stopped renewing the reservation")
+            self.spawn(self._fail(reservation.request, error), f"expire.{lease.request_id}")
+
+    def _worker_views(self) -> list[WorkerDirectory]:
+        return [self._prefills]
 
     async def _drain(self) -> None:
         await self.wait_until(lambda: self.num_open_requests == 0)
 
     async def _close(self) -> None:
         # Whatever is still open after the drain is failed loudly, never left hanging.
-        requests = list(self._active.values()) + [r.request for r in self._reservations.values()]
+        requests = [*self._active.values(), *self._local.values(),
+                    *(r.request for r in self._reservations.values())]
         for request in requests:
             self._abort(request.request_id)
             if self._nc is not None and not self._nc.is_closed:

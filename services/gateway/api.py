@@ -10,7 +10,7 @@ import contextlib
 import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -18,14 +18,20 @@ from aiohttp import web
 from opentelemetry.trace import SpanKind, StatusCode
 
 from services.gateway.generation import Generator, TextChunk
+from services.gateway.merge import merged
 from services.gateway.openai_schema import (
     ChatCompletionRequest,
-    ChatFormat,
-    CompletionFormat,
     CompletionRequest,
     ParsedRequest,
     decode_body,
-    usage,
+)
+from services.gateway.responses import (
+    ChatFormat,
+    Choice,
+    CompletionFormat,
+    ResponseFormat,
+    TokenText,
+    total_usage,
 )
 from shared import tracing
 from shared.errors import AuthenticationFailed, HalfmoonError, InvalidRequest
@@ -35,7 +41,6 @@ from shared.metrics import GatewayMetrics
 log = get_logger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-ResponseFormat = CompletionFormat | ChatFormat
 
 _json = msgspec.json.Encoder()
 
@@ -47,12 +52,14 @@ class GatewayBackend(Protocol):
     api_key: str | None
     generator: Generator
     metrics: GatewayMetrics
+    token_text: TokenText
 
     async def metrics_handler(self, request: web.Request) -> web.Response: ...
 
-    def parse_completion(self, request: CompletionRequest) -> ParsedRequest: ...
+    def parse_completion(self, request: CompletionRequest) -> list[ParsedRequest]:
+        """One per prompt, in choice order."""
 
-    def parse_chat(self, request: ChatCompletionRequest) -> ParsedRequest: ...
+    def parse_chat(self, request: ChatCompletionRequest) -> list[ParsedRequest]: ...
 
     def health(self) -> dict[str, Any]: ...
 
@@ -159,7 +166,9 @@ class _Routes:
             decode_body(await request.read(), CompletionRequest))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         return await _respond(request, self.backend.generator, request_id, parsed,
-                              CompletionFormat(request_id, parsed.model))
+                              CompletionFormat(request_id, parsed[0].model,
+                                               self.backend.token_text,
+                                               parsed[0].sampling.logprobs is not None))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         self.backend.check_accepting()
@@ -167,7 +176,8 @@ class _Routes:
             decode_body(await request.read(), ChatCompletionRequest))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         return await _respond(request, self.backend.generator, request_id, parsed,
-                              ChatFormat(request_id, parsed.model))
+                              ChatFormat(request_id, parsed[0].model, self.backend.token_text,
+                                         parsed[0].sampling.logprobs is not None))
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         return json_response({"object": "list", "data": [
@@ -181,19 +191,17 @@ class _Routes:
 
 
 async def _respond(
-    request: web.Request, generator: Generator, request_id: str, parsed: ParsedRequest,
+    request: web.Request, generator: Generator, request_id: str, parsed: list[ParsedRequest],
     fmt: ResponseFormat,
 ) -> web.StreamResponse:
-    num_prompt = len(parsed.prompt_token_ids)
-    async with contextlib.aclosing(generator.stream(request_id, parsed)) as chunks:
-        if not parsed.is_stream:
-            texts, last = [], TextChunk("", None, 0)
-            async for last in chunks:
-                texts.append(last.text)
-            body = fmt.body("".join(texts), last.finish_reason,
-                            usage(num_prompt, last.num_completion_tokens,
-                                  last.num_cached_tokens))
-            return json_response(body)
+    # n choices per prompt; usage counts each prompt once (it is computed once).
+    choices = [Choice(p.choice_index + j, 0 if j else len(p.prompt_token_ids), tools=p.tools)
+               for p in parsed for j in range(p.sampling.n)]
+    async with contextlib.aclosing(_choice_chunks(generator, request_id, parsed)) as chunks:
+        if not parsed[0].is_stream:
+            async for index, chunk in chunks:
+                choices[index].add(chunk)
+            return json_response(fmt.body(choices))
         # Wait for the first chunk before sending headers, so that a rejection (429/503)
         # still reaches a streaming client as an HTTP status.
         first = await anext(chunks)
@@ -201,25 +209,53 @@ async def _respond(
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
         })
         await response.prepare(request)
-        await _stream_events(response, chunks, first, fmt, parsed.include_usage, num_prompt)
+        await _stream_events(response, chunks, first, fmt, choices, parsed[0])
         return response
 
 
+def _choice_chunks(generator: Generator, request_id: str, parsed: list[ParsedRequest]
+                   ) -> AsyncIterator[tuple[int, TextChunk]]:
+    """Every choice's chunks as they come, tagged with the choice's index. One prompt is one
+    internal request under the response's id (its stream as it is: no layer per token in
+    the way); several run side by side (so the engines batch them), each under
+    `<id>-<prompt>`, and an error in one ends them all."""
+    if len(parsed) == 1:
+        return generator.stream(request_id, parsed[0])
+    return _prompts_merged(generator, request_id, parsed)
+
+
+async def _prompts_merged(generator: Generator, request_id: str, parsed: list[ParsedRequest]
+                          ) -> AsyncIterator[tuple[int, TextChunk]]:
+    streams = [generator.stream(f"{request_id}-{i}", p) for i, p in enumerate(parsed)]
+    async for prompt, (choice, chunk) in merged(streams):
+        yield parsed[prompt].choice_index + choice, chunk
+
+
 async def _stream_events(
-    response: web.StreamResponse, chunks: Any, first: TextChunk, fmt: ResponseFormat,
-    include_usage: bool, num_prompt: int,
+    response: web.StreamResponse, chunks: AsyncIterator[tuple[int, TextChunk]],
+    first: tuple[int, TextChunk], fmt: ResponseFormat, choices: list[Choice],
+    parsed: ParsedRequest,
 ) -> None:
-    extra = {"usage": None} if include_usage else {}
-    last = first
+    include_usage = parsed.include_usage or parsed.usage_on_every_chunk
+
+    async def send(index: int, chunk: TextChunk) -> None:
+        choice = choices[index]
+        choice.add(chunk, keeps_output=False)
+        # With `continuous_usage_stats`, every chunk says the usage so far.
+        extra = ({"usage": total_usage(choices) if parsed.usage_on_every_chunk else None}
+                 if include_usage else {})
+        if not choice.has_started:
+            choice.has_started = True
+            if (opening := fmt.opening(choice)) is not None:
+                await _send(response, {**opening, **extra})
+        await _send(response, {**fmt.chunk(choice, chunk), **extra})
+
     try:
-        if (opening := fmt.first_chunk()) is not None:
-            await _send(response, {**opening, **extra})
-        await _send(response, {**fmt.chunk(first.text, first.finish_reason), **extra})
-        async for last in chunks:
-            await _send(response, {**fmt.chunk(last.text, last.finish_reason), **extra})
+        await send(*first)
+        async for index, chunk in chunks:
+            await send(index, chunk)
         if include_usage:
-            await _send(response, fmt.usage_chunk(
-                usage(num_prompt, last.num_completion_tokens, last.num_cached_tokens)))
+            await _send(response, fmt.usage_chunk(total_usage(choices)))
     except HalfmoonError as exc:
         await _send(response, error_body(exc))
     await response.write(b"data: [DONE]\n\n")

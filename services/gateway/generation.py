@@ -6,9 +6,10 @@ gone, stop string, error) publishes an `AbortRequest`, so every block downstream
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import nats.errors
@@ -18,14 +19,23 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from opentelemetry import trace
 
+from services.gateway.merge import merged
 from services.gateway.openai_schema import ParsedRequest
-from services.gateway.request_stream import StreamTable
+from services.gateway.request_stream import RequestStream, StreamTable
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.tokenizer import Tokenizer
 from shared import tracing
-from shared.errors import WorkerLost, WorkerUnavailable
+from shared.errors import HalfmoonError, WorkerLost, WorkerUnavailable
+from shared.events import EventPublisher
 from shared.logs import get_logger
-from shared.messages import AbortRequest, FinishReason, GenerateRequest
+from shared.messages import (
+    AbortRequest,
+    FinishReason,
+    GenerateRequest,
+    TokenDelta,
+    TokenLogprob,
+    choice_id,
+)
 from shared.metrics import GatewayMetrics
 from shared.nats_client import encode
 from shared.subjects import Subjects
@@ -38,10 +48,15 @@ MAX_FAILOVERS = 2
 
 @dataclass(frozen=True)
 class TextChunk:
+    """New text of one choice. `token_ids` are the tokens it came from (with `echo`, the
+    first chunk starts with the prompt's), and `logprobs` one entry each when asked."""
+
     text: str
     finish_reason: FinishReason | None
     num_completion_tokens: int
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served (first placement)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -54,89 +69,250 @@ class GeneratorContext:
     tokenizer: Tokenizer
     timeout_s: float
     metrics: GatewayMetrics
+    events: EventPublisher
 
 
 class _TokenClock:
     """TTFT, inter-token latency and end-to-end latency of one request, as the client sees
     them (tokens leave the gateway as they arrive)."""
 
-    def __init__(self, metrics: GatewayMetrics) -> None:
+    def __init__(self, metrics: GatewayMetrics, *, observes_latency: bool = True) -> None:
         self.metrics = metrics
+        self.observes_latency = observes_latency
         self.started_at = time.perf_counter()
+        self.first_at: float | None = None
         self.last_at: float | None = None
+        self.num_gaps = 0
+        self.gap_sum_s = 0.0
+        self.gap_max_s = 0.0
 
     def tick(self, num_tokens: int) -> None:
         now = time.perf_counter()
         if self.last_at is None:
-            self.metrics.ttft.observe(now - self.started_at)
+            self.first_at = now
+            if self.observes_latency:
+                self.metrics.ttft.observe(now - self.started_at)
         else:
-            self.metrics.itl.observe(now - self.last_at)
+            gap_s = now - self.last_at
+            if self.observes_latency:
+                self.metrics.itl.observe(gap_s)
+            self.num_gaps += 1
+            self.gap_sum_s += gap_s
+            self.gap_max_s = max(self.gap_max_s, gap_s)
         self.metrics.generation_tokens.inc(num_tokens)
         self.last_at = now
 
     def finish(self) -> None:
-        if self.last_at is not None:
+        if self.last_at is not None and self.observes_latency:
             self.metrics.e2e.observe(self.last_at - self.started_at)
+
+    def timings(self) -> dict[str, float | None]:
+        """The `RequestEvent` timing fields, so far."""
+        return {
+            "ttft_s": None if self.first_at is None else self.first_at - self.started_at,
+            "e2e_s": time.perf_counter() - self.started_at,
+            "itl_mean_s": self.gap_sum_s / self.num_gaps if self.num_gaps else None,
+            "itl_max_s": self.gap_max_s if self.num_gaps else None,
+        }
+
+
+@dataclass
+class _Progress:
+    """What one request has produced so far, for the stream and its public events."""
+
+    generated: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    finish_reason: FinishReason | None = None
+
+    def workers(self, stream: RequestStream) -> dict[str, str]:
+        placed = stream.placement
+        if placed is None:
+            return {}
+        return {"prefill_worker_id": placed.prefill_worker_id,
+                "decode_worker_id": placed.decode_worker_id}
+
+
+class _Pending:
+    """Tokens (and their logprobs) not yet in a chunk: a token that completes no character
+    yields no text, so its chunk waits for the next one."""
+
+    def __init__(self, parsed: ParsedRequest) -> None:
+        self.wants_logprobs = parsed.sampling.logprobs is not None
+        self.echo = parsed.echo
+        self.prompt_token_ids = parsed.prompt_token_ids
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if self.wants_logprobs else None
+
+    def add_prompt(self, delta: TokenDelta) -> None:
+        """With `echo`: the prompt's tokens (and logprobs) lead the choice."""
+        if self.echo is None:
+            return
+        self.token_ids += self.prompt_token_ids
+        if self.logprobs is not None:
+            if delta.prompt_logprobs is None:
+                self.logprobs = None  # the engine has none to give (a simulated one)
+            else:
+                self.logprobs += delta.prompt_logprobs
+
+    def add(self, delta: TokenDelta) -> None:
+        self.token_ids += delta.token_ids
+        if self.logprobs is not None:
+            if delta.logprobs is None:
+                self.logprobs = None
+            else:
+                self.logprobs += delta.logprobs
+
+    def take(self, text: str, finish: FinishReason | None, num_completion: int,
+             num_cached: int) -> TextChunk:
+        if self.echo is not None:
+            text, self.echo = self.echo + text, None
+        chunk = TextChunk(text, finish, num_completion, num_cached, self.token_ids,
+                          self.logprobs)
+        self.token_ids = []
+        self.logprobs = [] if self.wants_logprobs and self.logprobs is not None else None
+        return chunk
 
 
 class Generator:
     def __init__(self, context: GeneratorContext) -> None:
         self._ctx = context
 
-    async def stream(self, request_id: str, parsed: ParsedRequest) -> AsyncIterator[TextChunk]:
+    async def stream(self, request_id: str, parsed: ParsedRequest
+                     ) -> AsyncIterator[tuple[int, TextChunk]]:
+        """The request's chunks, each with its choice (0..n-1). Published once; for n > 1
+        each choice streams, stops and fails over under its own id (`choice_id`)."""
         ctx = self._ctx
-        stream = ctx.table.open(request_id)
-        is_done = False
-        clock = _TokenClock(ctx.metrics)
+        n = parsed.sampling.n
+        ids = [choice_id(request_id, j, n) for j in range(n)]
+        streams = ctx.table.open_group(request_id, ids)
+        # Latencies are the request's: its first choice's; every choice's tokens count.
+        clocks = [_TokenClock(ctx.metrics, observes_latency=j == 0) for j in range(n)]
+        progress = [_Progress() for _ in range(n)]
+        error: HalfmoonError | None = None
         span = trace.get_current_span()  # the request's root span, when tracing
         span.set_attributes({"halfmoon.request_id": request_id,
                              "halfmoon.prompt_tokens": len(parsed.prompt_token_ids),
                              "halfmoon.max_tokens": parsed.sampling.max_tokens})
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
+            # Before the request is queued: every other event of it comes after this one.
+            await ctx.events.request("accepted", request_id, model=parsed.model,
+                                     num_prompt_tokens=len(parsed.prompt_token_ids))
             await self._publish(request_id, parsed, [], attempt=0)
-            detokenizer = ctx.tokenizer.detokenizer()
-            matcher = StopStringMatcher(parsed.stop)
-            generated: list[int] = []
-            num_cached = 0
-            attempt = 0
-            while not is_done:
-                try:
-                    delta = await stream.next(ctx.timeout_s)
-                except WorkerLost as exc:
-                    attempt += 1
-                    if attempt > MAX_FAILOVERS:
-                        raise
-                    log.warning("request.failover", request_id=request_id, error=exc.message,
-                                num_streamed=len(generated), attempt=attempt)
-                    await self._publish(request_id, parsed, generated, attempt=attempt)
-                    continue
-                if not generated:
-                    num_cached = delta.num_cached_tokens
-                    span.add_event("first_token", {"halfmoon.cached_tokens": num_cached})
-                clock.tick(len(delta.token_ids))
-                generated += delta.token_ids
-                text = matcher.push(detokenizer.push(delta.token_ids))
-                finish = delta.finish_reason
-                if finish is not None and not matcher.is_stopped:
-                    text += matcher.push(detokenizer.flush())
-                    text += matcher.flush()
-                if matcher.is_stopped:
-                    finish = "stop"
-                is_done = finish is not None and delta.finish_reason is not None
-                if text or finish is not None:
-                    yield TextChunk(text, finish, len(generated), num_cached)
-                if finish is not None:
-                    ctx.metrics.prompt_tokens.inc(len(parsed.prompt_token_ids))
-                    ctx.metrics.cached_prompt_tokens.inc(num_cached)
-                    span.set_attribute("halfmoon.completion_tokens", len(generated))
-                    return
+            if n == 1:  # no layer per token in the way
+                async for chunk in self._follow(request_id, parsed, streams[0], clocks[0],
+                                                progress[0]):
+                    yield 0, chunk
+            else:
+                async for item in merged([
+                    self._follow(ids[j], self._choice(parsed, j), streams[j], clocks[j],
+                                 progress[j]) for j in range(n)
+                ]):
+                    yield item
+        except HalfmoonError as exc:
+            error = exc
+            raise
         finally:
-            clock.finish()
             structlog.contextvars.unbind_contextvars("request_id")
-            ctx.table.close(request_id)
-            if not is_done:
+            ctx.table.close_group(request_id)
+            open_choices = [j for j in range(n) if progress[j].finish_reason is None]
+            for j in open_choices if n > 1 else []:
+                await self._abort(ids[j])
+            if open_choices:
                 await self._abort(request_id)
+            for j in range(n):
+                clocks[j].finish()
+                await self._report_end(ids[j], parsed, streams[j], clocks[j], progress[j],
+                                       error)
+
+    @staticmethod
+    def _choice(parsed: ParsedRequest, choice: int) -> ParsedRequest:
+        """Choice `choice` of an n > 1 request as a request of its own (its continuation
+        after a lost worker): n = 1, drawing from `seed + choice`."""
+        if parsed.sampling.n == 1:
+            return parsed
+        seed = None if parsed.sampling.seed is None else parsed.sampling.seed + choice
+        return dataclasses.replace(parsed, sampling=msgspec.structs.replace(
+            parsed.sampling, n=1, seed=seed))
+
+    async def _follow(self, request_id: str, parsed: ParsedRequest, stream: RequestStream,
+                      clock: _TokenClock, progress: _Progress) -> AsyncIterator[TextChunk]:
+        """Token deltas of one choice in order, detokenized and stop-matched, failing over
+        lost workers."""
+        ctx = self._ctx
+        span = trace.get_current_span()
+        detokenizer = ctx.tokenizer.detokenizer(skip_special_tokens=parsed.skip_special_tokens)
+        matcher = StopStringMatcher(parsed.stop)
+        generated = progress.generated
+        pending = _Pending(parsed)
+        attempt = 0
+        while True:
+            try:
+                delta = await stream.next(ctx.timeout_s)
+            except WorkerLost as exc:
+                attempt += 1
+                if attempt > MAX_FAILOVERS:
+                    raise
+                log.warning("request.failover", request_id=request_id, error=exc.message,
+                            num_streamed=len(generated), attempt=attempt)
+                ctx.metrics.failovers.inc()
+                await self._publish(request_id, parsed, generated, attempt=attempt)
+                await ctx.events.request("migrated", request_id, model=parsed.model,
+                                         attempt=attempt, num_output_tokens=len(generated),
+                                         error=exc.message, **progress.workers(stream))
+                continue
+            clock.tick(len(delta.token_ids))
+            is_first = not generated
+            if is_first:
+                progress.num_cached = delta.num_cached_tokens
+                span.add_event("first_token", {"halfmoon.cached_tokens": progress.num_cached})
+                pending.add_prompt(delta)
+            if parsed.is_prompt_only:  # `echo` with `max_tokens: 0`: the prompt alone
+                progress.finish_reason = "length"
+                ctx.metrics.prompt_tokens.inc(len(parsed.prompt_token_ids))
+                yield pending.take("", "length", 0, progress.num_cached)
+                return
+            generated += delta.token_ids
+            pending.add(delta)
+            text = matcher.push(detokenizer.push(delta.token_ids))
+            finish = delta.finish_reason
+            if finish is not None and not matcher.is_stopped:
+                text += matcher.push(detokenizer.flush())
+                text += matcher.flush()
+            if matcher.is_stopped:
+                finish = "stop"
+            if text or finish is not None:
+                yield pending.take(text, finish, len(generated), progress.num_cached)
+            if is_first:  # once the client has it: the event is off the TTFT path
+                await ctx.events.request("first_token", request_id, model=parsed.model,
+                                         num_cached_tokens=progress.num_cached,
+                                         ttft_s=clock.timings()["ttft_s"],
+                                         **progress.workers(stream))
+            if finish is not None:
+                progress.finish_reason = finish
+                ctx.metrics.prompt_tokens.inc(len(parsed.prompt_token_ids))
+                ctx.metrics.cached_prompt_tokens.inc(progress.num_cached)
+                span.set_attribute("halfmoon.completion_tokens", len(generated))
+                if delta.finish_reason is None:  # a stop string: decode still runs
+                    await self._abort(request_id)
+                return
+
+    async def _report_end(self, request_id: str, parsed: ParsedRequest, stream: RequestStream,
+                          clock: _TokenClock, progress: _Progress,
+                          error: HalfmoonError | None) -> None:
+        """The request's last public event: finished (or aborted by its client) or failed."""
+        common = {"model": parsed.model, "num_prompt_tokens": len(parsed.prompt_token_ids),
+                  "num_cached_tokens": progress.num_cached,
+                  "num_output_tokens": len(progress.generated), **progress.workers(stream)}
+        timings = clock.timings()
+        if error is not None:
+            await self._ctx.events.request("failed", request_id, error_code=error.code.value,
+                                           error=error.message, e2e_s=timings["e2e_s"],
+                                           **common)
+            return
+        await self._ctx.events.request("finished", request_id,
+                                       finish_reason=progress.finish_reason or "abort",
+                                       **common, **timings)
 
     async def _publish(self, request_id: str, parsed: ParsedRequest, generated: list[int],
                        *, attempt: int) -> None:
@@ -145,6 +321,8 @@ class Generator:
         ctx = self._ctx
         sampling = msgspec.structs.replace(
             parsed.sampling, max_tokens=parsed.sampling.max_tokens - len(generated))
+        if generated:  # the prompt's logprobs went out with the first token
+            sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
         message = GenerateRequest(
             request_id=request_id, model=parsed.model,
             prompt_token_ids=parsed.prompt_token_ids + generated, sampling=sampling,

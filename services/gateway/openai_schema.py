@@ -1,41 +1,99 @@
-"""OpenAI request schemas, their validation into one internal form, and response bodies."""
+"""OpenAI request schemas and their validation into one internal form per prompt.
+
+Strict: a field that is not declared here is refused (`UnsupportedParameter`, 400), as OpenAI
+refuses an unrecognized argument; nothing that would change the output is ever dropped. The
+metadata-only fields OpenAI defines (`user`, `metadata`, `store`, ...) are accepted and do not
+change generation. The README's parameter table lists every accepted field.
+"""
 
 from __future__ import annotations
 
+import json
 import re
-import time
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
 
-from shared.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
-from shared.messages import FinishReason, SamplingParams
+from services.gateway.tool_calls import (
+    ToolFormat,
+    ToolUse,
+    check_function_name,
+    forced_call_grammar,
+)
+from shared.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, UnsupportedParameter
+from shared.messages import GrammarSpec, SamplingParams
 
 MAX_STOP_STRINGS = 4
+MAX_PROMPTS = 256  # prompts in one completions request
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
+MAX_CHOICES = 16  # n
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# Fields of OpenAI's API that would change the output and that halfmoon does not serve:
+# named in the refusal, like unknown fields.
+NOT_SERVED = frozenset({
+    "tools", "tool_choice", "functions", "function_call", "audio",
+    "prediction", "reasoning_effort", "web_search_options", "verbosity", "suffix",
+})
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: `usage` so far on every chunk
+    include_obfuscation: bool | None = None  # accepted; chunks carry no padding
 
 
-class _GenerationParams(msgspec.Struct, kw_only=True):
+class JsonSchemaFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    description: str | None = None
+    strict: bool | None = None  # outputs always keep to the schema
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _GenerationParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Engine extensions (vLLM's names and meanings).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    response_format: ResponseFormat | None = None  # on completions too, as vLLM
+    # Metadata only: accepted, no effect on generation.
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
-class CompletionRequest(_GenerationParams, kw_only=True):
-    prompt: str | list[int | str]
+class CompletionRequest(_GenerationParams, kw_only=True, forbid_unknown_fields=True):
+    # A string, a list of strings, a list of token ids, or a list of token-id lists.
+    prompt: str | list[Any]
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -43,15 +101,55 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class CalledFunction(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    id: str
+    type: str = "function"
+    function: CalledFunction
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    refusal: str | None = None  # an assistant turn's refusal, replayed: not rendered
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
-class ChatCompletionRequest(_GenerationParams, kw_only=True):
+class FunctionDef(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # forced calls always keep to the parameters
+
+
+class ToolDef(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: str
+    function: FunctionDef
+
+
+class FunctionName(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: str
+    function: FunctionName
+
+
+class ChatCompletionRequest(_GenerationParams, kw_only=True, forbid_unknown_fields=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None  # only ["text"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +161,8 @@ class Limits:
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    """A validated request, ready to publish."""
+    """One prompt of a validated request, ready to publish; `choice_index` is its place
+    among the response's choices."""
 
     model: str
     prompt_token_ids: list[int]
@@ -71,45 +170,73 @@ class ParsedRequest:
     stop: list[str]
     is_stream: bool
     include_usage: bool
+    choice_index: int = 0
+    usage_on_every_chunk: bool = False
+    echo: str | None = None  # the prompt text to put before the output, when `echo`
+    is_prompt_only: bool = False  # `max_tokens: 0` with `echo`: the prompt, no output
+    skip_special_tokens: bool = True
+    tools: ToolUse | None = None  # calls to find in the output (chat with tools)
 
 
 T = TypeVar("T")
 
-_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 
 
 def decode_body(body: bytes, schema: type[T]) -> T:
-    """Decode JSON into `schema`; any problem becomes `InvalidRequest` naming the field."""
+    """Decode JSON into `schema`; any problem becomes `InvalidRequest` naming the field, and
+    a field halfmoon does not serve becomes `UnsupportedParameter`."""
     if not body.strip():
         raise InvalidRequest("request body is empty; expected a JSON object")
     try:
         return msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as exc:
-        match = _PATH.search(str(exc))
-        raise InvalidRequest(str(exc), param=match.group(1) if match else None) from exc
+        path = match.group(1) if (match := _PATH.search(str(exc))) else ""
+        if (unknown := _UNKNOWN.search(str(exc))) is not None:
+            field = unknown.group(1)
+            param = f"{path}.{field}" if path else field
+            if field in NOT_SERVED and not path:
+                raise UnsupportedParameter(f"halfmoon does not support `{field}`",
+                                           param=param) from exc
+            raise UnsupportedParameter(f"Unrecognized request argument supplied: {param}",
+                                       param=param) from exc
+        raise InvalidRequest(str(exc), param=path.split("[")[0].split(".")[0] or None) from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"invalid JSON: {exc}") from exc
 
 
-def completion_prompt(request: CompletionRequest) -> str | list[int]:
-    """The prompt text or token ids. Only one prompt per request (like `n == 1`)."""
+def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """Every prompt of the request: each a text or a list of token ids."""
     prompt = request.prompt
     if isinstance(prompt, str):
-        return prompt
-    if all(isinstance(p, int) for p in prompt) and prompt:
-        return [int(p) for p in prompt]
-    if len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0]
-    raise InvalidRequest(
-        "prompt must be a string, a list of token ids, or a list holding one string",
-        param="prompt",
-    )
+        return [prompt]
+    if not prompt:
+        raise InvalidRequest("prompt must not be empty", param="prompt")
+    if all(_is_token_id(p) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        prompts: list[str | list[int]] = list(prompt)
+    elif all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
+        prompts = [list(p) for p in prompt]
+    else:
+        raise InvalidRequest("prompt must be a string, a list of strings, a list of token "
+                             "ids, or a list of non-empty token-id lists", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidRequest(f"at most {MAX_PROMPTS} prompts in one request", param="prompt")
+    return prompts
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Messages as plain dicts for the chat template, with text parts joined."""
     if not request.messages:
         raise InvalidRequest("messages must not be empty", param="messages")
+    if request.modalities not in (None, ["text"]):
+        raise UnsupportedParameter("only the text modality is served", param="modalities")
     rendered = []
     for i, message in enumerate(request.messages):
         if message.role not in CHAT_ROLES:
@@ -117,8 +244,86 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
                 f"messages[{i}].role {message.role!r} is not one of {sorted(CHAT_ROLES)}",
                 param="messages",
             )
-        rendered.append({"role": message.role, "content": _message_text(message, i)})
+        turn: dict[str, Any] = {"role": message.role, "content": _message_text(message, i)}
+        if message.tool_calls:
+            if message.role != "assistant":
+                raise InvalidRequest(f"messages[{i}]: only assistant turns carry tool_calls",
+                                     param="messages")
+            turn["tool_calls"] = [_rendered_call(call, i) for call in message.tool_calls]
+        if message.role == "tool":
+            if not message.tool_call_id:
+                raise InvalidRequest(f"messages[{i}]: a tool turn needs tool_call_id",
+                                     param="messages")
+            turn["tool_call_id"] = message.tool_call_id
+        rendered.append(turn)
     return rendered
+
+
+def _rendered_call(call: MessageToolCall, i: int) -> dict[str, Any]:
+    """A call as chat templates take it: `arguments` as an object, not JSON text."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError as exc:
+        raise InvalidRequest(f"messages[{i}].tool_calls: arguments of {call.function.name!r} "
+                             "are not JSON", param="messages") from exc
+    return {"id": call.id, "type": call.type,
+            "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def chat_tools(request: ChatCompletionRequest, fmt: ToolFormat, *, template_has_tools: bool
+               ) -> tuple[list[dict[str, Any]] | None, ToolUse | None]:
+    """The tools for the chat template, and how the output may call them."""
+    choice = request.tool_choice
+    if not request.tools:
+        if choice not in (None, "none"):
+            raise InvalidRequest("tool_choice needs tools", param="tool_choice")
+        return None, None
+    if not template_has_tools:
+        raise UnsupportedParameter("this model's chat template does not render tools",
+                                   param="tools")
+    functions: dict[str, dict[str, Any]] = {}
+    for tool in request.tools:
+        if tool.type != "function":
+            raise InvalidRequest(f"tool type {tool.type!r} is not 'function'", param="tools")
+        check_function_name(tool.function.name, "tools")
+        if tool.function.name in functions:
+            raise InvalidRequest(f"tool {tool.function.name!r} is defined twice", param="tools")
+        functions[tool.function.name] = tool.function.parameters or {
+            "type": "object", "properties": {}}
+    rendered = [{"type": "function", "function": {
+        key: value for key, value in msgspec.to_builtins(tool.function).items()
+        if value is not None}} for tool in request.tools]
+    if choice == "none":
+        return rendered, None
+    if isinstance(choice, NamedToolChoice):
+        if choice.type != "function" or choice.function.name not in functions:
+            raise InvalidRequest(f"tool_choice names {choice.function.name!r}, which is not "
+                                 "among the tools", param="tool_choice")
+        forced = {choice.function.name: functions[choice.function.name]}
+    elif choice in (None, "auto", "required"):
+        forced = functions if choice == "required" else {}
+    else:
+        raise InvalidRequest(f"tool_choice {choice!r} is not 'none', 'auto', 'required' or "
+                             "a named function", param="tool_choice")
+    use = ToolUse(fmt, frozenset(functions), is_forced=bool(forced),
+                  is_parallel=request.parallel_tool_calls is not False)
+    return rendered, use
+
+
+def forced_tool_grammar(request: ChatCompletionRequest, use: ToolUse | None
+                        ) -> GrammarSpec | None:
+    """The grammar of a forced call (`required`, or the named function)."""
+    if use is None or not use.is_forced or not request.tools:
+        return None
+    choice = request.tool_choice
+    names = ({choice.function.name} if isinstance(choice, NamedToolChoice)
+             else set(use.names))
+    tools = {t.function.name: t.function.parameters or {"type": "object", "properties": {}}
+             for t in request.tools if t.function.name in names}
+    if request.response_format is not None and request.response_format.type != "text":
+        raise InvalidRequest("a forced tool call and response_format cannot be combined",
+                             param="tool_choice")
+    return forced_call_grammar(tools, use.format)
 
 
 def _message_text(message: ChatMessage, i: int) -> str:
@@ -135,38 +340,109 @@ def _message_text(message: ChatMessage, i: int) -> str:
     return "".join(texts)
 
 
+@dataclass(frozen=True)
+class Output:
+    """What the client asked to get back, beyond the text."""
+
+    logprobs: int | None = None  # alternatives per token; None: no logprobs
+    echo: bool = False
+    grammar: GrammarSpec | None = None  # what the output must match
+    tools: ToolUse | None = None
+
+
+def response_grammar(response_format: ResponseFormat | None) -> GrammarSpec | None:
+    """The grammar `response_format` asks for (None for free text). The schema itself is
+    checked by `services.gateway.structured`."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return GrammarSpec(kind="json_object")
+    if response_format.type != "json_schema":
+        raise InvalidRequest(f"response_format.type {response_format.type!r} is not one of "
+                             "'text', 'json_object', 'json_schema'", param="response_format")
+    json_schema = response_format.json_schema
+    if json_schema is None or json_schema.schema_ is None:
+        raise InvalidRequest("response_format json_schema needs json_schema.schema",
+                             param="response_format")
+    return GrammarSpec(kind="json_schema",
+                       source=msgspec.json.encode(json_schema.schema_).decode())
+
+
+def completion_output(request: CompletionRequest) -> Output:
+    if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(f"logprobs must lie in [0, {MAX_LOGPROBS}]", param="logprobs")
+    if request.best_of not in (None, 1):
+        raise UnsupportedParameter("best_of is not supported", param="best_of")
+    return Output(logprobs=request.logprobs, echo=bool(request.echo),
+                  grammar=response_grammar(request.response_format))
+
+
+def chat_output(request: ChatCompletionRequest, tools: ToolUse | None = None) -> Output:
+    top = request.top_logprobs
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must lie in [0, {MAX_LOGPROBS}]",
+                             param="top_logprobs")
+    if top is not None and not request.logprobs:
+        raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
+    return Output(logprobs=(top or 0) if request.logprobs else None,
+                  grammar=(forced_tool_grammar(request, tools)
+                           or response_grammar(request.response_format)), tools=tools)
+
+
 def validate(
     request: _GenerationParams,
     prompt_token_ids: list[int],
     limits: Limits,
     *,
     default_max_tokens: int | None,
-    max_tokens: int | None,
+    output: Output = Output(),
+    echo_text: str | None = None,
+    choice_index: int = 0,
 ) -> ParsedRequest:
-    """Check every limit and build the sampling parameters."""
+    """Check every limit and build the sampling parameters of one prompt."""
     if request.model != limits.model:
         raise ModelNotFound(f"The model `{request.model}` does not exist", param="model")
-    if request.n not in (None, 1):
-        raise InvalidRequest("only n=1 is supported", param="n")
+    if not 1 <= (1 if request.n is None else request.n) <= MAX_CHOICES:
+        raise InvalidRequest(f"n must lie in [1, {MAX_CHOICES}]", param="n")
     _check_prompt(prompt_token_ids, limits)
+    max_tokens = _max_tokens(request)
+    is_prompt_only = max_tokens == 0 and output.echo
     room = limits.max_model_len - len(prompt_token_ids)
-    if max_tokens is not None and max_tokens <= 0:
-        raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+    if max_tokens is not None and max_tokens <= 0 and not is_prompt_only:
+        raise InvalidRequest("max_tokens must be at least 1 (0 only with echo)",
+                             param="max_tokens")
     if max_tokens is not None and max_tokens > room:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {limits.max_model_len} tokens; the prompt "
             f"has {len(prompt_token_ids)} and max_tokens asks for {max_tokens} more",
             param="max_tokens",
         )
-    resolved = max_tokens or min(default_max_tokens or room, room)
+    # A prompt-only request still runs one step: the prompt's logprobs come with it.
+    resolved = 1 if is_prompt_only else max_tokens or min(default_max_tokens or room, room)
     return ParsedRequest(
         model=request.model,
         prompt_token_ids=prompt_token_ids,
-        sampling=_sampling(request, resolved),
+        sampling=_sampling(request, resolved, limits, output),
         stop=_stop_strings(request.stop),
         is_stream=bool(request.stream),
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
+        usage_on_every_chunk=bool(request.stream_options
+                                  and request.stream_options.continuous_usage_stats),
+        choice_index=choice_index,
+        echo=echo_text if output.echo else None,
+        is_prompt_only=is_prompt_only,
+        skip_special_tokens=request.skip_special_tokens is not False,
+        tools=output.tools,
     )
+
+
+def _max_tokens(request: _GenerationParams) -> int | None:
+    """`max_completion_tokens` (the newer name) or `max_tokens`; both must then agree."""
+    newer, older = request.max_completion_tokens, request.max_tokens
+    if newer is not None and older is not None and newer != older:
+        raise InvalidRequest("max_tokens and max_completion_tokens differ; send one",
+                             param="max_completion_tokens")
+    return newer if newer is not None else older
 
 
 def _check_prompt(prompt_token_ids: list[int], limits: Limits) -> None:
@@ -184,21 +460,68 @@ def _check_prompt(prompt_token_ids: list[int], limits: Limits) -> None:
         )
 
 
-def _sampling(request: _GenerationParams, max_tokens: int) -> SamplingParams:
+def _sampling(request: _GenerationParams, max_tokens: int, limits: Limits,
+              output: Output) -> SamplingParams:
     temperature = 1.0 if request.temperature is None else request.temperature
     top_p = 1.0 if request.top_p is None else request.top_p
-    if not 0.0 <= temperature <= 2.0:
-        raise InvalidRequest("temperature must lie in [0, 2]", param="temperature")
+    _check_range("temperature", temperature, 0.0, 2.0)
     if not 0.0 < top_p <= 1.0:
         raise InvalidRequest("top_p must lie in (0, 1]", param="top_p")
     # top_k of -1 or 0 means "off" in vLLM's API; accept both for compatibility.
     top_k = request.top_k if request.top_k is not None and request.top_k > 0 else None
     if request.top_k is not None and request.top_k < -1:
         raise InvalidRequest("top_k must be -1, 0 (off) or positive", param="top_k")
+    presence = request.presence_penalty or 0.0
+    frequency = request.frequency_penalty or 0.0
+    repetition = 1.0 if request.repetition_penalty is None else request.repetition_penalty
+    min_p = request.min_p or 0.0
+    _check_range("presence_penalty", presence, -2.0, 2.0)
+    _check_range("frequency_penalty", frequency, -2.0, 2.0)
+    _check_range("min_p", min_p, 0.0, 1.0)
+    if not 0.0 < repetition <= 2.0:
+        raise InvalidRequest("repetition_penalty must lie in (0, 2]",
+                             param="repetition_penalty")
+    min_tokens = request.min_tokens or 0
+    if not 0 <= min_tokens <= max_tokens:
+        raise InvalidRequest("min_tokens must lie in [0, max_tokens]", param="min_tokens")
+    stop_token_ids = tuple(request.stop_token_ids or ())
+    if any(not 0 <= t < limits.vocab_size for t in stop_token_ids):
+        raise InvalidRequest(f"stop_token_ids must lie in [0, {limits.vocab_size})",
+                             param="stop_token_ids")
     return SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=request.seed,
+        seed=request.seed, stop_token_ids=stop_token_ids, ignore_eos=bool(request.ignore_eos),
+        presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
+        logit_bias=_logit_bias(request.logit_bias, limits), min_p=min_p,
+        min_tokens=min_tokens, logprobs=output.logprobs,
+        prompt_logprobs=output.logprobs if output.echo else None, grammar=output.grammar,
+        n=request.n or 1,
     )
+
+
+def _check_range(param: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise InvalidRequest(f"{param} must lie in [{low:g}, {high:g}]", param=param)
+
+
+def _logit_bias(bias: dict[str, float] | None, limits: Limits
+                ) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token id (as a string) to a bias in [-100, 100]."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens",
+                             param="logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        if not key.strip().isdigit() or not 0 <= int(key) < limits.vocab_size:
+            raise InvalidRequest(f"logit_bias key {key!r} is not a token id in "
+                                 f"[0, {limits.vocab_size})", param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise InvalidRequest(f"logit_bias[{key}] must lie in [-100, 100]",
+                                 param="logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
 
 
 def _stop_strings(stop: str | list[str] | None) -> list[str]:
@@ -218,60 +541,3 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
         "total_tokens": num_prompt_tokens + num_completion_tokens,
         "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
-
-
-class CompletionFormat:
-    """Bodies of `/v1/completions`."""
-
-    def __init__(self, request_id: str, model: str) -> None:
-        self.request_id, self.model, self.created = request_id, model, int(time.time())
-
-    def _envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {"id": self.request_id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": choices, **extra}
-
-    def chunk(self, text: str, finish_reason: FinishReason | None) -> dict[str, Any]:
-        return self._envelope([{"index": 0, "text": text, "logprobs": None,
-                                "finish_reason": finish_reason}])
-
-    def first_chunk(self) -> dict[str, Any] | None:
-        return None
-
-    def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
-        return self._envelope([], usage=usage_body)
-
-    def body(self, text: str, finish_reason: FinishReason | None,
-             usage_body: dict[str, Any]) -> dict[str, Any]:
-        return self._envelope([{"index": 0, "text": text, "logprobs": None,
-                                "finish_reason": finish_reason}], usage=usage_body)
-
-
-class ChatFormat:
-    """Bodies of `/v1/chat/completions`."""
-
-    def __init__(self, request_id: str, model: str) -> None:
-        self.request_id, self.model, self.created = request_id, model, int(time.time())
-
-    def _chunk_envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {"id": self.request_id, "object": "chat.completion.chunk",
-                "created": self.created, "model": self.model, "choices": choices, **extra}
-
-    def first_chunk(self) -> dict[str, Any] | None:
-        return self._chunk_envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}])
-
-    def chunk(self, text: str, finish_reason: FinishReason | None) -> dict[str, Any]:
-        delta = {"content": text} if text else {}
-        return self._chunk_envelope([{"index": 0, "delta": delta, "logprobs": None,
-                                      "finish_reason": finish_reason}])
-
-    def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
-        return self._chunk_envelope([], usage=usage_body)
-
-    def body(self, text: str, finish_reason: FinishReason | None,
-             usage_body: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.request_id, "object": "chat.completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": finish_reason}],
-                "usage": usage_body}

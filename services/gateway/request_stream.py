@@ -8,11 +8,20 @@ Each `RequestStream` puts them back in order by their `index` before the handler
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import defaultdict
 from collections.abc import Callable
 
 from shared.errors import HalfmoonError, RequestTimeout, WorkerLost, error_from_code
 from shared.logs import get_logger
-from shared.messages import GatewayEvent, RequestFailed, RequestPlaced, TokenBatch, TokenDelta
+from shared.messages import (
+    GatewayEvent,
+    RequestFailed,
+    RequestPlaced,
+    ResumePoint,
+    TokenBatch,
+    TokenDelta,
+)
 
 log = get_logger(__name__)
 
@@ -22,6 +31,10 @@ class RequestStream:
         self.request_id = request_id
         self.is_finished = False
         self.placement: RequestPlaced | None = None
+        self.progressed_at = time.monotonic()  # the last new token, or the start
+        self.resumed_at = 0.0  # the last `StreamResume` asked for it
+        self.has_decoded = False  # a token came from the placement's decode worker
+        self.lost_workers: set[str] = set()  # failed over from: their late failures are stale
         self._next_index = 0
         self._early: dict[int, TokenDelta] = {}
         self._queue: asyncio.Queue[TokenDelta | HalfmoonError] = asyncio.Queue()
@@ -32,24 +45,31 @@ class RequestStream:
         self._early[delta.index] = delta
         while (ready := self._early.pop(self._next_index, None)) is not None:
             self._next_index += len(ready.token_ids)
+            self.progressed_at = time.monotonic()
             self._queue.put_nowait(ready)
             if ready.finish_reason is not None:
                 self.is_finished = True
                 self._early.clear()
                 return
 
+    @property
+    def next_index(self) -> int:
+        """The output index of the first token not yet delivered in order."""
+        return self._next_index
+
     def fail(self, error: HalfmoonError) -> None:
         self._queue.put_nowait(error)
 
     def lost_worker(self, is_alive: Callable[[str], bool]) -> str | None:
         """The worker this request still depends on that stopped heartbeating: decode
-        always, prefill until the first token is in. (A draining worker is alive.)"""
+        always, prefill until decode streams (its KV may still be on the way). (A draining
+        worker is alive.)"""
         placement = self.placement
         if placement is None or self.is_finished:
             return None
         if not is_alive(placement.decode_worker_id):
             return placement.decode_worker_id
-        if self._next_index == 0 and not is_alive(placement.prefill_worker_id):
+        if not self.has_decoded and not is_alive(placement.prefill_worker_id):
             return placement.prefill_worker_id
         return None
 
@@ -72,6 +92,7 @@ class StreamTable:
 
     def __init__(self) -> None:
         self._streams: dict[str, RequestStream] = {}
+        self._choices: dict[str, list[str]] = {}  # n > 1: a request's choice streams
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -84,19 +105,39 @@ class StreamTable:
     def close(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    def open_group(self, request_id: str, choice_ids: list[str]) -> list[RequestStream]:
+        """One stream per choice; events about the request itself (its placement, its
+        failure) reach each of them."""
+        if choice_ids != [request_id]:
+            self._choices[request_id] = choice_ids
+        return [self.open(choice) for choice in choice_ids]
+
+    def close_group(self, request_id: str) -> None:
+        for choice in self._choices.pop(request_id, [request_id]):
+            self.close(choice)
+
+    def _targets(self, request_id: str) -> list[RequestStream]:
+        ids = self._choices.get(request_id, [request_id])
+        return [stream for i in ids if (stream := self._streams.get(i)) is not None]
+
     def dispatch(self, event: GatewayEvent) -> None:
         match event:
-            case TokenBatch(items=items):
+            case TokenBatch(worker_id=worker_id, items=items):
                 for delta in items:
                     if (stream := self._streams.get(delta.request_id)) is not None:
                         stream.deliver(delta)
+                        placement = stream.placement
+                        if placement is not None and placement.decode_worker_id == worker_id:
+                            stream.has_decoded = True
             case RequestFailed(request_id=request_id, code=code, message=message,
-                               retry_after_s=retry_after_s):
-                if (stream := self._streams.get(request_id)) is not None:
-                    stream.fail(error_from_code(code, message, retry_after_s))
+                               retry_after_s=retry_after_s, worker_id=worker_id, param=param):
+                for stream in self._targets(request_id):
+                    if worker_id not in stream.lost_workers:
+                        stream.fail(error_from_code(code, message, retry_after_s, param))
             case RequestPlaced(request_id=request_id):
-                if (stream := self._streams.get(request_id)) is not None:
+                for stream in self._targets(request_id):
                     stream.placement = event
+                    stream.has_decoded = False
 
     def fail_lost(self, is_alive: Callable[[str], bool]) -> int:
         """Fail every stream whose worker was lost with `WorkerLost` (its reader places it
@@ -105,9 +146,26 @@ class StreamTable:
         for stream in self._streams.values():
             if (worker_id := stream.lost_worker(is_alive)) is not None:
                 stream.placement = None  # until the new placement arrives
+                stream.lost_workers.add(worker_id)
                 stream.fail(WorkerLost(f"worker {worker_id} stopped answering"))
                 count += 1
         return count
+
+    def stalled(self, after_s: float, now_s: float | None = None
+                ) -> dict[str, list[ResumePoint]]:
+        """Streams with no new token for `after_s` (and not asked about within `after_s`),
+        by their decode worker: where to resume each; marks them asked."""
+        now_s = time.monotonic() if now_s is None else now_s
+        points: dict[str, list[ResumePoint]] = defaultdict(list)
+        for stream in self._streams.values():
+            placement = stream.placement
+            if placement is None or stream.is_finished \
+                    or now_s - max(stream.progressed_at, stream.resumed_at) < after_s:
+                continue
+            stream.resumed_at = now_s
+            points[placement.decode_worker_id].append(
+                ResumePoint(request_id=stream.request_id, next_index=stream.next_index))
+        return points
 
     def fail_all(self, error: HalfmoonError) -> None:
         for stream in self._streams.values():

@@ -9,11 +9,15 @@ still open at that point get an error event and their downstream work is aborted
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import functools
 import socket
 import uuid
 from pathlib import Path
 from typing import Any
 
+import nats.errors
 from aiohttp import web
 
 from services.gateway.api import build_app
@@ -26,18 +30,24 @@ from services.gateway.openai_schema import (
     Limits,
     ParsedRequest,
     chat_messages,
-    completion_prompt,
+    chat_output,
+    chat_tools,
+    completion_output,
+    completion_prompts,
     validate,
 )
 from services.gateway.request_stream import StreamTable
+from services.gateway.responses import TokenText
+from services.gateway.structured import PARAM, check_grammar
 from services.gateway.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
+from services.gateway.tool_calls import tool_format
 from shared.config import GatewayConfig
 from shared.errors import ConfigError, RequestAborted, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
-from shared.messages import GatewayEvent, WorkerHeartbeat
+from shared.messages import GatewayEvent, StreamResume, WorkerHeartbeat
 from shared.metrics import GatewayMetrics
 from shared.model_dir import resolve_model_dir
-from shared.nats_client import ensure_work_queue, read_registry
+from shared.nats_client import encode, ensure_work_queue, read_registry
 from shared.service import Service
 
 # OpenAI's legacy completions endpoint defaults to 16 new tokens; chat fills the context.
@@ -86,6 +96,10 @@ class GatewayService(Service):
             raise WorkerUnavailable("gateway is not started")
         return self._tokenizer
 
+    @functools.cached_property
+    def token_text(self) -> TokenText:
+        return TokenText(self.tokenizer)
+
     async def _setup(self) -> None:
         template_source = await asyncio.to_thread(self._load_tokenizer)
         self._template = ChatTemplate(self._read_template() or template_source)
@@ -100,7 +114,7 @@ class GatewayService(Service):
         self._generator = Generator(GeneratorContext(
             nc=self.nc, js=js, subjects=self.subjects, reply_subject=reply_subject,
             table=self.table, tokenizer=self.tokenizer, timeout_s=self.config.request_timeout_s,
-            metrics=self.metrics,
+            metrics=self.metrics, events=self.events,
         ))
         await self._serve_http()
         self.spawn(self._watch_workers(), "watch-workers")
@@ -144,10 +158,20 @@ class GatewayService(Service):
 
     async def _watch_workers(self) -> None:
         """Fail over requests whose worker stopped heartbeating (their readers place them
-        again as continuations)."""
+        again as continuations); ask decode workers to resend what stalled streams may have
+        lost."""
+        interval_s = min(self.config.heartbeat_timeout_s, self.config.resume_after_s) / 4
         while True:
-            await asyncio.sleep(self.config.heartbeat_timeout_s / 4)
+            await self._sleep_judging_on_time(interval_s)
             self.table.fail_lost(self.workers.is_alive)
+            for worker_id, points in self.table.stalled(self.config.resume_after_s).items():
+                with contextlib.suppress(nats.errors.Error):
+                    await self.nc.publish(self.subjects.stream_resume(worker_id), encode(
+                        StreamResume(reply_subject=self.subjects.gateway(self.gateway_id),
+                                     points=points)))
+
+    def _worker_views(self) -> list[WorkerDirectory]:
+        return [self.workers]
 
     async def _stop_intake(self) -> None:
         self._is_accepting = False
@@ -171,22 +195,36 @@ class GatewayService(Service):
         if not self._is_accepting:
             raise WorkerUnavailable("gateway is shutting down")
 
-    def parse_completion(self, request: CompletionRequest) -> ParsedRequest:
-        prompt = completion_prompt(request)
-        token_ids = (self.tokenizer.encode(prompt, add_special_tokens=True)
-                     if isinstance(prompt, str) else prompt)
-        return validate(request, token_ids, self.limits,
-                        default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
-                        max_tokens=request.max_tokens)
+    def parse_completion(self, request: CompletionRequest) -> list[ParsedRequest]:
+        output = completion_output(request)
+        if output.grammar is not None:
+            check_grammar(output.grammar)
+        parsed = []
+        for index, prompt in enumerate(completion_prompts(request)):
+            if isinstance(prompt, str):
+                token_ids, text = self.tokenizer.encode(prompt, add_special_tokens=True), prompt
+            else:
+                token_ids, text = prompt, None
+            one = validate(request, token_ids, self.limits, output=output,
+                           default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, echo_text=text,
+                           choice_index=index * (request.n or 1))
+            if output.echo and text is None:  # token ids, now checked: echoed as their text
+                one = dataclasses.replace(one, echo=self.tokenizer.decode(token_ids))
+            parsed.append(one)
+        return parsed
 
-    def parse_chat(self, request: ChatCompletionRequest) -> ParsedRequest:
+    def parse_chat(self, request: ChatCompletionRequest) -> list[ParsedRequest]:
         if self._template is None:
             raise WorkerUnavailable("gateway is not started")
+        tools, use = chat_tools(request, tool_format(self._template.source),
+                                template_has_tools=self._template.supports_tools)
+        output = chat_output(request, use)
+        if output.grammar is not None:
+            check_grammar(output.grammar, "tools" if use and use.is_forced else PARAM)
         text = self._template.render(chat_messages(request), bos_token=self.tokenizer.bos_token,
-                                     eos_token=self.tokenizer.eos_token)
-        return validate(request, self.tokenizer.encode(text), self.limits,
-                        default_max_tokens=None,
-                        max_tokens=request.max_completion_tokens or request.max_tokens)
+                                     eos_token=self.tokenizer.eos_token, tools=tools)
+        return [validate(request, self.tokenizer.encode(text), self.limits,
+                         output=output, default_max_tokens=None)]
 
     def health(self) -> dict[str, Any]:
         num_prefill = len(self.workers.healthy("prefill"))

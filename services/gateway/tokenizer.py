@@ -39,9 +39,12 @@ class Tokenizer(Protocol):
         """Token ids of `text`; `add_special_tokens` applies the tokenizer's own template
         (a BOS for Llama): on for raw completions, off for chat (the template has them)."""
 
-    def decode(self, token_ids: list[int]) -> str: ...
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str: ...
 
-    def detokenizer(self) -> Detokenizer: ...
+    def detokenizer(self, *, skip_special_tokens: bool = True) -> Detokenizer: ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a part of a character, for some)."""
 
 
 class ByteTokenizer:
@@ -69,19 +72,29 @@ class ByteTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, token_ids: list[int]) -> str:
-        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return _ByteDetokenizer(skip_special_tokens).push(token_ids) or ""
 
-    def detokenizer(self) -> Detokenizer:
-        return _ByteDetokenizer()
+    def detokenizer(self, *, skip_special_tokens: bool = True) -> Detokenizer:
+        return _ByteDetokenizer(skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if token_id < 256:
+            return bytes([token_id])
+        return (self.bos_token if token_id == self.BOS_ID else self.eos_token).encode()
 
 
 class _ByteDetokenizer:
-    def __init__(self) -> None:
+    SPECIAL = {ByteTokenizer.BOS_ID: b"<|bos|>", ByteTokenizer.EOS_ID: b"<|eos|>"}
+
+    def __init__(self, skip_special_tokens: bool = True) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._skip = skip_special_tokens
 
     def push(self, token_ids: list[int]) -> str:
-        return self._decoder.decode(bytes(t for t in token_ids if t < 256))
+        data = b"".join(bytes([t]) if t < 256 else b"" if self._skip
+                        else self.SPECIAL.get(t, b"") for t in token_ids)
+        return self._decoder.decode(data)
 
     def flush(self) -> str:
         return self._decoder.decode(b"", final=True)
@@ -99,6 +112,9 @@ class HfTokenizer:
         except (OSError, ValueError, Exception) as exc:
             raise ConfigError(f"cannot load the tokenizer of {model_dir}: {exc}") from exc
         self._bos = _token_text(config.get("bos_token"))
+        # Byte-level BPE spells bytes as printable characters (GPT-2's table): undo it.
+        decoder = json.loads(self._tokenizer.to_str()).get("decoder") or {}
+        self._byte_level = decoder.get("type") == "ByteLevel"
         self._eos = _token_text(config.get("eos_token"))
         self.chat_template = _chat_template(config.get("chat_template"))
 
@@ -121,19 +137,26 @@ class HfTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def detokenizer(self) -> Detokenizer:
-        return _IncrementalDetokenizer(self)
+    def detokenizer(self, *, skip_special_tokens: bool = True) -> Detokenizer:
+        return _IncrementalDetokenizer(self, skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._tokenizer.id_to_token(token_id) or ""
+        if self._byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
 
 class _IncrementalDetokenizer:
     """Decodes a sliding window of ids and emits only text that is complete (no trailing
     replacement character), as Hugging Face's streamers do; linear in the output length."""
 
-    def __init__(self, tokenizer: HfTokenizer) -> None:
+    def __init__(self, tokenizer: HfTokenizer, skip_special_tokens: bool) -> None:
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self._ids: list[int] = []
         self._prefix = 0
         self._read = 0
@@ -146,9 +169,9 @@ class _IncrementalDetokenizer:
         return self._emit(is_final=True)
 
     def _emit(self, *, is_final: bool) -> str:
-        decode = self._tokenizer.decode
-        seen = decode(self._ids[self._prefix:self._read])
-        text = decode(self._ids[self._prefix:])
+        decode, skip = self._tokenizer.decode, self._skip
+        seen = decode(self._ids[self._prefix:self._read], skip_special_tokens=skip)
+        text = decode(self._ids[self._prefix:], skip_special_tokens=skip)
         if len(text) <= len(seen) or (text.endswith("\ufffd") and not is_final):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
@@ -166,3 +189,15 @@ def _chat_template(template: object) -> str | None:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         return named.get("default")
     return template if isinstance(template, str) else None
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (byte-level BPE)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable},
+            **{b: chr(256 + i) for i, b in enumerate(extra)}}
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}

@@ -18,13 +18,17 @@ reservation. An abort cancels the request at whatever step it is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections import defaultdict
 from typing import Any
 
+import nats.errors
 import structlog
+from opentelemetry import trace
 
-from engine.protocol import Engine, PrefillRequest, PrefillResult
-from services.prefill.prefix_reuse import PrefixSharing
+from engine.protocol import Engine, FirstToken, PrefillRequest, PrefillResult
+from services.kv_handoff import KvStream
 from services.worker import WorkerService
 from shared import tracing
 from shared.config import WorkerConfig
@@ -33,14 +37,17 @@ from shared.errors import (
     HalfmoonError,
     InvalidRequest,
     RequestAborted,
+    TransferFailed,
     TransferTimeout,
     WorkerUnavailable,
 )
 from shared.messages import (
     AbortRequest,
+    DecodeReplacement,
     DispatchReply,
     GenerateRequest,
     KvCommitted,
+    KvLeaseRenewal,
     KvTarget,
     PrefillTask,
     PrefixFetch,
@@ -49,18 +56,14 @@ from shared.messages import (
     RequestFailed,
     TokenBatch,
     TokenDelta,
+    TokenLogprob,
+    choice_id,
 )
 from shared.metrics import PrefillMetrics
 from shared.nats_client import dispatch, encode
-from transfer_engine.handoff import (
-    KvHandoff,
-    KvStream,
-    LayerwiseKvHandoff,
-    NoKvHandoff,
-    SimulatedLink,
-)
 
 COMMIT_TIMEOUT_S = 5.0
+MAX_HANDOFF_RETRIES = 2  # decode workers tried again with the KV prefill holds
 
 
 class PrefillService(WorkerService):
@@ -69,46 +72,11 @@ class PrefillService(WorkerService):
     metrics_type = PrefillMetrics
     metrics: PrefillMetrics
 
-    def __init__(
-        self, config: WorkerConfig, engine: Engine | None = None,
-        handoff: KvHandoff | None = None,
-    ) -> None:
+    def __init__(self, config: WorkerConfig, engine: Engine | None = None) -> None:
         super().__init__(config, engine)
-        self._handoff = handoff
         self._in_flight: dict[str, asyncio.Task[None]] = {}
         # request id -> (the decode side's KvTarget, when this worker first heard of it)
         self._targets: dict[str, tuple[asyncio.Future[KvTarget], float]] = {}
-        self._prefix_sharing: PrefixSharing | None = None
-
-    @property
-    def handoff(self) -> KvHandoff:
-        if self._handoff is None:
-            layout = self.engine.kv_layout()
-            self._handoff = NoKvHandoff() if self.transfer is None or layout is None else \
-                LayerwiseKvHandoff(self.transfer, layout,
-                                   is_layerwise=self.config.kv_streaming == "layerwise",
-                                   link=self._simulated_link())
-        return self._handoff
-
-    def _simulated_link(self) -> SimulatedLink | None:
-        """A simulated engine's KV is scaled down; its transfers take the full size's time."""
-        config = self.config
-        if config.engine != "sim" or config.sim_link_bytes_per_s <= 0:
-            return None
-        return SimulatedLink(config.sim_link_bytes_per_s, config.sim_kv_byte_scale,
-                             config.sim_time_scale)
-
-    @property
-    def prefix_sharing(self) -> PrefixSharing | None:
-        """Prefix reuse across workers; None for an engine with no KV to move."""
-        layout = self.engine.kv_layout()
-        if self._prefix_sharing is None and self.transfer is not None and layout is not None:
-            self._prefix_sharing = PrefixSharing(
-                worker_id=self.worker_id, engine=self.engine, layout=layout,
-                transfer=self.transfer, nc=self.nc, subjects=self.subjects,
-                block_size=self.config.block_size, timeout_s=self.config.kv_wait_timeout_s,
-                metrics=self.metrics)
-        return self._prefix_sharing
 
     async def _subscribe_work(self) -> list[Any]:
         return [
@@ -167,10 +135,31 @@ class PrefillService(WorkerService):
 
     def _on_tick(self) -> None:
         # Targets for requests that never came here (the conductor placed them elsewhere).
-        cutoff = time.monotonic() - self.config.kv_wait_timeout_s
+        cutoff = time.monotonic() - self.config.transfer.kv_wait_timeout_s
         for request_id, (_, seen_at) in list(self._targets.items()):
             if seen_at < cutoff and request_id not in self._in_flight:
                 self._forget(request_id)
+        for lease in self.leases.expired():  # blocks a peer's transfer may have been writing
+            self.log.warning("kv_lease.expired", kind=lease.kind, request_id=lease.request_id,
+                             party=lease.party, blocks_freed=len(lease.block_ids))
+            self.engine.prefix_cache.release_blocks(lease.block_ids)
+        if renewals := self._renewals():
+            self.spawn(self._renew_reservations(renewals), "lease-renewals")
+
+    def _renewals(self) -> dict[str, list[str]]:
+        """The requests queued or computing here, by the decode worker holding their KV."""
+        renewals: dict[str, list[str]] = defaultdict(list)
+        for request_id in self._in_flight:
+            future = self._targets.get(request_id, (None, 0.0))[0]
+            if future is not None and future.done() and not future.cancelled():
+                renewals[future.result().decode_worker_id].append(request_id)
+        return renewals
+
+    async def _renew_reservations(self, renewals: dict[str, list[str]]) -> None:
+        for decode_worker_id, request_ids in renewals.items():
+            with contextlib.suppress(nats.errors.Error):
+                await self.nc.publish(self.subjects.kv_lease_renewal(decode_worker_id), encode(
+                    KvLeaseRenewal(prefill_worker_id=self.worker_id, request_ids=request_ids)))
 
     async def _run(self, request: GenerateRequest, source: PrefixSource | None) -> None:
         with tracing.span(__name__, "prefill.request", attributes={
@@ -219,18 +208,68 @@ class PrefillService(WorkerService):
                     stream.on_layer(layer, block_ids)
         result = await self.engine.prefill(PrefillRequest(
             request.request_id, request.prompt_token_ids, request.sampling, on_layer=on_layer,
+            output_offset=request.output_offset,
         ))
         self._observe_prefill(request, result, started, layers)
         self.publish_kv_events_soon()
         await self._send_first_token(request, result)
-        if result.finish_reason is not None:
+        if all(first.finish_reason is not None for first in _first_tokens(result)):
             # Done already: free decode's reservation. Leave the in-flight table first so
             # that our own abort, echoed back to us, cannot cancel this task.
             self._in_flight.pop(request.request_id, None)
             await self._publish_abort(request.request_id, "finished at prefill")
             return
-        target = await self._wait_for_target(request.request_id)
-        report = await stream.finish(result, self.config.kv_wait_timeout_s)
+        await self._hand_off(request, result, stream)
+
+    async def _hand_off(self, request: GenerateRequest, result: PrefillResult,
+                        stream: KvStream) -> None:
+        """Finish the KV handoff and commit it. When it fails after the KV was computed (the
+        decode worker died, refused, or its data plane is gone), keep the KV under a
+        `prefill_hold` lease and have a conductor place the decode side again, up to
+        `MAX_HANDOFF_RETRIES` times: the prompt is never computed twice."""
+        streams = [stream]
+        try:
+            for attempt in range(MAX_HANDOFF_RETRIES + 1):
+                target = await self._wait_for_target(request.request_id)
+                try:
+                    await self._commit(request, result, streams[-1], target)
+                    return
+                except (TransferFailed, TransferTimeout, WorkerUnavailable) as exc:
+                    if attempt == MAX_HANDOFF_RETRIES:
+                        raise
+                    streams.append(await self._replace_decode(request, result, target, exc))
+        finally:
+            self.leases.release("prefill_hold", request.request_id)
+            for opened in streams[1:]:
+                opened.cancel()
+
+    async def _replace_decode(self, request: GenerateRequest, result: PrefillResult,
+                              failed: KvTarget, error: HalfmoonError) -> KvStream:
+        """Hold the KV, ask a conductor for another decode worker, and return a stream that
+        sends every layer to the target it will name."""
+        request_id, hold_s = request.request_id, self.config.transfer.kv_hold_s
+        self.log.warning("handoff.failed", request_id=request_id, error=error.message,
+                         decode_worker_id=failed.decode_worker_id, action="replacing decode")
+        self.leases.grant("prefill_hold", request_id, failed.decode_worker_id,
+                          len(result.block_ids), hold_s)
+        fresh: asyncio.Future[KvTarget] = asyncio.get_running_loop().create_future()
+        self._targets[request_id] = (fresh, time.monotonic())
+        reply = await dispatch(self.nc, self.subjects.decode_replacement, DecodeReplacement(
+            request=request, prefill_worker_id=self.worker_id,
+            failed_decode_worker_id=failed.decode_worker_id, reason=error.message), hold_s)
+        if not reply.is_accepted:
+            raise WorkerUnavailable(f"no other decode worker: {reply.reason}")
+        stream = self.handoff.open(request_id, fresh)
+        layout = self.engine.kv_layout()
+        if stream.on_layer is not None and layout is not None:
+            for layer in range(layout.num_layers):  # all of it is computed already
+                stream.on_layer(layer, result.block_ids)
+        return stream
+
+    async def _commit(self, request: GenerateRequest, result: PrefillResult, stream: KvStream,
+                      target: KvTarget) -> None:
+        """Wait until the KV landed in `target`'s blocks, then tell its decode worker."""
+        report = await stream.finish(result, self.config.transfer.kv_wait_timeout_s)
         reply = await dispatch(
             self.nc, self.subjects.kv_commit(target.decode_worker_id),
             KvCommitted(
@@ -238,6 +277,9 @@ class PrefillService(WorkerService):
                 first_token_id=result.first_token_id,
                 num_prompt_tokens=len(request.prompt_token_ids),
                 num_kv_bytes=report.num_bytes, transport=report.transport,
+                kv_compression=report.compression, num_kv_wire_bytes=report.wire_bytes,
+                first_logprob=_asked_logprob(request, result),
+                **_choices_commit(request, result),
             ),
             COMMIT_TIMEOUT_S,
         )
@@ -245,14 +287,24 @@ class PrefillService(WorkerService):
             raise WorkerUnavailable(f"decode worker refused the commit: {reply.reason}")
         if report.num_bytes:
             self.metrics.observe_transfer(report.transport, report.num_bytes, report.seconds)
+        await self.events.request(
+            "kv_committed", request.request_id, model=request.model,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_cached_tokens=result.num_cached_tokens, prefill_worker_id=self.worker_id,
+            decode_worker_id=target.decode_worker_id, num_kv_bytes=report.num_bytes,
+            transport=report.transport, kv_seconds=report.seconds,
+            kv_compression=report.compression, num_kv_wire_bytes=report.wire_bytes)
         self.log.info("prefill.committed", request_id=request.request_id,
                       decode_worker_id=target.decode_worker_id, kv_bytes=report.num_bytes,
+                      kv_wire_bytes=report.wire_bytes, kv_compression=report.compression,
                       transport=report.transport, kv_seconds=round(report.seconds, 6),
                       kv_tail_seconds=round(report.tail_s, 6))
 
     def _observe_prefill(self, request: GenerateRequest, result: PrefillResult, started: float,
                          layers: list[tuple[int, float]]) -> None:
-        """Metrics, and (when tracing) the queue and compute spans, timed by the engine."""
+        """Metrics, and (when tracing) the engine's timings on the request's span: queue and
+        compute seconds as attributes, compute start and each layer as events (spans cost at
+        100 % sampling; these were two spans of their own)."""
         done = time.perf_counter()
         compute_s = min(result.compute_s, done - started)
         self.metrics.queue_time.observe(done - started - compute_s)
@@ -260,24 +312,29 @@ class PrefillService(WorkerService):
         self.metrics.observe_prompt(len(request.prompt_token_ids), result.num_cached_tokens)
         if not tracing.is_enabled():
             return
-        tracing.record_span(__name__, "prefill.queue", started, done - compute_s)
-        tracing.record_span(
-            __name__, "prefill.compute", done - compute_s, done,
-            {"halfmoon.cached_tokens": result.num_cached_tokens,
-             "halfmoon.computed_tokens": len(request.prompt_token_ids)
-             - result.num_cached_tokens},
-            [("layer", at, {"layer": layer}) for layer, at in layers])
+        span = trace.get_current_span()
+        span.set_attributes({
+            "halfmoon.cached_tokens": result.num_cached_tokens,
+            "halfmoon.computed_tokens": len(request.prompt_token_ids) - result.num_cached_tokens,
+            "halfmoon.queue_s": done - started - compute_s, "halfmoon.compute_s": compute_s})
+        span.add_event("compute", timestamp=tracing.unix_ns(done - compute_s))
+        for layer, at in layers:
+            span.add_event("layer", {"layer": layer}, timestamp=tracing.unix_ns(at))
 
     async def _send_first_token(self, request: GenerateRequest, result: PrefillResult) -> None:
-        delta = TokenDelta(request_id=request.request_id, index=request.output_offset,
-                           token_ids=[result.first_token_id],
-                           finish_reason=result.finish_reason,
-                           num_cached_tokens=result.num_cached_tokens)
-        batch = TokenBatch(worker_id=self.worker_id, items=[delta])
+        n, asks = request.sampling.n, request.sampling.logprobs is not None
+        items = [TokenDelta(request_id=choice_id(request.request_id, choice, n),
+                            index=request.output_offset, token_ids=[first.token_id],
+                            finish_reason=first.finish_reason,
+                            num_cached_tokens=result.num_cached_tokens,
+                            logprobs=[first.logprob] if asks and first.logprob else None,
+                            prompt_logprobs=result.prompt_logprobs)
+                 for choice, first in enumerate(_first_tokens(result))]
+        batch = TokenBatch(worker_id=self.worker_id, items=items)
         await self.nc.publish(request.reply_subject, encode(batch))
 
     async def _wait_for_target(self, request_id: str) -> KvTarget:
-        timeout_s = self.config.kv_wait_timeout_s
+        timeout_s = self.config.transfer.kv_wait_timeout_s
         try:
             return await asyncio.wait_for(
                 asyncio.shield(self._target_future(request_id)), timeout_s
@@ -289,7 +346,7 @@ class PrefillService(WorkerService):
 
     async def _fail(self, request: GenerateRequest, error: HalfmoonError) -> None:
         failure = RequestFailed(request_id=request.request_id, code=error.code,
-                                message=error.message, worker_id=self.worker_id)
+                                message=error.message, worker_id=self.worker_id, param=error.param)
         await self.nc.publish(request.reply_subject, encode(failure))
         await self._publish_abort(request.request_id, error.message)
 
@@ -301,6 +358,26 @@ class PrefillService(WorkerService):
         await self.wait_until(lambda: not self._in_flight)
 
     async def _close(self) -> None:
-        if self._handoff is not None:
-            await self._handoff.close()
+        await self.handoff.close()
         await super()._close()
+
+
+def _asked_logprob(request: GenerateRequest, result: PrefillResult) -> TokenLogprob | None:
+    return result.logprob if request.sampling.logprobs is not None else None
+
+
+def _first_tokens(result: PrefillResult) -> list[FirstToken]:
+    """Every choice's first token (one, unless n > 1)."""
+    return [FirstToken(result.first_token_id, result.logprob, result.finish_reason),
+            *result.forks]
+
+
+def _choices_commit(request: GenerateRequest, result: PrefillResult) -> dict[str, Any]:
+    """The `KvCommitted` fields of an n > 1 request: each choice's first token."""
+    if request.sampling.n == 1:
+        return {}
+    firsts = _first_tokens(result)
+    asks = request.sampling.logprobs is not None
+    return {"first_token_ids": [f.token_id for f in firsts],
+            "first_logprobs": [f.logprob for f in firsts if f.logprob] if asks else [],
+            "finished_choices": [j for j, f in enumerate(firsts) if f.finish_reason]}

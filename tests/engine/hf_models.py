@@ -13,7 +13,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 
 def make_checkpoint(path: Path, family: str, **overrides: Any) -> Path:
     """Save a tiny `family` model ("llama" with llama3 rope scaling, "llama2-linear",
-    "mistral", "qwen2") with random weights to `path`."""
+    "mistral", "qwen2", "qwen3", "qwen3_moe") with random weights to `path`."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -21,6 +21,10 @@ def make_checkpoint(path: Path, family: str, **overrides: Any) -> Path:
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     shape = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
@@ -34,6 +38,12 @@ def make_checkpoint(path: Path, family: str, **overrides: Any) -> Path:
             **shape, rope_scaling={"rope_type": "linear", "factor": 2.0}, **overrides))
     elif family == "mistral":
         model = MistralForCausalLM(MistralConfig(**shape, sliding_window=256, **overrides))
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=24, **overrides))
+    elif family == "qwen3_moe":  # layer 1 dense, layers 0 and 2 routed: 6 experts, top 2
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            **shape, head_dim=16, num_experts=6, num_experts_per_tok=2,
+            moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1], **overrides))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True, **overrides))
     with torch.no_grad():  # scale weights up so that logits are peaked and greedy is stable

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.attention import AttentionMetadata, SequenceSlice
 from engine.kv_cache import KvCache
-from engine.model import AttentionMetadata, CausalLM, SequenceSlice
+from engine.model import CausalLM
 from engine.model_config import ModelConfig
 from engine.protocol import DecodeRequest, PrefillRequest
 from engine.torch_engine import EngineOptions, TorchEngine
@@ -41,8 +42,8 @@ def references(llama_dir: Path, qwen2_dir: Path) -> dict[Path, list[list[int]]]:
 
 
 async def start_engine(model_dir: Path, **options: object) -> TorchEngine:
-    engine = TorchEngine(EngineOptions(model_dir=model_dir, num_blocks=256, block_size=4,
-                                       **options))  # type: ignore[arg-type]
+    engine = TorchEngine(EngineOptions(model_dir=model_dir, **{  # type: ignore[arg-type]
+        "num_blocks": 256, "block_size": 4, **options}))
     await engine.start()
     return engine
 
@@ -69,7 +70,7 @@ async def generate(engine: TorchEngine, prompts: list[list[int]], tag: str = "r"
     return [tokens[r] for r in ids]
 
 
-@pytest.fixture(scope="module", params=["llama2-linear", "mistral"])
+@pytest.fixture(scope="module", params=["llama2-linear", "mistral", "qwen3", "qwen3_moe"])
 def other_family_dir(request: pytest.FixtureRequest,
                      tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.engine.hf_models import make_checkpoint
@@ -77,15 +78,26 @@ def other_family_dir(request: pytest.FixtureRequest,
     return make_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def test_logits_match_for_linear_rope_scaling_and_mistral(other_family_dir: Path) -> None:
+def test_logits_match_for_the_other_families(other_family_dir: Path) -> None:
     test_logits_of_a_mixed_length_batch_match(other_family_dir)
+
+
+async def test_greedy_generation_matches_for_the_other_families(other_family_dir: Path) -> None:
+    """Batched (8 prompts at once), so a routed MLP sees tokens of several sequences."""
+    hf = hf_model(other_family_dir)
+    expected = [hf_greedy(hf, prompt, 32) for prompt in PROMPTS]
+    engine = await start_engine(other_family_dir, max_batch_size=8)
+    try:
+        assert await generate(engine, PROMPTS) == expected
+    finally:
+        await engine.close()
 
 
 def test_logits_of_a_mixed_length_batch_match(model_dir: Path) -> None:
     config = ModelConfig.from_dir(model_dir)
     model = CausalLM(config)
     load_weights(model, model_dir, torch.float32)
-    model.init_rope(512, torch.device("cpu"))
+    model.init_runtime(512, torch.device("cpu"))
     kv = KvCache(num_layers=config.num_layers, num_blocks=64, block_size=4,
                  num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                  dtype=torch.float32, device=torch.device("cpu"))
@@ -96,7 +108,7 @@ def test_logits_of_a_mixed_length_batch_match(model_dir: Path) -> None:
         next_block += len(blocks)
         pos = torch.arange(len(prompt))
         slots.append(blocks[pos // 4] * 4 + pos % 4)
-        slices.append(SequenceSlice(offset, len(prompt), len(prompt), None))
+        slices.append(SequenceSlice(offset, len(prompt), len(prompt), blocks.tolist()))
         offset += len(prompt)
     with torch.inference_mode():
         hidden = model(torch.tensor([t for p in prompts for t in p]),

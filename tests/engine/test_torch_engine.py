@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.protocol import PrefillRequest, TokenOutput
-from engine.sampler import sample
+from engine.sampler import Draw, sample
 from engine.torch_engine import EngineOptions, TorchEngine
 from shared.errors import CapacityExhausted, InvalidRequest
 from shared.messages import SamplingParams
@@ -75,17 +75,18 @@ async def test_stop_token_ends_with_stop(engine: TorchEngine) -> None:
 async def test_logprobs_are_those_of_the_chosen_tokens(engine: TorchEngine) -> None:
     outputs = await run(engine, "a", SamplingParams(max_tokens=4, temperature=0.0,
                                                     ignore_eos=True))
-    assert all(o.logprob is not None and o.logprob <= 0.0 for o in outputs)
+    assert all(o.logprob is not None and o.logprob.logprob is not None
+               and o.logprob.logprob <= 0.0 for o in outputs)
 
 
 def test_top_k_one_is_greedy_and_top_p_keeps_the_first_token() -> None:
     logits = torch.tensor([[0.1, 3.0, 0.2, 2.9]])
     for params in (SamplingParams(max_tokens=1, top_k=1, seed=1),
                    SamplingParams(max_tokens=1, top_p=0.01, seed=1)):
-        generator = torch.Generator().manual_seed(0)
-        tokens, logprobs = sample(logits, [params], [generator])
-        assert tokens == [1]
-        assert logprobs[0] == pytest.approx(torch.log_softmax(logits, -1)[0, 1].item())
+        (pick,) = sample(logits, [Draw(params, 0, [], 0)])
+        assert pick.token_id == 1
+        assert pick.logprob.logprob == pytest.approx(
+            torch.log_softmax(logits, -1)[0, 1].item())
 
 
 async def test_abort_mid_decode_frees_every_block(engine: TorchEngine) -> None:

@@ -144,7 +144,7 @@ def test_up_with_an_existing_nats_server_starts_no_embedded_one(nats_url: str) -
                        "--cluster", "cli-existing")
     try:
         line = wait_for_line(process, "halfmoon is up", 60)
-        assert f"(NATS {nats_url})" in line
+        assert f"(NATS {nats_url}," in line
         commands = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children_of(process.pid)]
         assert not any(b"nats-server" in c for c in commands)
         assert len(commands) == 4  # conductor, prefill, decode, gateway

@@ -16,7 +16,7 @@ from services.conductor.service import ConductorService
 from services.decode.service import DecodeService
 from services.gateway.service import GatewayService
 from services.prefill.service import PrefillService
-from shared.config import ConductorConfig, GatewayConfig, WorkerConfig
+from shared.config import ConductorConfig, GatewayConfig, WorkerConfig, load_config
 from shared.errors import ServiceStartFailed
 from shared.service import Service, ServiceState
 from tests.stack import Stack, eventually
@@ -29,9 +29,11 @@ FACTORIES: dict[str, Callable[[str, str], Service]] = {
     "conductor": lambda url, cluster: ConductorService(
         ConductorConfig(nats_url=url, cluster=cluster, connect_timeout_s=0.5)),
     "prefill": lambda url, cluster: PrefillService(
-        WorkerConfig(nats_url=url, cluster=cluster, connect_timeout_s=0.5, engine="fake")),
+        load_config(WorkerConfig, flags={"nats_url": url, "cluster": cluster,
+                                         "connect_timeout_s": 0.5, "engine": "fake"})),
     "decode": lambda url, cluster: DecodeService(
-        WorkerConfig(nats_url=url, cluster=cluster, connect_timeout_s=0.5, engine="fake")),
+        load_config(WorkerConfig, flags={"nats_url": url, "cluster": cluster,
+                                         "connect_timeout_s": 0.5, "engine": "fake"})),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -161,3 +162,39 @@ async def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(
 
     assert await cached_tokens() == 0
     assert await cached_tokens() == 32
+
+
+# The request bodies the load generators send by default (guidellm 0.8 for fixed output
+# lengths; aiperf 0.13 for chat), byte for byte in their fields.
+GUIDELLM_COMPLETIONS = {"model": MODEL, "prompt": "benchmark me", "stream": True,
+                        "stream_options": {"include_usage": True,
+                                           "continuous_usage_stats": True},
+                        "max_tokens": 6, "stop": None, "ignore_eos": True}
+GUIDELLM_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "benchmark me"}],
+                 "stream": True, "stream_options": {"include_usage": True,
+                                                    "continuous_usage_stats": True},
+                 "max_completion_tokens": 6, "stop": None, "ignore_eos": True}
+AIPERF_CHAT = {"messages": [{"role": "user", "content": "benchmark me"}], "model": MODEL,
+               "stream": True, "max_completion_tokens": 6,
+               "stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", GUIDELLM_COMPLETIONS), ("/v1/chat/completions", GUIDELLM_CHAT),
+    ("/v1/chat/completions", AIPERF_CHAT)])
+async def test_load_generators_default_bodies_are_served(
+        stack: Stack, path: str, body: dict[str, object]) -> None:
+    async with aiohttp.ClientSession() as session, session.post(
+            f"{stack.gateway.url}{path}", json=body) as response:
+        assert response.status == 200, await response.text()
+        events = [line[6:] for line in (await response.text()).splitlines()
+                  if line.startswith("data: {")]
+    chunks = [json.loads(e) for e in events]
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+    continuous = body["stream_options"].get("continuous_usage_stats")  # type: ignore[union-attr]
+    with_choices = [c for c in chunks if c["choices"]]
+    if continuous:  # usage so far on every chunk, growing
+        counts = [c["usage"]["completion_tokens"] for c in with_choices]
+        assert counts == sorted(counts) and counts[-1] == 6
+    else:
+        assert all(c["usage"] is None for c in with_choices)

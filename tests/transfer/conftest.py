@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from transfer_engine.engine import TransferConfig, TransferEngine
+from transfer_engine.config import TcpOptions, TransferConfig
+from transfer_engine.engine import TransferEngine
 from transfer_engine.rdma import detect_devices
 from transfer_engine.registry import LocalEndpointRegistry
-from transfer_engine.tcp import TcpOptions
 
 SECRET = b"test-secret"
 SEGMENT_BYTES = 1 << 20

@@ -16,7 +16,8 @@ import sys
 import nats
 
 from shared.logs import configure_logging
-from transfer_engine.engine import TransferConfig, TransferEngine
+from transfer_engine.config import TransferConfig
+from transfer_engine.engine import TransferEngine
 from transfer_engine.registry import NatsEndpointRegistry
 
 SECRET = b"test-secret"

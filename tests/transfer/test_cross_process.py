@@ -15,7 +15,8 @@ import nats
 import pytest
 
 from tests.transfer.conftest import SECRET
-from transfer_engine.engine import TransferConfig, TransferEngine
+from transfer_engine.config import TransferConfig
+from transfer_engine.engine import TransferEngine
 from transfer_engine.errors import TransferFailed, TransferTimeout
 from transfer_engine.registry import NatsEndpointRegistry
 

@@ -15,7 +15,8 @@ from shared.messages import SegmentInfo
 from tests.transfer.conftest import SECRET
 from transfer_engine import wire
 from transfer_engine.batch import Run
-from transfer_engine.engine import TransferConfig, TransferEngine
+from transfer_engine.config import TransferConfig
+from transfer_engine.engine import TransferEngine
 from transfer_engine.rdma import (
     build_work_requests,
     detect_devices,

@@ -12,7 +12,8 @@ import pytest
 
 from tests.transfer.conftest import SECRET, SEGMENT_BYTES, Pair, start_pair
 from transfer_engine import sock_io, wire
-from transfer_engine.engine import TransferConfig, TransferEngine
+from transfer_engine.config import TransferConfig
+from transfer_engine.engine import TransferEngine
 from transfer_engine.errors import AuthenticationRefused, TransferFailed
 from transfer_engine.registry import LocalEndpointRegistry
 

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.transfer.conftest import SECRET, SEGMENT_BYTES, Pair, start_pair
-from transfer_engine.engine import TransferConfig, TransferEngine
+from transfer_engine.config import TransferConfig
+from transfer_engine.engine import TransferEngine
 from transfer_engine.errors import PeerNotFound
 from transfer_engine.registry import LocalEndpointRegistry
 

@@ -26,7 +26,7 @@ def test_flags_beat_environment_which_beats_file(tmp_path: Path) -> None:
 def test_environment_strings_are_converted_to_field_types() -> None:
     config = load_config(WorkerConfig, env={"HALFMOON_FAKE_TOKEN_DELAY_S": "0.25",
                                             "HALFMOON_NUM_BLOCKS": "64"})
-    assert (config.fake_token_delay_s, config.num_blocks) == (0.25, 64)
+    assert (config.fake.token_delay_s, config.engine.num_blocks) == (0.25, 64)
 
 
 def test_bad_value_raises_config_error_naming_the_field() -> None:
@@ -56,4 +56,23 @@ def test_every_field_gets_a_flag() -> None:
     add_config_flags(parser, WorkerConfig)
     args = parser.parse_args(["--nats-url", "nats://h:1", "--fake-token-delay-s", "0.1"])
     config = load_config(WorkerConfig, flags=vars(args))
-    assert (config.nats_url, config.fake_token_delay_s) == ("nats://h:1", 0.1)
+    assert (config.nats_url, config.fake.token_delay_s) == ("nats://h:1", 0.1)
+
+
+def test_nested_settings_keep_their_flat_names_everywhere(tmp_path: Path) -> None:
+    path = tmp_path / "worker.toml"
+    path.write_text('num_blocks = 32\n[transfer]\ntransfer_host = "0.0.0.0"\n'
+                    '[sim]\nsim_time_scale = 2.5\n')
+    config = load_config(WorkerConfig, toml_path=path, env={"HALFMOON_KV_STREAMING": "whole"},
+                         flags={"engine": "sim"})
+    assert (config.engine.kind, config.engine.num_blocks) == ("sim", 32)
+    assert (config.transfer.host, config.transfer.kv_streaming) == ("0.0.0.0", "whole")
+    assert config.sim.time_scale == 2.5
+
+
+def test_a_literal_setting_offers_its_choices_as_a_flag() -> None:
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, WorkerConfig)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--engine", "gpt"])
+    assert parser.parse_args(["--engine", "sim"]).engine == "sim"

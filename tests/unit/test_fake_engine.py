@@ -89,7 +89,7 @@ async def test_a_shared_prefix_is_served_from_the_cache_and_reported() -> None:
         first = await fake.prefill(PrefillRequest("a", list(range(1, 11)), sampling(2)))
         fake.release("a")
         assert first.num_cached_tokens == 0
-        stored = fake.drain_kv_events()
+        stored = fake.prefix_cache.drain_kv_events()
         assert [kind for kind, _ in stored] == ["stored", "stored"]  # two full blocks of 4
         second = await fake.prefill(PrefillRequest("b", [*range(1, 9), 42, 43], sampling(2)))
         assert second.num_cached_tokens == 8
@@ -127,8 +127,8 @@ async def test_cached_blocks_are_evicted_with_a_removed_event_when_room_runs_out
         await fake.prefill(PrefillRequest("a", list(range(1, 9)), sampling(2)))
         fake.release("a")
         assert fake.stats().num_free_blocks == 4  # cached blocks can be handed out
-        fake.drain_kv_events()
+        fake.prefix_cache.drain_kv_events()
         fake.reserve("r", 16)  # all four blocks: the two cached ones are evicted
-        assert [kind for kind, _ in fake.drain_kv_events()] == ["removed", "removed"]
+        assert [kind for kind, _ in fake.prefix_cache.drain_kv_events()] == ["removed", "removed"]
     finally:
         await fake.close()

@@ -30,8 +30,10 @@ FORBIDDEN = {
     "shared": ("services", "engine", "transfer_engine", "torch"),
     "services/gateway": ("engine", "torch", "transfer_engine"),
     "services/conductor": ("engine", "torch", "transfer_engine"),
-    "engine": ("nats", "services", "aiohttp"),
-    "transfer_engine": ("services", "aiohttp"),
+    "engine": ("nats", "services", "aiohttp", "bench", "transfer_engine"),
+    # A standalone library: bytes, segments and peers; never requests, layers or models.
+    "transfer_engine": ("services", "engine", "bench", "aiohttp", "opentelemetry"),
+    "services": ("bench",),
 }
 
 

@@ -20,9 +20,11 @@ from shared.messages import (
     DispatchReply,
     GatewayEvent,
     GenerateRequest,
+    HandoffNotice,
     KvBlockEvent,
     KvCommitted,
     KvEventBatch,
+    KvPoolLayout,
     KvTarget,
     Message,
     PrefillTask,
@@ -36,15 +38,20 @@ from shared.messages import (
     SegmentInfo,
     TokenBatch,
     TokenDelta,
+    TokenLogprob,
     TransferEndpoint,
     WorkerHeartbeat,
 )
 
 GOLDEN = Path(__file__).parent.parent / "golden"
 
+LAYOUT = KvPoolLayout(num_layers=2, num_blocks=4096, block_size=16, num_kv_heads=4,
+                      head_dim=32, dtype="float32")
+
 REQUEST = GenerateRequest(
     request_id="cmpl-1", model="halfmoon-tiny", prompt_token_ids=[104, 105],
-    sampling=SamplingParams(max_tokens=8, temperature=0.0, seed=7, stop_token_ids=(257,)),
+    sampling=SamplingParams(max_tokens=8, temperature=0.0, seed=7, stop_token_ids=(257,),
+                            frequency_penalty=0.5, logit_bias=((3, -100.0),), logprobs=2),
     reply_subject="halfmoon.default.v1.gateway.gw-1", created_at_s=1700000000.5,
 )
 
@@ -54,13 +61,16 @@ SAMPLES: dict[str, Message] = {
         worker_id="prefill-b", num_blocks=6)),
     "prefix_fetch": PrefixFetch(request_id="cmpl-1", requester_id="prefill-a",
                                 block_hashes=["f6a753e0395b8dfa6485b18612a446af"],
-                                block_ids=[7], kv_num_blocks=4096, kv_block_bytes=2048),
+                                block_ids=[7], kv_num_blocks=4096, kv_block_bytes=2048,
+                                kv_layout=msgspec.structs.replace(LAYOUT, num_kv_heads=1)),
     "prefix_fetched": PrefixFetched(worker_id="prefill-b", num_blocks=1, num_bytes=8192,
                                     transport="tcp"),
     "decode_reservation": DecodeReservation(request=REQUEST, prefill_worker_id="prefill-a"),
     "dispatch_reply": DispatchReply(is_accepted=False, worker_id="decode-b", reason="full"),
     "kv_target": KvTarget(request_id="cmpl-1", decode_worker_id="decode-b", block_ids=[3, 4],
-                          kv_num_blocks=4096, kv_block_bytes=8192),
+                          kv_num_blocks=4096, kv_block_bytes=8192, kv_layout=LAYOUT),
+    "handoff_notice": HandoffNotice(request_id="cmpl-1", trace_context={
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}),
     "transfer_endpoint": TransferEndpoint(
         engine_id="decode-b", host_id="h1/boot", tcp_host="10.0.0.7", tcp_port=7100,
         segments=[SegmentInfo(name="kv", segment_id=1, size_bytes=1 << 30,
@@ -69,7 +79,9 @@ SAMPLES: dict[str, Message] = {
     "kv_committed": KvCommitted(request_id="cmpl-1", prefill_worker_id="prefill-a",
                                 first_token_id=97, num_prompt_tokens=2),
     "token_batch": TokenBatch(worker_id="decode-b", items=[
-        TokenDelta(request_id="cmpl-1", index=1, token_ids=[98]),
+        TokenDelta(request_id="cmpl-1", index=1, token_ids=[98],
+                   logprobs=[TokenLogprob(-0.25, [(98, -0.25), (12, -1.5)])],
+                   prompt_logprobs=[TokenLogprob(None), TokenLogprob(-3.0)]),
         TokenDelta(request_id="cmpl-2", index=4, token_ids=[99], finish_reason="length"),
     ]),
     "request_failed": RequestFailed(request_id="cmpl-1", code=ErrorCode.CAPACITY_EXHAUSTED,
@@ -138,6 +150,37 @@ def test_a_kv_target_from_before_the_pool_layout_still_decodes() -> None:
     assert (decoded.kv_num_blocks, decoded.kv_block_bytes) == (0, 0)
 
 
+def test_a_kv_target_from_before_kv_layout_decodes_without_it() -> None:
+    payload = json.loads(msgspec.json.encode(SAMPLES["kv_target"]))
+    del payload["kv_layout"]
+    decoded = msgspec.json.decode(json.dumps(payload), type=KvTarget)
+    assert decoded.kv_layout is None
+    assert (decoded.kv_num_blocks, decoded.kv_block_bytes) == (4096, 8192)
+
+
+def test_a_handoff_notice_from_before_it_was_tagged_still_decodes() -> None:
+    decoded = msgspec.json.decode(b'{"request_id": "cmpl-1", "trace_context": {}}',
+                                  type=HandoffNotice)
+    assert decoded == HandoffNotice(request_id="cmpl-1")
+
+
+def test_pool_layout_names_each_size() -> None:
+    # A piece: one layer's K (or V) of one block; a block: every layer's K and V.
+    assert LAYOUT.layer_block_bytes == 16 * 4 * 32 * 4
+    assert LAYOUT.block_bytes == 2 * 2 * LAYOUT.layer_block_bytes
+    assert LAYOUT.size_bytes == 4096 * LAYOUT.block_bytes
+
+
+def test_pool_layouts_that_differ_only_in_block_count_match() -> None:
+    assert LAYOUT.mismatch(msgspec.structs.replace(LAYOUT, num_blocks=7)) is None
+
+
+def test_pool_layout_mismatch_names_every_differing_field() -> None:
+    other = msgspec.structs.replace(LAYOUT, head_dim=64, dtype="bfloat16")
+    assert LAYOUT.mismatch(other) == "head_dim 32 here, 64 there, dtype float32 here, " \
+        "bfloat16 there"
+
+
 def test_unknown_fields_from_newer_peers_are_ignored() -> None:
     payload = json.loads(msgspec.json.encode(SAMPLES["abort_request"]))
     payload["added_in_v2"] = 1
@@ -159,3 +202,17 @@ def test_heartbeat_from_a_worker_before_the_cost_fields_still_decodes() -> None:
         del payload[newer]
     decoded = msgspec.json.decode(json.dumps(payload), type=WorkerHeartbeat)
     assert (decoded.compute_score, decoded.zone, decoded.prefill_tokens_per_s) == (1.0, "", 0.0)
+
+
+def test_a_request_and_tokens_from_before_sampling_controls_and_logprobs_still_decode() -> None:
+    request = msgspec.json.decode(
+        b'{"type":"GenerateRequest","request_id":"cmpl-1","model":"m","prompt_token_ids":[1],'
+        b'"sampling":{"max_tokens":8,"temperature":0.0,"top_p":1.0,"top_k":null,"seed":7,'
+        b'"stop_token_ids":[257],"ignore_eos":false},"reply_subject":"r",'
+        b'"created_at_s":1.5,"output_offset":0}', type=GenerateRequest)
+    assert request.sampling.logit_bias == () and request.sampling.logprobs is None
+    assert not request.sampling.has_penalties and request.sampling.min_tokens == 0
+    batch = msgspec.json.decode(
+        b'{"type":"TokenBatch","worker_id":"d","items":[{"request_id":"cmpl-1","index":1,'
+        b'"token_ids":[98],"finish_reason":null,"num_cached_tokens":0}]}', type=TokenBatch)
+    assert batch.items[0].logprobs is None and batch.items[0].prompt_logprobs is None

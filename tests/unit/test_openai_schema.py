@@ -6,12 +6,15 @@ from services.gateway.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     Limits,
+    Output,
     chat_messages,
-    completion_prompt,
+    chat_output,
+    completion_output,
+    completion_prompts,
     decode_body,
     validate,
 )
-from shared.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
+from shared.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, UnsupportedParameter
 
 LIMITS = Limits(model="m", max_model_len=32, vocab_size=258)
 
@@ -20,10 +23,9 @@ def completion(**fields: object) -> CompletionRequest:
     return CompletionRequest(**{"model": "m", "prompt": "hi", **fields})  # type: ignore[arg-type]
 
 
-def run(request: CompletionRequest, prompt: list[int] | None = None,
-        max_tokens: int | None = None):
+def run(request: CompletionRequest, prompt: list[int] | None = None):
     return validate(request, prompt or [1, 2], LIMITS, default_max_tokens=16,
-                    max_tokens=max_tokens if max_tokens is not None else request.max_tokens)
+                    output=completion_output(request), echo_text="hi")
 
 
 def test_wrong_type_names_the_field() -> None:
@@ -47,16 +49,97 @@ def test_unknown_model_is_model_not_found() -> None:
         run(completion(model="other"))
 
 
-@pytest.mark.parametrize("n", [0, 2])
-def test_n_other_than_one_is_refused(n: int) -> None:
-    with pytest.raises(InvalidRequest, match="only n=1"):
+@pytest.mark.parametrize("n", [0, 17])
+def test_n_out_of_range_is_refused(n: int) -> None:
+    with pytest.raises(InvalidRequest, match=r"n must lie in \[1, 16\]"):
         run(completion(n=n))
+    assert run(completion(n=16)).sampling.n == 16
 
 
 @pytest.mark.parametrize("max_tokens", [0, -5])
 def test_non_positive_max_tokens_is_refused(max_tokens: int) -> None:
     with pytest.raises(InvalidRequest, match="at least 1"):
         run(completion(max_tokens=max_tokens))
+
+
+def test_max_tokens_zero_with_echo_is_the_prompt_alone() -> None:
+    parsed = run(completion(max_tokens=0, echo=True, logprobs=2))
+    assert parsed.is_prompt_only and parsed.echo == "hi"
+    assert parsed.sampling.max_tokens == 1 and parsed.sampling.prompt_logprobs == 2
+
+
+def test_max_completion_tokens_and_max_tokens_must_agree() -> None:
+    assert run(completion(max_completion_tokens=5)).sampling.max_tokens == 5
+    assert run(completion(max_tokens=5, max_completion_tokens=5)).sampling.max_tokens == 5
+    with pytest.raises(InvalidRequest) as info:
+        run(completion(max_tokens=5, max_completion_tokens=6))
+    assert info.value.param == "max_completion_tokens"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    (b'{"model": "m", "prompt": "x", "frobnicate": 1}', "frobnicate"),
+    (b'{"model": "m", "prompt": "x", "tools": []}', "tools"),
+    (b'{"model": "m", "prompt": "x", "suffix": "y"}', "suffix"),
+    (b'{"model": "m", "prompt": "x", "stream_options": {"chunked": true}}',
+     "stream_options.chunked"),
+])
+def test_a_field_not_served_is_refused_by_name(body: bytes, param: str) -> None:
+    with pytest.raises(UnsupportedParameter) as info:
+        decode_body(body, CompletionRequest)
+    assert info.value.param == param and param in info.value.message
+    assert info.value.openai_code == "unsupported_parameter"
+
+
+def test_metadata_fields_are_accepted() -> None:
+    body = (b'{"model": "m", "prompt": "x", "user": "u", "metadata": {"k": "v"}, '
+            b'"store": false, "service_tier": "auto", "prompt_cache_key": "p", '
+            b'"safety_identifier": "s"}')
+    assert run(decode_body(body, CompletionRequest)).sampling.max_tokens == 16
+
+
+def test_a_chat_message_field_not_served_is_refused() -> None:
+    body = (b'{"model": "m", "messages": [{"role": "user", "content": "x", '
+            b'"audio": {}}]}')
+    with pytest.raises(UnsupportedParameter) as info:
+        decode_body(body, ChatCompletionRequest)
+    assert info.value.param == "messages[0].audio"
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
+    ("min_p", 1.5), ("min_tokens", 17), ("logprobs", 21), ("logprobs", -1),
+    ("stop_token_ids", [258]), ("best_of", 3),
+    ("logit_bias", {"258": 1.0}), ("logit_bias", {"x": 1.0}), ("logit_bias", {"5": 101.0}),
+])
+def test_out_of_range_controls_are_refused(field: str, value: object) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        run(completion(**{field: value}))
+    assert info.value.param == field
+
+
+def test_controls_reach_the_sampling_parameters() -> None:
+    sampling = run(completion(
+        presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, min_p=0.1,
+        min_tokens=3, ignore_eos=True, stop_token_ids=[7], logit_bias={"9": -100, "3": 5},
+        logprobs=4, top_k=-1)).sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -0.5)
+    assert (sampling.repetition_penalty, sampling.min_p, sampling.min_tokens) == (1.2, 0.1, 3)
+    assert sampling.ignore_eos and sampling.stop_token_ids == (7,)
+    assert sampling.logit_bias == ((3, 5.0), (9, -100.0))
+    assert sampling.logprobs == 4 and sampling.prompt_logprobs is None and sampling.top_k is None
+
+
+def test_chat_logprobs_need_logprobs_true_and_at_most_twenty() -> None:
+    def chat(**fields: object) -> ChatCompletionRequest:
+        return ChatCompletionRequest(model="m", messages=[], **fields)  # type: ignore[arg-type]
+
+    assert chat_output(chat(logprobs=True, top_logprobs=3)) == Output(logprobs=3)
+    assert chat_output(chat(logprobs=True)) == Output(logprobs=0)
+    assert chat_output(chat()) == Output()
+    for fields in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):
+        with pytest.raises(InvalidRequest) as info:
+            chat_output(chat(**fields))
+        assert info.value.param == "top_logprobs"
 
 
 def test_max_tokens_beyond_the_context_is_refused() -> None:
@@ -92,11 +175,16 @@ def test_stop_accepts_a_string_or_a_list_of_up_to_four() -> None:
         run(completion(stop=["a", "b", "c", "d", "e"]))
 
 
-def test_prompt_forms() -> None:
-    assert completion_prompt(completion(prompt=[1, 2])) == [1, 2]
-    assert completion_prompt(completion(prompt=["one"])) == "one"
-    with pytest.raises(InvalidRequest, match="prompt must be"):
-        completion_prompt(completion(prompt=["a", "b"]))
+def test_every_prompt_form() -> None:
+    assert completion_prompts(completion(prompt="one")) == ["one"]
+    assert completion_prompts(completion(prompt=[1, 2])) == [[1, 2]]
+    assert completion_prompts(completion(prompt=["one"])) == ["one"]
+    assert completion_prompts(completion(prompt=["a", "b"])) == ["a", "b"]
+    assert completion_prompts(completion(prompt=[[1, 2]])) == [[1, 2]]
+    assert completion_prompts(completion(prompt=[[1], [2, 3]])) == [[1], [2, 3]]
+    for bad in ([], [[]], [1, "a"], [[1], "a"], [True], [[1.5]]):
+        with pytest.raises(InvalidRequest, match="prompt must"):
+            completion_prompts(completion(prompt=bad))
 
 
 def test_empty_messages_are_refused() -> None:

@@ -53,3 +53,28 @@ def test_memory_is_capped_least_recent_first() -> None:
     assert len(index) == 2
     assert index.leading_blocks([h("h2")], ["a"]) == {"a": 0}
     assert index.leading_blocks([h("h1")], ["a"]) == {"a": 1}
+
+
+def test_a_restored_snapshot_answers_as_the_original() -> None:
+    index = PrefixIndex()
+    index.apply(batch("a", ("stored", "h1"), ("stored", "h2"), ("stored", "h3")))
+    index.apply(batch("b", ("stored", "h1"), ("stored", "h2")))
+    index.apply(batch("a", ("removed", "h3")))
+    snapshot = index.snapshot(stream_seq=3, taken_at_s=1.0)
+    restored = PrefixIndex()
+    restored.restore(snapshot)
+    query = [h("h1"), h("h2"), h("h3")]
+    assert restored.leading_blocks(query, ["a", "b"]) == index.leading_blocks(query, ["a", "b"])
+    assert len(restored) == len(index) == 2
+    restored.forget_worker("a")  # the per-worker side was restored too
+    assert restored.leading_blocks(query, ["a", "b"]) == {"a": 0, "b": 2}
+
+
+def test_a_snapshot_keeps_the_eviction_order_and_the_cap() -> None:
+    index = PrefixIndex()
+    index.apply(batch("a", ("stored", "old"), ("stored", "mid"), ("stored", "new")))
+    restored = PrefixIndex(max_blocks=2)
+    restored.restore(index.snapshot(stream_seq=1, taken_at_s=1.0))
+    assert restored.leading_blocks([h("old")], ["a"]) == {"a": 0}  # least recent went first
+    assert restored.leading_blocks([h("mid")], ["a"]) == {"a": 1}
+    assert restored.leading_blocks([h("new")], ["a"]) == {"a": 1}

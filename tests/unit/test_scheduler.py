@@ -11,7 +11,7 @@ def seq(request_id: str, num_tokens: int, arrived_at_s: float = 0.0,
         num_computed: int = 0) -> Sequence:
     return Sequence(request_id=request_id, token_ids=list(range(num_tokens)),
                     num_prompt_tokens=num_tokens, sampling=SamplingParams(max_tokens=4),
-                    generator=None, arrived_at_s=arrived_at_s, num_computed=num_computed)
+                    seed=None, arrived_at_s=arrived_at_s, num_computed=num_computed)
 
 
 def scheduler(**options: float) -> Scheduler:

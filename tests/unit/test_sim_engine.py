@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from engine.factory import build_engine
 from engine.protocol import DecodeRequest, PrefillRequest, TokenOutput
 from engine.sim_cost import PROFILES
 from engine.sim_engine import SimEngine, SimOptions
-from shared.config import WorkerConfig
+from services.worker_parts import build_engine
+from shared.config import WorkerConfig, load_config
 from shared.errors import ConfigError, EngineFailure, InvalidRequest
 from shared.messages import SamplingParams
 
@@ -137,18 +137,20 @@ def test_kv_pool_has_the_profiles_layout_scaled_down() -> None:
     sim = SimEngine(SimOptions(profile=PROFILE, kv_byte_scale=4096))
     layout = sim.kv_layout()
     assert layout.num_layers == 32
-    assert layout.block_bytes == 16 * 8 * 128 * 2 // 4096
+    assert layout.layer_block_bytes == 16 * 8 * 128 * 2 // 4096
     assert layout.num_blocks == PROFILE.kv_capacity_tokens() // 16
     with pytest.raises(InvalidRequest, match="KV buffer"):
         sim.use_kv_buffer(memoryview(bytearray(10)))
 
 
 def test_worker_config_builds_a_sim_engine_or_names_the_profiles() -> None:
-    engine = build_engine(WorkerConfig(engine="sim", sim_profile="llama-3-70b-h200x4"))
+    engine = build_engine(load_config(WorkerConfig, flags={
+        "engine": "sim", "sim_profile": "llama-3-70b-h200x4"}))
     assert isinstance(engine, SimEngine)
     assert engine.profile.name == "llama-3-70b-h200x4"
     with pytest.raises(ConfigError, match="llama-3-8b-h200"):
-        build_engine(WorkerConfig(engine="sim", sim_profile="gpt-5"))
+        build_engine(load_config(WorkerConfig, flags={"engine": "sim",
+                                                      "sim_profile": "gpt-5"}))
 
 
 async def test_a_full_batch_admits_no_prompt_until_a_sequence_leaves() -> None:

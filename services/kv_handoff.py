@@ -1,10 +1,13 @@
-"""The KV-handoff step: how a prefill worker moves a request's KV into the decode worker's
-reserved blocks.
+"""The KV handoff: how a prefill worker moves a request's KV into the decode worker's
+reserved blocks. Here an engine's KV pool meets the transfer engine, which knows only bytes,
+segments and peers.
 
 The prefill service opens a stream per request before prefill starts, passes the stream's
 `on_layer` to the engine, and calls `finish(result)` once the engine returned the first
-token; the report (bytes, seconds, transport, and the tail: last layer computed to last byte
-landed) travels in `KvCommitted`.
+token; the report (bytes, seconds, transport, the tail: last layer computed to last byte
+landed, and the wire compression with the bytes that crossed) travels in `KvCommitted`.
+With `--kv-transfer-dtype fp8|int8` every write is quantized on the wire and dequantized
+into decode's pool (TCP; shared memory moves the bytes as they are).
 
 `LayerwiseKvHandoff` writes each layer's K and V blocks as soon as the engine reports the
 layer done (or, with `is_layerwise=False`, all layers after the last one: the baseline that
@@ -29,25 +32,18 @@ import numpy as np
 from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
 
-from engine.protocol import KvLayout, PrefillResult
+from engine.protocol import PrefillResult
+from engine.sim_link import SimulatedLink
 from shared import tracing
-from shared.messages import KvTarget
+from shared.messages import HandoffNotice, KvPoolLayout, KvTarget
+from shared.nats_client import encode
 from transfer_engine.batch import PieceArrays
 from transfer_engine.engine import TransferEngine
 from transfer_engine.errors import InvalidTransfer, TransferTimeout
+from transfer_engine.wire import Compression
 
 KV_SEGMENT = "kv"
 
-
-class HandoffNotice(msgspec.Struct, frozen=True, kw_only=True):
-    """The notification that rides on a handoff's last write: whose KV it is, and the trace
-    context (W3C headers) of its `kv.transfer` span."""
-
-    request_id: str
-    trace_context: dict[str, str] = {}
-
-
-_notice_encoder = msgspec.json.Encoder()
 _notice_decoder = msgspec.json.Decoder(HandoffNotice)
 
 
@@ -64,6 +60,8 @@ class HandoffReport:
     seconds: float  # from the first write starting to the last byte landed
     transport: str
     tail_s: float = 0.0  # from the last layer computed to its KV landed at decode
+    compression: str = "none"  # on the wire: `fp8`, `int8` (TCP only) or none
+    wire_bytes: int = 0  # what crossed: `num_bytes` unless compressed
 
 
 class KvStream(Protocol):
@@ -104,59 +102,70 @@ class _NoStream:
         return None
 
 
-def kv_pieces(local: KvLayout, remote: KvLayout,
+def piece_offsets(layout: KvPoolLayout, layer: int, block_ids: np.ndarray) -> np.ndarray:
+    """Byte offsets in the pool of `block_ids`' K pieces of `layer`, then of their V pieces."""
+    return np.concatenate([((layer * 2 + kind) * layout.num_blocks + block_ids)
+                           * layout.layer_block_bytes for kind in (0, 1)])
+
+
+def kv_pieces(local: KvPoolLayout, remote: KvPoolLayout,
               layers: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> PieceArrays:
     """One batch moving, for each (layer, local block ids, remote block ids), that layer's K
-    and V blocks between two KV pools (segment `kv` on both sides)."""
-    local_offsets = np.concatenate([local.block_offsets(layer, np.asarray(ids, dtype=np.int64))
+    and V pieces between two KV pools (segment `kv` on both sides)."""
+    local_offsets = np.concatenate([piece_offsets(local, layer, np.asarray(ids, np.int64))
                                     for layer, ids, _ in layers])
-    remote_offsets = np.concatenate([remote.block_offsets(layer, np.asarray(ids, dtype=np.int64))
+    remote_offsets = np.concatenate([piece_offsets(remote, layer, np.asarray(ids, np.int64))
                                      for layer, _, ids in layers])
-    lengths = np.full(len(local_offsets), local.block_bytes, dtype=np.int64)
+    lengths = np.full(len(local_offsets), local.layer_block_bytes, dtype=np.int64)
     return PieceArrays(KV_SEGMENT, KV_SEGMENT, local_offsets, remote_offsets, lengths)
 
 
-@dataclass
-class SimulatedLink:
-    """The link a simulated engine's KV would cross: its pool holds the model's KV divided by
-    `byte_scale`, so after each real write a stream waits until `byte_scale` times the bytes
-    would have crossed a link of `bytes_per_s` (in wall time: times `time_scale`). Writes
-    queue for the link one after another, as on one NIC."""
-
-    bytes_per_s: float
-    byte_scale: float = 1.0
-    time_scale: float = 1.0
-    _free_at: float = 0.0
-
-    async def carry(self, num_bytes: int, started_at: float) -> None:
-        """A write of `num_bytes` that began at `started_at` (perf_counter) is done."""
-        duration_s = num_bytes * self.byte_scale / self.bytes_per_s * self.time_scale
-        self._free_at = max(started_at, self._free_at) + duration_s
-        await asyncio.sleep(max(0.0, self._free_at - time.perf_counter()))
+def peer_layout(local: KvPoolLayout, peer_id: str, layout: KvPoolLayout | None,
+                num_blocks: int, layer_block_bytes: int) -> KvPoolLayout:
+    """The peer's pool, checked against ours before any byte moves: its whole `layout`, or,
+    from a peer that predates `KvPoolLayout`, its block count and piece size."""
+    if layout is None:  # an older peer: only the piece size can be compared
+        if layer_block_bytes != local.layer_block_bytes:
+            raise InvalidTransfer(
+                f"{peer_id} has KV pieces of {layer_block_bytes} bytes, this worker "
+                f"{local.layer_block_bytes}: they must run the same model, dtype and block "
+                "size")
+        return msgspec.structs.replace(local, num_blocks=num_blocks)
+    mismatch = local.mismatch(layout)
+    if mismatch is not None:
+        raise InvalidTransfer(f"{peer_id}'s KV pool does not match this worker's ({mismatch}):"
+                              " they must run the same model, dtype and block size")
+    return layout
 
 
 class LayerwiseKvHandoff:
-    def __init__(self, transfer: TransferEngine, layout: KvLayout, *,
-                 is_layerwise: bool = True, link: SimulatedLink | None = None) -> None:
+    def __init__(self, transfer: TransferEngine, layout: KvPoolLayout, *,
+                 is_layerwise: bool = True, link: SimulatedLink | None = None,
+                 compression: Compression | None = None) -> None:
         self._transfer = transfer
         self._layout = layout
         self._is_layerwise = is_layerwise
         self._link = link
+        self._compression = compression
 
     def open(self, request_id: str, target: asyncio.Future[KvTarget]) -> KvStream:
         return _LayerStream(request_id, self._transfer, self._layout, target,
-                            self._is_layerwise, self._link)
+                            self._is_layerwise, self._link, self._compression)
 
     async def close(self) -> None:
         return None  # the worker owns and closes the transfer engine
 
 
 class _LayerStream:
-    def __init__(self, request_id: str, transfer: TransferEngine, layout: KvLayout,
+    def __init__(self, request_id: str, transfer: TransferEngine, layout: KvPoolLayout,
                  target: asyncio.Future[KvTarget], is_layerwise: bool,
-                 link: SimulatedLink | None = None) -> None:
+                 link: SimulatedLink | None = None,
+                 compression: Compression | None = None) -> None:
         self._request_id = request_id
         self._link = link
+        self._compression = compression
+        self._applied = "none"  # the compression the transfers used (none on shm)
+        self._wire_bytes = 0
         self._transfer = transfer
         self._layout = layout
         self._target = target
@@ -185,14 +194,16 @@ class _LayerStream:
         return HandoffReport(num_bytes=self._num_bytes,
                              seconds=landed_at - self._first_write_at,
                              transport=self._transport,
-                             tail_s=max(0.0, landed_at - self._last_layer_at))
+                             tail_s=max(0.0, landed_at - self._last_layer_at),
+                             compression=self._applied, wire_bytes=self._wire_bytes)
 
     def cancel(self) -> None:
         self._task.cancel()
 
     async def _run(self) -> float:
         target = await self._target
-        self._check(target)
+        remote = peer_layout(self._layout, target.decode_worker_id, target.kv_layout,
+                             target.kv_num_blocks, target.kv_block_bytes)
         pending: list[tuple[int, list[int]]] = []
         span: Span | None = None
         try:
@@ -202,7 +213,8 @@ class _LayerStream:
                     if span is None and tracing.is_enabled():
                         span = tracing.tracer(__name__).start_span("kv.transfer")
                     is_last = layer == self._layout.num_layers - 1
-                    await self._write(pending, target, self._notice(span) if is_last else None)
+                    await self._write(pending, target, remote,
+                                      self._notice(span) if is_last else None)
                     pending = []
         except BaseException as exc:
             if span is not None:
@@ -221,8 +233,7 @@ class _LayerStream:
             return None
         with tracing.attached(trace.set_span_in_context(span)):
             carrier = tracing.inject() or {}
-        return _notice_encoder.encode(HandoffNotice(request_id=self._request_id,
-                                                    trace_context=carrier))
+        return encode(HandoffNotice(request_id=self._request_id, trace_context=carrier))
 
     def _describe(self, span: Span, target: KvTarget) -> None:
         seconds = time.perf_counter() - self._first_write_at if self._first_write_at else 0.0
@@ -231,32 +242,27 @@ class _LayerStream:
             "halfmoon.decode_worker": target.decode_worker_id,
             "kv.bytes": self._num_bytes, "kv.seconds": seconds,
             "kv.gbps": self._num_bytes / seconds / 1e9 if seconds > 0 else 0.0,
-            "kv.transport": self._transport, "kv.compression": "none",
+            "kv.transport": self._transport, "kv.compression": self._applied,
+            "kv.wire_bytes": self._wire_bytes,
             "kv.layerwise": self._is_layerwise,
         })
 
-    def _check(self, target: KvTarget) -> None:
-        if target.kv_block_bytes != self._layout.block_bytes:
-            raise InvalidTransfer(
-                f"decode worker {target.decode_worker_id} has KV blocks of "
-                f"{target.kv_block_bytes} bytes, this worker {self._layout.block_bytes}: "
-                "they must run the same model, dtype and block size")
-
     async def _write(self, layers: list[tuple[int, list[int]]], target: KvTarget,
-                     notice: bytes | None = None) -> None:
-        """One transfer of these layers' K and V blocks into decode's reserved blocks."""
-        remote_layout = KvLayout(self._layout.num_layers, target.kv_num_blocks,
-                                 target.kv_block_bytes)
+                     remote: KvPoolLayout, notice: bytes | None = None) -> None:
+        """One transfer of these layers' K and V pieces into decode's reserved blocks."""
         for _, block_ids in layers:
             if len(block_ids) > len(target.block_ids):
                 raise InvalidTransfer(f"decode reserved {len(target.block_ids)} blocks for a "
                                       f"prompt that fills {len(block_ids)}")
-        pieces = kv_pieces(self._layout, remote_layout, [
+        pieces = kv_pieces(self._layout, remote, [
             (layer, block_ids, target.block_ids[:len(block_ids)]) for layer, block_ids in layers])
         started_at = time.perf_counter()
         self._first_write_at = self._first_write_at or started_at
-        result = await self._transfer.write(target.decode_worker_id, pieces, notify=notice)
+        result = await self._transfer.write(target.decode_worker_id, pieces, notify=notice,
+                                            compression=self._compression)
         if self._link is not None:
-            await self._link.carry(result.num_bytes, started_at)
+            await self._link.carry(result.wire_bytes, started_at)
         self._num_bytes += result.num_bytes
+        self._wire_bytes += result.wire_bytes
         self._transport = result.transport
+        self._applied = result.compression or "none"

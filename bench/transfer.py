@@ -2,7 +2,7 @@
 measured in the same run (a plain-socket sendall/recv_into loop between the same two
 processes, and a single-process memcpy).
 
-    python -m transfer_engine.bench [--max-mib 256] [--seconds 0.5]   (or: halfmoon bench transfer)
+    python -m bench.transfer [--max-mib 256] [--seconds 0.5]   (or: halfmoon bench transfer)
 
 GB/s is bytes / median wall seconds over repeats; a repeat ends when the receiver has every
 byte (tcp and plain socket: its acknowledgement arrived; shm: the one-sided copy returned).
@@ -29,7 +29,8 @@ import uvloop
 
 from shared.logs import configure_logging
 from transfer_engine.batch import PieceArrays
-from transfer_engine.engine import TransferConfig, TransferEngine
+from transfer_engine.config import TransferConfig
+from transfer_engine.engine import TransferEngine
 from transfer_engine.segment import buffer_address
 
 _SECRET_ENV = "HALFMOON_BENCH_SECRET"
@@ -89,7 +90,7 @@ def _move_all(move: Callable[[list[memoryview]], int], views: list[memoryview]) 
 # --- the measuring process ----------------------------------------------------------------
 
 def _spawn(role: str, size: int, secret: str) -> tuple[subprocess.Popen[str], int]:
-    child = subprocess.Popen([sys.executable, "-m", "transfer_engine.bench", "--serve", role,
+    child = subprocess.Popen([sys.executable, "-m", "bench.transfer", "--serve", role,
                               "--size", str(size)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True,
                              env={**os.environ, _SECRET_ENV: secret})

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from transfer_engine.handoff import SimulatedLink
+from engine.sim_link import SimulatedLink
 
 
 async def test_writes_take_the_full_sizes_time_one_after_another() -> None:

@@ -1,0 +1,445 @@
+"""Chaos: one fault per run under a fixed streaming greedy load, every client's output
+compared with a fault-free run.
+
+For each scenario, a fresh `halfmoon up --engine fake` (every service its own process,
+embedded NATS, supervised), `--clients` streaming clients sending `--requests` greedy
+completions of `--max-tokens` tokens in all; `--fault-at-s` into the load, one fault:
+
+    none             no fault: the reference outputs and TTFTs
+    kill-prefill     SIGKILL a prefill worker (the launcher restarts it)
+    kill-decode      SIGKILL a decode worker
+    kill-conductor   SIGKILL the conductor
+    stop-prefill     SIGSTOP a prefill worker (frozen mid-work), SIGKILL it 2 s later
+    restart-nats     SIGKILL the embedded nats-server (the launcher restarts it, same store)
+    kill-gateway     SIGKILL one of the two gateways: only its own clients may be affected
+                     (counted apart, as `own`); the other gateway's must all complete
+
+`--launch up` (default) starts everything as `halfmoon up --gateways 2` (supervised);
+`--launch processes` starts each service by hand as its own process (2 conductors, 2
+prefill, 2 decode, 2 gateways, no supervisor: a killed process stays dead).
+
+Columns: requests, completed (200 and exactly the reference text), truncated (200, a prefix
+of it), wrong (200, anything else), errors by HTTP status, missing and duplicated tokens
+(against the reference), KV blocks still used and leases still held once the run is idle
+(leaked), recovery seconds (fault to the first token of a request sent after it), TTFT p99
+against the fault-free run.
+
+    python -m bench.chaos [--scenarios kill-decode,restart-nats] [--requests 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import nats
+
+from bench.control_path import MODEL, free_port
+from shared.messages import KvLeaseEvent, WorkerHeartbeat
+from shared.nats_server import EmbeddedNatsServer
+from shared.subjects import Subjects
+
+SCENARIOS = ("none", "kill-prefill", "kill-decode", "kill-conductor", "stop-prefill",
+             "restart-nats", "kill-gateway")
+
+
+@dataclass
+class Outcome:
+    """One client request: HTTP status, the text it got, when it was sent, its TTFT, and
+    which gateway it went to."""
+
+    prompt: str
+    gateway: int = 0
+    status: int = 0
+    text: str = ""
+    sent_at: float = 0.0
+    ttft_s: float | None = None
+
+
+@dataclass
+class Row:
+    scenario: str
+    requests: int = 0
+    completed: int = 0
+    truncated: int = 0
+    wrong: int = 0
+    errors: Counter[int] = field(default_factory=Counter)
+    own_affected: int = 0  # kill-gateway: the killed gateway's own requests not completed
+    missing_tokens: int = 0
+    duplicated_tokens: int = 0
+    leaked_blocks: int = 0
+    leaked_leases: int = 0
+    recovery_s: float | None = None
+    ttft_p99_ms: float = 0.0
+
+
+async def stream_one(session: aiohttp.ClientSession, urls: list[str], outcome: Outcome,
+                     max_tokens: int) -> None:
+    url = urls[outcome.gateway]
+    body = {"model": MODEL, "prompt": outcome.prompt, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
+    outcome.sent_at = time.monotonic()
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            outcome.status = response.status
+            if response.status != 200:
+                return
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    outcome.status = 500
+                    return
+                text = chunk["choices"][0]["text"]
+                if text and outcome.ttft_s is None:
+                    outcome.ttft_s = time.monotonic() - outcome.sent_at
+                outcome.text += text
+    except (aiohttp.ClientError, TimeoutError):
+        outcome.status = outcome.status or 599
+
+
+async def run_load(urls: list[str], prompts: list[str], clients: int, max_tokens: int
+                   ) -> list[Outcome]:
+    """Every prompt streamed once; request i goes to gateway i mod len(urls)."""
+    outcomes = [Outcome(prompt, gateway=i % len(urls)) for i, prompt in enumerate(prompts)]
+    queue: asyncio.Queue[Outcome] = asyncio.Queue()
+    for outcome in outcomes:
+        queue.put_nowait(outcome)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def client() -> None:
+            while not queue.empty():
+                await stream_one(session, urls, queue.get_nowait(), max_tokens)
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+    return outcomes
+
+
+class Cluster:
+    """A running halfmoon (2 prefill + 2 decode workers, 2 gateways, fake engine) and a view
+    of it from NATS: heartbeats and lease events. Subclasses launch it."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.port = free_port()
+        self.cluster = f"chaos{os.getpid()}"
+        self.nats_url = ""
+        self.heartbeats: dict[str, WorkerHeartbeat] = {}
+        self.leases: Counter[tuple[str, str, str]] = Counter()
+        self._nc: nats.aio.client.Client | None = None
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{self.port + i}" for i in range(2)]
+
+    @property
+    def worker_flags(self) -> list[str]:
+        return ["--engine", "fake", "--fake-token-delay-s", str(self.args.token_delay_s),
+                "--fake-prefill-delay-s", "0.02", "--log-level", "warning"]
+
+    async def launch(self) -> None:
+        raise NotImplementedError
+
+    def pids(self, role: str) -> list[int]:
+        raise NotImplementedError
+
+    async def restart_nats(self) -> None:
+        raise NotImplementedError
+
+    async def stop_processes(self) -> None:
+        raise NotImplementedError
+
+    def gateway_pid(self, index: int) -> int:
+        """The gateway serving on the `index`th port."""
+        port = str(self.port + index).encode()
+        for pid in self.pids("gateway"):
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if port in command:
+                return pid
+        raise LookupError(f"no gateway on port {port.decode()}")
+
+    async def start(self) -> None:
+        await self.launch()
+
+        async def quiet(_exc: Exception) -> None:
+            return None  # this observer's own reconnects across a NATS restart are expected
+
+        self._nc = await nats.connect(self.nats_url, max_reconnect_attempts=-1,
+                                      reconnect_time_wait=0.2, error_cb=quiet)
+        subjects = Subjects(self.cluster)
+        heartbeat = msgspec.json.Decoder(WorkerHeartbeat)
+        lease = msgspec.json.Decoder(KvLeaseEvent)
+
+        async def on_heartbeat(msg: nats.aio.msg.Msg) -> None:
+            beat = heartbeat.decode(msg.data)
+            self.heartbeats[beat.worker_id] = beat
+
+        async def on_lease(msg: nats.aio.msg.Msg) -> None:
+            event = lease.decode(msg.data)
+            key = (event.owner, event.kind, event.request_id)
+            self.leases[key] += 1 if event.action == "granted" else -1
+
+        await self._nc.subscribe(subjects.all_heartbeats, cb=on_heartbeat)
+        await self._nc.subscribe(subjects.all_kv_lease_events, cb=on_lease)
+
+    def leaked(self) -> tuple[int, int]:
+        """(KV blocks still used by live workers, leases still held) once idle."""
+        fresh = [b for b in self.heartbeats.values() if time.time() - b.sent_at_s < 3]
+        blocks = sum(b.num_total_blocks - b.num_free_blocks for b in fresh)
+        alive = {b.worker_id for b in fresh}
+        leases = sum(1 for (owner, _, _), held in self.leases.items() if held > 0
+                     and owner in alive)
+        return blocks, leases
+
+    async def stop(self) -> None:
+        if self._nc is not None:
+            await self._nc.close()
+        await self.stop_processes()
+
+
+class UpCluster(Cluster):
+    """Launched as `halfmoon up --gateways 2` (supervised: killed processes come back)."""
+
+    async def launch(self) -> None:
+        await asyncio.to_thread(self._launch)
+
+    def _launch(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", "--port", str(self.port),
+             "--cluster", self.cluster, "--prefill", "2", "--decode", "2", "--gateways", "2",
+             *self.worker_flags],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if "halfmoon is up" in line:
+                self.nats_url = line.split("(NATS ", 1)[1].split(",", 1)[0]
+                return
+        raise SystemExit(f"halfmoon up exited with {self.process.wait()}")
+
+    async def restart_nats(self) -> None:
+        os.kill(self.pids("nats-server")[0], signal.SIGKILL)  # the launcher restarts it
+
+    async def stop_processes(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(self.process.wait, 60)
+
+    def pids(self, role: str) -> list[int]:
+        """The launcher's children running `role` (or the nats-server)."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            try:
+                stat = (entry / "stat").read_text()
+                command = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if int(stat.rsplit(") ", 1)[1].split()[1]) != self.process.pid:
+                continue
+            if command[0].endswith(b"nats-server") if role == "nats-server" else (
+                    b"services.cli" in command
+                    and command[command.index(b"services.cli") + 1] == role.encode()):
+                found.append(int(entry.name))
+        return sorted(found)
+
+
+
+class ProcessCluster(Cluster):
+    """Every service started by hand as its own process, no supervisor: 2 conductors (they
+    share the work queue), 2 prefill, 2 decode, 2 gateways, and a nats-server the bench
+    restarts itself. A killed process stays dead; its peers carry on."""
+
+    async def launch(self) -> None:
+        await asyncio.to_thread(self._spawn_all)
+        deadline = time.monotonic() + 60
+        while not all([await self._is_healthy(url) for url in self.urls]):
+            if time.monotonic() > deadline:
+                raise SystemExit("the services did not come up within 60 s")
+            await asyncio.sleep(0.2)
+
+    def _spawn_all(self) -> None:
+        self.server = EmbeddedNatsServer()
+        self.nats_url = self.server.start()
+        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
+        roles: list[tuple[str, list[str]]] = [
+            ("conductor", ["--log-level", "warning"])] * 2 + [
+            ("prefill", self.worker_flags)] * 2 + [("decode", self.worker_flags)] * 2
+        roles += [("gateway", ["--tokenizer", "bytes", "--port", str(self.port + i),
+                               "--log-level", "warning"]) for i in range(2)]
+        for role, flags in roles:
+            self.children.append((role, subprocess.Popen(
+                [sys.executable, "-m", "services.cli", role, "--nats-url", self.nats_url,
+                 "--cluster", self.cluster, *flags], stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True)))
+
+    @staticmethod
+    async def _is_healthy(url: str) -> bool:
+        try:
+            async with aiohttp.ClientSession() as session, session.get(f"{url}/health") as r:
+                body = await r.json(content_type=None)
+        except (aiohttp.ClientError, ValueError):
+            return False
+        return body.get("num_prefill_workers") == 2 and body.get("num_decode_workers") == 2
+
+    def pids(self, role: str) -> list[int]:
+        if role == "nats-server":
+            return []
+        return sorted(p.pid for r, p in self.children if r == role and p.poll() is None)
+
+    async def restart_nats(self) -> None:
+        self.server.kill()
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(self.server.restart)
+
+    async def stop_processes(self) -> None:
+        for _, process in self.children:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for _, process in self.children:
+            try:
+                await asyncio.to_thread(process.wait, 30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        self.server.stop()
+
+
+async def inject(cluster: Cluster, scenario: str) -> None:
+    match scenario:
+        case "kill-prefill" | "kill-decode" | "kill-conductor":
+            os.kill(cluster.pids(scenario.removeprefix("kill-"))[0], signal.SIGKILL)
+        case "stop-prefill":
+            pid = cluster.pids("prefill")[0]
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(2.0)
+            os.kill(pid, signal.SIGKILL)
+        case "restart-nats":
+            await cluster.restart_nats()
+        case "kill-gateway":
+            os.kill(cluster.gateway_pid(1), signal.SIGKILL)
+
+
+async def run_scenario(scenario: str, args: argparse.Namespace, prompts: list[str]
+                       ) -> tuple[list[Outcome], Cluster, float]:
+    cluster = ProcessCluster(args) if args.launch == "processes" else UpCluster(args)
+    await cluster.start()
+    fault_at = 0.0
+    try:
+        load = asyncio.ensure_future(run_load(cluster.urls, prompts, args.clients,
+                                              args.max_tokens))
+        await asyncio.sleep(args.fault_at_s)
+        fault_at = time.monotonic()
+        if scenario != "none":
+            await inject(cluster, scenario)
+        outcomes = await load
+        await asyncio.sleep(args.settle_s)  # heartbeats of an idle cluster
+        return outcomes, cluster, fault_at
+    finally:
+        await cluster.stop()
+
+
+def tokens(text: str) -> list[int]:
+    return list(text.encode())  # the fake engine's byte tokenizer: one token per byte
+
+
+def score(scenario: str, outcomes: list[Outcome], reference: dict[str, str],
+          cluster: Cluster, fault_at: float) -> Row:
+    row = Row(scenario, requests=len(outcomes))
+    for outcome in outcomes:
+        expected = tokens(reference.get(outcome.prompt, ""))
+        got = tokens(outcome.text)
+        if scenario == "kill-gateway" and outcome.gateway == 1 and (
+                outcome.status != 200 or got != expected):
+            row.own_affected += 1  # the killed gateway's own client: allowed to fail
+            continue
+        if outcome.status != 200:
+            row.errors[outcome.status] += 1
+            continue
+        if got == expected:
+            row.completed += 1
+        elif expected[:len(got)] == got:
+            row.truncated += 1
+            row.missing_tokens += len(expected) - len(got)
+        else:
+            row.wrong += 1
+            row.duplicated_tokens += max(0, len(got) - len(expected))
+            row.missing_tokens += max(0, len(expected) - len(got))
+    row.leaked_blocks, row.leaked_leases = cluster.leaked()
+    after = [o.sent_at + o.ttft_s for o in outcomes
+             if o.ttft_s is not None and o.sent_at >= fault_at]
+    row.recovery_s = min(after) - fault_at if after and scenario != "none" else None
+    ttfts = sorted(o.ttft_s for o in outcomes if o.ttft_s is not None)
+    row.ttft_p99_ms = 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts \
+        else 0.0
+    return row
+
+
+def print_table(rows: list[Row]) -> None:
+    base = rows[0].ttft_p99_ms or 1.0
+    print(f"{'scenario':<15} {'req':>4} {'ok':>4} {'own':>4} {'trunc':>5} {'wrong':>5} "
+          f"{'errors':<12} "
+          f"{'miss':>5} {'dup':>4} {'blocks':>6} {'leases':>6} {'recov s':>7} "
+          f"{'TTFT p99':>9} {'x ref':>6}")
+    for r in rows:
+        errors = ",".join(f"{k}:{v}" for k, v in sorted(r.errors.items())) or "-"
+        recovery = f"{r.recovery_s:.2f}" if r.recovery_s is not None else "-"
+        print(f"{r.scenario:<15} {r.requests:>4} {r.completed:>4} {r.own_affected:>4} "
+              f"{r.truncated:>5} "
+              f"{r.wrong:>5} {errors:<12} {r.missing_tokens:>5} {r.duplicated_tokens:>4} "
+              f"{r.leaked_blocks:>6} {r.leaked_leases:>6} {recovery:>7} "
+              f"{r.ttft_p99_ms:>7.1f}ms {r.ttft_p99_ms / base:>5.2f}x")
+
+
+async def run(args: argparse.Namespace) -> list[Row]:
+    prompts = [f"chaos request {i}: tell me something" for i in range(args.requests)]
+    outcomes, cluster, fault_at = await run_scenario("none", args, prompts)
+    reference = {o.prompt: o.text for o in outcomes if o.status == 200}
+    rows = [score("none", outcomes, reference, cluster, fault_at)]
+    for scenario in args.scenarios:
+        if scenario == "none":
+            continue
+        outcomes, cluster, fault_at = await run_scenario(scenario, args, prompts)
+        rows.append(score(scenario, outcomes, reference, cluster, fault_at))
+    return rows
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenarios", type=lambda s: s.split(","),
+                        default=list(SCENARIOS[1:]))
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--token-delay-s", type=float, default=0.02)
+    parser.add_argument("--fault-at-s", type=float, default=1.0)
+    parser.add_argument("--settle-s", type=float, default=3.0)
+    parser.add_argument("--launch", choices=["up", "processes"], default="up",
+                        help="halfmoon up (supervised), or every service started by hand")
+    args = parser.parse_args(argv)
+    unknown = set(args.scenarios) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenarios {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    rows = asyncio.run(run(parse_args(argv)))
+    print_table(rows)
+    clean = all(r.completed + r.own_affected == r.requests and not r.leaked_blocks
+                and not r.leaked_leases for r in rows)
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,233 @@
+"""Placing one request: pure decisions, one attempt at a time, tested without NATS.
+
+The conductor's loop (`service.py`) asks `plan()` for an attempt, sends the attempt's
+commands at once, and records each reply in the request's `Progress`; it stops when
+`Progress.is_complete`, or after `max_placement_attempts`. The same loop serves both paths:
+  disaggregated  a prefill worker (`PrefillTask`) and a decode worker (`DecodeReservation`);
+                 a side that accepted is kept, only a refusing or vanished side is chosen
+                 again, and a new prefill worker means decode is told again (it re-sends its
+                 `KvTarget` to the new one);
+  local          one decode worker prefills the prompt itself (`is_local_prefill`): colocated
+                 workers, or a prompt under its `local_prefill_max_tokens`.
+`admit()` is the SLO check on the first attempt's choice: reject early rather than serve
+late. Which worker each side gets is `placement.py`'s business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from services.conductor.cost_model import (
+    Slo,
+    TransferCost,
+    check_slo,
+    predicted_tbt_s,
+    predicted_ttft_s,
+)
+from services.conductor.placement import (
+    PendingWork,
+    PrefixView,
+    SeedInputs,
+    blocks_needed,
+    pick_decode,
+    pick_prefill,
+    prefix_source,
+)
+from shared.config import PrefillPolicy
+from shared.errors import HalfmoonError
+from shared.messages import (
+    DecodeReservation,
+    DispatchReply,
+    GenerateRequest,
+    PrefillTask,
+    PrefixSource,
+    WorkerHeartbeat,
+    WorkerRole,
+)
+
+Path = Literal["disaggregated", "local"]
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The conductor's placement settings."""
+
+    policy: PrefillPolicy = "cache-aware"
+    is_prefix_fetch: bool = True
+    transfer_cost: TransferCost = field(default_factory=lambda: TransferCost(2e9, 0.002))
+    default_prefill_tokens_per_s: float = 2000.0
+    slo: Slo = field(default_factory=Slo)
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """The healthy workers of each role, what was sent them since their last heartbeat, and
+    every known worker by id (a kept side is looked up here, healthy or not: it already
+    holds the request)."""
+
+    prefill: Sequence[WorkerHeartbeat]
+    decode: Sequence[WorkerHeartbeat]
+    pending: Mapping[str, PendingWork]
+    known: Callable[[str | None], WorkerHeartbeat | None]
+
+
+@dataclass(frozen=True)
+class Send:
+    """One command of an attempt; `num_tokens`/`num_prefill_tokens` are what it adds to the
+    worker's pending work once accepted (KV room, prompt tokens to compute)."""
+
+    role: WorkerRole
+    worker: WorkerHeartbeat
+    message: PrefillTask | DecodeReservation
+    num_tokens: int = 0
+    num_prefill_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    path: Path
+    prefill: WorkerHeartbeat
+    decode: WorkerHeartbeat
+    source: PrefixSource | None
+    sends: tuple[Send, ...]
+
+
+@dataclass
+class Progress:
+    """One request's placement so far: the sides that accepted, the workers that refused."""
+
+    kept: dict[WorkerRole, str] = field(default_factory=dict)
+    excluded: set[str] = field(default_factory=set)
+    num_attempts: int = 0
+
+    def record(self, send: Send, reply: DispatchReply | HalfmoonError) -> bool:
+        """Whether `send` was accepted; a refusal excludes its worker from later attempts."""
+        if isinstance(reply, DispatchReply) and reply.is_accepted:
+            self.kept[send.role] = send.worker.worker_id
+            return True
+        self.excluded.add(send.worker.worker_id)
+        return False
+
+    def is_complete(self, plan: Plan) -> bool:
+        if plan.path == "local":
+            return "decode" in self.kept
+        return "prefill" in self.kept and "decode" in self.kept
+
+
+# KV a decode worker takes up front for each choice's output: a block's worth (the
+# default block size); the rest is taken as the choices grow, preempting when short.
+GROWTH_HEADROOM_TOKENS = 16
+
+
+def num_kv_tokens(request: GenerateRequest) -> int:
+    """The tokens decode takes KV for when it accepts the request: the prompt (once,
+    whatever `n`) and each choice's first block of output."""
+    output = min(request.sampling.max_tokens, GROWTH_HEADROOM_TOKENS)
+    return len(request.prompt_token_ids) + request.sampling.n * output
+
+
+def local_candidates(request: GenerateRequest, decode: Sequence[WorkerHeartbeat]
+                     ) -> list[WorkerHeartbeat]:
+    """Decode workers that prefill a prompt this short themselves."""
+    num_prompt_tokens = len(request.prompt_token_ids)
+    return [w for w in decode if num_prompt_tokens <= w.local_prefill_max_tokens]
+
+
+def plan(request: GenerateRequest, view: ClusterView, progress: Progress, rules: Rules, *,
+         prefix: PrefixView | None, turn: int) -> Plan:
+    """The next attempt; raises `WorkerUnavailable` or `CapacityExhausted` when none is
+    possible."""
+    progress.num_attempts += 1
+    candidates = local_candidates(request, view.decode)
+    if candidates:
+        return _plan_local(request, candidates, view, progress)
+    return _plan_paired(request, view, progress, rules, prefix, turn)
+
+
+def _plan_local(request: GenerateRequest, candidates: Sequence[WorkerHeartbeat],
+                view: ClusterView, progress: Progress) -> Plan:
+    num_tokens = num_kv_tokens(request)
+    worker = pick_decode(candidates, progress.excluded, view.pending, num_tokens)
+    send = Send("decode", worker, DecodeReservation(
+        request=request, prefill_worker_id=worker.worker_id, is_local_prefill=True),
+        num_tokens=num_tokens)
+    return Plan("local", worker, worker, None, (send,))
+
+
+def _plan_paired(request: GenerateRequest, view: ClusterView, progress: Progress,
+                 rules: Rules, prefix: PrefixView | None, turn: int) -> Plan:
+    num_tokens = num_kv_tokens(request)
+    decode = view.known(progress.kept.get("decode"))
+    if decode is None:  # not chosen yet, or its heartbeats vanished: choose (again)
+        progress.kept.pop("decode", None)
+        decode = pick_decode(view.decode, progress.excluded, view.pending, num_tokens)
+    prefill = view.known(progress.kept.get("prefill"))
+    is_new_prefill = prefill is None
+    if prefill is None:
+        progress.kept.pop("prefill", None)
+        prefill = pick_prefill(view.prefill, progress.excluded, view.pending,
+                               policy=rules.policy, prefix=prefix, turn=turn,
+                               seed=_seed_inputs(request, decode, rules))
+    source = _prefix_source(prefill, view, progress, prefix, rules)
+    sends = []
+    if is_new_prefill:
+        sends.append(Send("prefill", prefill, PrefillTask(request=request, prefix_source=source),
+                          num_prefill_tokens=uncached_tokens(request, prefill, prefix, source)))
+    if is_new_prefill or "decode" not in progress.kept:
+        sends.append(Send("decode", decode, DecodeReservation(
+            request=request, prefill_worker_id=prefill.worker_id), num_tokens=num_tokens))
+    return Plan("disaggregated", prefill, decode, source, tuple(sends))
+
+
+def _seed_inputs(request: GenerateRequest, decode: WorkerHeartbeat, rules: Rules
+                 ) -> SeedInputs:
+    return SeedInputs(num_prompt_tokens=len(request.prompt_token_ids),
+                      block_size=decode.block_size, decode_zone=decode.zone,
+                      default_tokens_per_s=rules.default_prefill_tokens_per_s)
+
+
+def _prefix_source(prefill: WorkerHeartbeat, view: ClusterView, progress: Progress,
+                   prefix: PrefixView | None, rules: Rules) -> PrefixSource | None:
+    if prefix is None or not rules.is_prefix_fetch:
+        return None
+    holders = [w for w in view.prefill if w.worker_id not in progress.excluded]
+    return prefix_source(prefill, holders, prefix, rules.transfer_cost,
+                         rules.default_prefill_tokens_per_s)
+
+
+def uncached_tokens(request: GenerateRequest, prefill: WorkerHeartbeat,
+                    prefix: PrefixView | None, source: PrefixSource | None) -> int:
+    """Prompt tokens `prefill` will compute: all but its cached (or fetched) prefix."""
+    cached = prefix.cached_blocks.get(prefill.worker_id, 0) if prefix else 0
+    if source is not None:
+        cached = max(cached, source.num_blocks)
+    return max(1, len(request.prompt_token_ids) - cached * prefill.block_size)
+
+
+def admit(request: GenerateRequest, chosen: Plan, pending: Mapping[str, PendingWork],
+          prefix: PrefixView | None, rules: Rules) -> None:
+    """SLO admission on the chosen pair; raises `SloViolation`. Local placements and
+    clusters without an SLO always pass."""
+    if chosen.path == "local" or (rules.slo.ttft_s is None and rules.slo.tbt_s is None):
+        return
+    prefill, source = chosen.prefill, chosen.source
+    transfer_s = 0.0
+    if source is not None:
+        cached = prefix.cached_blocks.get(prefill.worker_id, 0) if prefix else 0
+        transfer_s = rules.transfer_cost.seconds(
+            (source.num_blocks - cached) * prefill.kv_bytes_per_block)
+    queued = pending.get(prefill.worker_id, PendingWork()).num_prefill_tokens
+    ttft_s = predicted_ttft_s(prefill, uncached_tokens(request, prefill, prefix, source) + queued,
+                              rules.default_prefill_tokens_per_s, transfer_s)
+    check_slo(ttft_s, predicted_tbt_s(chosen.decode), rules.slo)
+
+
+def with_sent(pending: PendingWork | None, send: Send) -> PendingWork:
+    """A worker's pending work once it accepted `send`."""
+    entry = pending or PendingWork()
+    num_blocks = blocks_needed(send.num_tokens, send.worker.block_size) if send.num_tokens else 0
+    return PendingWork(entry.num_requests + 1, entry.num_blocks + num_blocks,
+                       entry.num_prefill_tokens + send.num_prefill_tokens)
+

@@ -1,0 +1,125 @@
+"""Keeping a conductor's global prefix index current from the workers' KV events.
+
+Start: restore the latest snapshot of the index (object store `Subjects.snapshot_bucket`),
+then replay only the KV-event stream after the snapshot's sequence, and return once the
+index has caught up with the stream as it was at start (bounded): placement sees every
+cached prefix from its first request. Then follow the stream live (an ordered consumer: no
+state on the server, restarted by the client if it falls out of order), and save a snapshot
+every `snapshot_interval_s` when the index moved. Without a snapshot (the first conductor,
+or one that is too new for the stream) the whole stream is replayed, as before snapshots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.object_store import ObjectStore
+
+from services.conductor.prefix_index import PrefixIndex
+from shared.logs import get_logger
+from shared.messages import KvEventBatch, PrefixIndexSnapshot
+from shared.nats_client import encode, ensure_kv_event_stream
+from shared.subjects import Subjects
+
+log = get_logger(__name__)
+
+_batch_decoder = msgspec.json.Decoder(KvEventBatch)
+_snapshot_decoder = msgspec.json.Decoder(PrefixIndexSnapshot)
+
+
+class PrefixIndexFollower:
+    def __init__(self, js: JetStreamContext, subjects: Subjects, index: PrefixIndex) -> None:
+        self._js = js
+        self._subjects = subjects
+        self.index = index
+        self.applied_seq = 0  # the last KV-event stream sequence in the index
+        self.saved_seq = 0
+        self.restored_from_seq = 0  # the snapshot's sequence; 0: replayed from the start
+        self._subscription: Any = None
+        self._store: ObjectStore | None = None
+
+    async def start(self, catch_up_timeout_s: float) -> None:
+        await ensure_kv_event_stream(self._js, self._subjects)
+        info = await self._js.stream_info(self._subjects.kv_events_stream)
+        last_seq = info.state.last_seq
+        snapshot = await self._load()
+        if snapshot is not None and snapshot.stream_seq <= last_seq:
+            self.index.restore(snapshot)
+            self.applied_seq = self.saved_seq = self.restored_from_seq = snapshot.stream_seq
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL) if not self.applied_seq \
+            else ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                                opt_start_seq=self.applied_seq + 1)
+        self._subscription = await self._js.subscribe(
+            self._subjects.all_kv_events, cb=self._on_batch, ordered_consumer=True,
+            config=config)
+        try:
+            async with asyncio.timeout(catch_up_timeout_s):
+                while self.applied_seq < last_seq:  # noqa: ASYNC110 - the callback advances it
+                    await asyncio.sleep(0.005)
+        except TimeoutError:
+            log.warning("prefix_index.catch_up_timeout", applied_seq=self.applied_seq,
+                        last_seq=last_seq)
+        log.info("prefix_index.ready", blocks=len(self.index),
+                 snapshot_seq=self.restored_from_seq, replayed=self.applied_seq
+                 - self.restored_from_seq)
+
+    async def _on_batch(self, msg: Msg) -> None:
+        self.applied_seq = max(self.applied_seq, msg.metadata.sequence.stream)
+        try:
+            self.index.apply(_batch_decoder.decode(msg.data))
+        except msgspec.DecodeError as exc:
+            log.warning("message.invalid", subject=msg.subject, error=str(exc))
+
+    async def save_every(self, interval_s: float) -> None:
+        """Save a snapshot every `interval_s` when the index moved since the last one."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if self.applied_seq > self.saved_seq:
+                try:
+                    await self.save()
+                except (nats.errors.Error, nats.js.errors.Error) as exc:
+                    log.warning("prefix_index.snapshot_failed", error=repr(exc))
+
+    async def save(self) -> None:
+        seq = self.applied_seq
+        snapshot = self.index.snapshot(seq, time.time())
+        store = await self._object_store()
+        await store.put(self._subjects.prefix_snapshot, encode(snapshot))
+        self.saved_seq = seq
+
+    async def stop(self) -> None:
+        if self._subscription is not None:
+            await self._subscription.unsubscribe()
+            self._subscription = None
+
+    async def _load(self) -> PrefixIndexSnapshot | None:
+        try:
+            store = await self._object_store()
+            result = await store.get(self._subjects.prefix_snapshot)
+        except nats.js.errors.ObjectNotFoundError:
+            return None
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            log.warning("prefix_index.snapshot_unreadable", error=repr(exc))
+            return None
+        try:
+            return _snapshot_decoder.decode(result.data or b"")
+        except msgspec.DecodeError as exc:
+            log.warning("prefix_index.snapshot_invalid", error=str(exc))
+            return None
+
+    async def _object_store(self) -> ObjectStore:
+        if self._store is None:
+            bucket = self._subjects.snapshot_bucket
+            try:
+                self._store = await self._js.object_store(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                self._store = await self._js.create_object_store(bucket)
+        return self._store

@@ -1,0 +1,204 @@
+"""Response bodies and stream chunks of the two generation routes, with their logprobs.
+
+A response has one choice per prompt; `Choice` gathers one choice's chunks (for a whole body)
+and its running text offset (for completions' `text_offset`).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.gateway.generation import TextChunk
+from services.gateway.openai_schema import usage
+from services.gateway.tokenizer import Tokenizer
+from services.gateway.tool_calls import ToolCall, ToolCallStream, ToolUse
+from shared.messages import FinishReason, TokenLogprob
+
+
+@dataclass
+class Choice:
+    index: int
+    num_prompt_tokens: int
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    num_completion_tokens: int = 0
+    num_cached_tokens: int = 0
+    text_offset: int = 0  # characters of this choice's text before the next chunk
+    has_started: bool = False
+    tools: ToolUse | None = None  # chat with tools: calls to find in the text
+    tool_stream: ToolCallStream | None = None
+
+    def __post_init__(self) -> None:
+        if self.tools is not None:
+            self.tool_stream = ToolCallStream(self.tools)
+
+    def add(self, chunk: TextChunk, *, keeps_output: bool = True) -> None:
+        """Count the chunk; keep its text and tokens too for a whole body (`keeps_output`),
+        which a stream, already sent, does not need."""
+        if keeps_output:
+            self.texts.append(chunk.text)
+            self.token_ids += chunk.token_ids
+            if self.logprobs is not None and chunk.logprobs is not None:
+                self.logprobs += chunk.logprobs
+            else:
+                self.logprobs = None
+        self.finish_reason = chunk.finish_reason
+        self.num_completion_tokens = chunk.num_completion_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+def total_usage(choices: list[Choice]) -> dict[str, Any]:
+    """Usage of the whole response: every prompt once, every choice's output."""
+    return usage(sum(c.num_prompt_tokens for c in choices),
+                 sum(c.num_completion_tokens for c in choices),
+                 sum(c.num_cached_tokens for c in choices if c.num_prompt_tokens))
+
+
+class TokenText:
+    """Token strings and bytes, as logprobs spell them."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 (one per gateway, lives as long)
+    def text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def bytes(self, token_id: int) -> list[int]:
+        return list(self.tokenizer.token_bytes(token_id))
+
+
+class CompletionFormat:
+    """Bodies of `/v1/completions`; logprobs as `tokens`, `token_logprobs`, `top_logprobs`
+    (token -> logprob, the chosen token included), `text_offset`."""
+
+    def __init__(self, request_id: str, model: str, tokens: TokenText,
+                 wants_logprobs: bool) -> None:
+        self.request_id, self.model, self.created = request_id, model, int(time.time())
+        self.tokens, self.wants_logprobs = tokens, wants_logprobs
+
+    def _envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": choices, **extra}
+
+    def opening(self, choice: Choice) -> dict[str, Any] | None:
+        return None
+
+    def chunk(self, choice: Choice, chunk: TextChunk) -> dict[str, Any]:
+        return self._envelope([{"index": choice.index, "text": chunk.text,
+                                "logprobs": self._logprobs(choice, chunk.token_ids,
+                                                           chunk.logprobs),
+                                "finish_reason": chunk.finish_reason}])
+
+    def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
+        return self._envelope([], usage=usage_body)
+
+    def body(self, choices: list[Choice]) -> dict[str, Any]:
+        return self._envelope([
+            {"index": c.index, "text": c.text,
+             "logprobs": self._logprobs(c, c.token_ids, c.logprobs),
+             "finish_reason": c.finish_reason} for c in choices
+        ], usage=total_usage(choices))
+
+    def _logprobs(self, choice: Choice, token_ids: list[int],
+                  entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if not self.wants_logprobs or entries is None:
+            return None
+        strings = [self.tokens.text(t) for t in token_ids]
+        offsets = []
+        for string in strings:
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(string)
+        return {
+            "tokens": strings,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [
+                None if e.logprob is None else
+                {**{self.tokens.text(t): v for t, v in e.top}, string: e.logprob}
+                for e, string in zip(entries, strings, strict=True)
+            ],
+            "text_offset": offsets,
+        }
+
+
+class ChatFormat:
+    """Bodies of `/v1/chat/completions`; logprobs as `content[]` of `token`, `logprob`,
+    `bytes`, `top_logprobs`."""
+
+    def __init__(self, request_id: str, model: str, tokens: TokenText,
+                 wants_logprobs: bool) -> None:
+        self.request_id, self.model, self.created = request_id, model, int(time.time())
+        self.tokens, self.wants_logprobs = tokens, wants_logprobs
+
+    def _chunk_envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "chat.completion.chunk",
+                "created": self.created, "model": self.model, "choices": choices, **extra}
+
+    def opening(self, choice: Choice) -> dict[str, Any] | None:
+        return self._chunk_envelope([{"index": choice.index,
+                                      "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
+
+    def chunk(self, choice: Choice, chunk: TextChunk) -> dict[str, Any]:
+        text, calls, finish = chunk.text, [], chunk.finish_reason
+        if choice.tool_stream is not None:  # text that may be a call waits for the end
+            text = choice.tool_stream.push(text)
+            if finish is not None:
+                rest, calls = choice.tool_stream.finish()
+                text += rest
+                finish = "tool_calls" if calls else finish
+        delta: dict[str, Any] = {"content": text} if text else {}
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call.body()} for i, call in enumerate(calls)]
+        return self._chunk_envelope([{"index": choice.index, "delta": delta,
+                                      "logprobs": self._logprobs(chunk.token_ids,
+                                                                 chunk.logprobs),
+                                      "finish_reason": finish}])
+
+    def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
+        return self._chunk_envelope([], usage=usage_body)
+
+    def body(self, choices: list[Choice]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": "chat.completion", "created": self.created,
+                "model": self.model,
+                "choices": [self._choice_body(c) for c in choices],
+                "usage": total_usage(choices)}
+
+    def _choice_body(self, choice: Choice) -> dict[str, Any]:
+        content: str | None = choice.text
+        calls: list[ToolCall] = []
+        if choice.tools is not None:
+            content, calls = choice.tools.parse(choice.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["content"] = content or None  # as OpenAI: null beside calls
+            message["tool_calls"] = [call.body() for call in calls]
+        return {"index": choice.index, "message": message,
+                "logprobs": self._logprobs(choice.token_ids, choice.logprobs),
+                "finish_reason": "tool_calls" if calls else choice.finish_reason}
+
+    def _logprobs(self, token_ids: list[int], entries: list[TokenLogprob] | None
+                  ) -> dict[str, Any] | None:
+        if not self.wants_logprobs or entries is None:
+            return None
+        return {"content": [
+            {**self._token(t, e.logprob or 0.0),
+             "top_logprobs": [self._token(top, value) for top, value in e.top]}
+            for t, e in zip(token_ids, entries, strict=True)
+        ], "refusal": None}
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": self.tokens.text(token_id), "logprob": logprob,
+                "bytes": self.tokens.bytes(token_id)}
+
+
+ResponseFormat = CompletionFormat | ChatFormat

@@ -1,0 +1,182 @@
+"""A worker, assembled in one place from its config: the engine and, for an engine with a KV
+pool, the transfer engine that holds the pool, the KV handoff to decode workers and prefix
+sharing between prefill workers, with the wire compression the worker's KV goes out with.
+
+    parts = await assemble(config, worker_id, nc, subjects, metrics, on_notification)
+
+The KV pool lives in the transfer engine's shared memory (segment `kv`): same-host peers
+write into it one-sidedly, others land in it straight from their sockets. An engine without
+a pool (the fake engine) gets `NoKvHandoff`: nothing crosses and decode recomputes. If a step
+fails, whatever was started is closed before the error propagates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from nats.aio.client import Client as NatsClient
+
+from engine.fake_engine import FakeEngine
+from engine.protocol import Engine
+from engine.sim_link import SimulatedLink
+from services.kv_handoff import KV_SEGMENT, KvHandoff, LayerwiseKvHandoff, NoKvHandoff
+from services.kv_leases import LeaseTable
+from services.prefill.prefix_reuse import PrefixSharing
+from shared.config import EngineSettings, SimSettings, WorkerConfig
+from shared.errors import ConfigError
+from shared.messages import KvPoolLayout, WorkerRole
+from shared.metrics import PrefillMetrics, WorkerMetrics
+from shared.model_dir import default_model_dir
+from shared.subjects import Subjects
+from transfer_engine import compression
+from transfer_engine.batch import Notification
+from transfer_engine.config import TransferConfig
+from transfer_engine.engine import TransferEngine
+from transfer_engine.errors import InvalidTransfer
+from transfer_engine.registry import NatsEndpointRegistry
+from transfer_engine.wire import Compression
+
+
+@dataclass
+class WorkerParts:
+    engine: Engine
+    handoff: KvHandoff
+    transfer: TransferEngine | None = None  # engines with a KV pool
+    prefix_sharing: PrefixSharing | None = None  # prefill workers with a KV pool
+
+
+async def assemble(config: WorkerConfig, role: WorkerRole, worker_id: str, nc: NatsClient,
+                   subjects: Subjects, metrics: WorkerMetrics, leases: LeaseTable,
+                   on_notification: Callable[[Notification], None], *,
+                   engine: Engine | None = None) -> WorkerParts:
+    """Build (or take) the engine and, when it has a KV pool, everything that moves it."""
+    if engine is None:  # reads (or writes) model files: off the event loop
+        engine = await asyncio.to_thread(build_engine, config)
+    layout = engine.kv_layout()
+    if layout is None:
+        return WorkerParts(engine, NoKvHandoff())
+    compression = wire_compression(config.transfer.kv_transfer_dtype, layout)
+    transfer = await start_transfer_engine(config, worker_id, nc, subjects, on_notification)
+    try:
+        if engine.kv_device == "cpu":  # else registered once started (`register_device_kv`)
+            engine.use_kv_buffer(await transfer.allocate(KV_SEGMENT, layout.size_bytes))
+    except BaseException:
+        await transfer.close()
+        raise
+    handoff = LayerwiseKvHandoff(transfer, layout,
+                                 is_layerwise=config.transfer.kv_streaming == "layerwise",
+                                 link=simulated_link(config), compression=compression)
+    sharing = None
+    if role == "prefill" and isinstance(metrics, PrefillMetrics):
+        sharing = PrefixSharing(
+            worker_id=worker_id, cache=engine.prefix_cache, layout=layout, transfer=transfer, nc=nc,
+            subjects=subjects, block_size=config.engine.block_size,
+            timeout_s=config.transfer.kv_wait_timeout_s, metrics=metrics, leases=leases,
+            compression=compression)
+    return WorkerParts(engine, handoff, transfer, sharing)
+
+
+async def register_device_kv(parts: WorkerParts) -> None:
+    """After the engine started: a pool in device memory (CUDA) becomes the transfer
+    engine's `kv` segment, moved through a pinned host mirror (over TCP: shared memory
+    would write the mirror unseen). Written for CUDA; not run here (no GPU)."""
+    if parts.transfer is not None and parts.engine.kv_device != "cpu":
+        await parts.transfer.register(KV_SEGMENT, parts.engine.kv_pool_tensor())
+
+
+def wire_compression(kv_transfer_dtype: str, layout: KvPoolLayout) -> Compression | None:
+    """How this worker's KV goes on the wire (`--kv-transfer-dtype`); `ConfigError` for a
+    pool the transfer engine cannot quantize (an fp8 pool, say)."""
+    if kv_transfer_dtype == "none":
+        return None
+    try:
+        return compression.make(kv_transfer_dtype, layout.dtype)
+    except InvalidTransfer as exc:
+        raise ConfigError(f"--kv-transfer-dtype {kv_transfer_dtype}: {exc}") from exc
+
+
+def build_engine(config: WorkerConfig) -> Engine:
+    """The engine `config.engine.kind` names; heavy imports only for the one chosen."""
+    settings = config.engine
+    match settings.kind:
+        case "fake":
+            fake = config.fake
+            return FakeEngine(
+                num_blocks=settings.num_blocks, block_size=settings.block_size,
+                max_batch_size=settings.max_batch_size, prefill_delay_s=fake.prefill_delay_s,
+                prefill_s_per_token=fake.prefill_s_per_token,
+                token_delay_s=fake.token_delay_s,
+                is_prefix_caching=settings.enable_prefix_caching)
+        case "sim":
+            return _sim_engine(settings, config.sim)
+        case "torch":
+            return _torch_engine(settings)
+    raise ConfigError(f"unknown engine {settings.kind!r}")
+
+
+def _sim_engine(settings: EngineSettings, sim: SimSettings) -> Engine:
+    from engine.sim_cost import PROFILES
+    from engine.sim_engine import SimEngine, SimOptions
+
+    if sim.profile not in PROFILES:
+        raise ConfigError(f"unknown sim_profile {sim.profile!r}; profiles: "
+                          f"{', '.join(PROFILES)}")
+    if sim.time_scale <= 0 or sim.kv_byte_scale < 1:
+        raise ConfigError("sim_time_scale must be > 0 and sim_kv_byte_scale >= 1")
+    return SimEngine(SimOptions(
+        profile=PROFILES[sim.profile], time_scale=sim.time_scale,
+        block_size=settings.block_size, max_batch_size=settings.max_batch_size,
+        max_batch_tokens=settings.max_batch_tokens, kv_byte_scale=sim.kv_byte_scale,
+        is_prefix_caching=settings.enable_prefix_caching))
+
+
+def _torch_engine(settings: EngineSettings) -> Engine:
+    import torch
+
+    from engine.builtin_model import ensure_builtin_model
+    from engine.torch_engine import EngineOptions, TorchEngine
+
+    model_dir = (Path(settings.model_path).expanduser() if settings.model_path
+                 else ensure_builtin_model(default_model_dir()))
+    return TorchEngine(EngineOptions(
+        model_dir=model_dir, dtype=getattr(torch, settings.dtype), device=settings.device,
+        attention_backend=settings.attention_backend, num_blocks=settings.num_blocks,
+        kv_cache_memory_gb=settings.kv_cache_memory_gb,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        block_size=settings.block_size,
+        max_batch_size=settings.max_batch_size, max_batch_tokens=settings.max_batch_tokens,
+        max_wait_s=settings.prefill_max_wait_ms / 1000, max_model_len=settings.max_model_len,
+        is_prefix_caching=settings.enable_prefix_caching))
+
+
+def simulated_link(config: WorkerConfig) -> SimulatedLink | None:
+    """A simulated engine's KV is scaled down; its transfers take the full size's time."""
+    if config.engine.kind != "sim" or config.sim.link_bytes_per_s <= 0:
+        return None
+    return SimulatedLink(config.sim.link_bytes_per_s, config.sim.kv_byte_scale,
+                         config.sim.time_scale)
+
+
+async def start_transfer_engine(config: WorkerConfig, worker_id: str, nc: NatsClient,
+                                subjects: Subjects,
+                                on_notification: Callable[[Notification], None]
+                                ) -> TransferEngine:
+    secret = config.transfer.secret
+    if not secret:
+        if not ipaddress.ip_address(config.transfer.host).is_loopback:
+            raise ConfigError("set transfer_secret (HALFMOON_TRANSFER_SECRET) when the "
+                              "transfer engine listens beyond loopback")
+        secret = f"halfmoon-local-{config.cluster}"  # loopback only: same machine
+    registry = await NatsEndpointRegistry.open(nc.jetstream(), subjects.transfer_bucket)
+    transfer = TransferEngine(TransferConfig(
+        engine_id=worker_id, secret=secret.encode(), listen_host=config.transfer.host,
+        listen_port=config.transfer.port, advertise_host=config.transfer.advertise_host,
+        transports=tuple(t.strip() for t in config.transfer.transports.split(",")),
+        timeout_s=config.transfer.kv_wait_timeout_s,
+    ), registry, on_notification=on_notification)
+    await transfer.start()
+    return transfer

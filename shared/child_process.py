@@ -1,0 +1,18 @@
+"""Child processes that never outlive their parent."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+
+
+def die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM if the parent dies (Linux; elsewhere nothing).
+    Children started in sessions of their own are out of reach of the terminal's signals, so
+    this is what ends them when the parent is killed."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except OSError:
+        pass

@@ -1,0 +1,99 @@
+"""KV that grows as sequences do, and preemption by recompute when the pool runs out: no
+request is failed for lack of blocks, and none loses or repeats a token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.protocol import DecodeRequest, PrefillRequest
+from shared.errors import CapacityExhausted
+from shared.messages import SamplingParams
+from tests.engine.test_against_transformers import GREEDY, collect, generate, start_engine
+
+PROMPTS = [[(11 * i + 5 * j) % 290 + 5 for j in range(8 + i % 13)] for i in range(32)]
+
+
+async def test_requests_four_times_the_pool_all_complete_as_if_each_ran_alone(
+        llama_dir: Path) -> None:
+    roomy = await start_engine(llama_dir, num_blocks=1024)
+    try:
+        alone = [(await generate(roomy, [prompt], f"alone{i}-"))[0]
+                 for i, prompt in enumerate(PROMPTS)]
+    finally:
+        await roomy.close()
+    needed = sum(len(p) + GREEDY.max_tokens for p in PROMPTS)
+    num_blocks = needed // 4 // 4  # a quarter of the tokens, in blocks of 4
+    tight = await start_engine(llama_dir, num_blocks=num_blocks, max_batch_size=32)
+    try:
+        assert await generate(tight, PROMPTS) == alone
+        stats = tight.stats()
+        assert stats.num_preemptions > 0
+        assert stats.num_free_blocks == stats.num_total_blocks == num_blocks
+    finally:
+        await tight.close()
+
+
+async def test_only_a_request_that_cannot_fit_the_pool_alone_is_refused(llama_dir: Path) -> None:
+    engine = await start_engine(llama_dir, num_blocks=8)  # 32 tokens
+    try:
+        engine.generate(PrefillRequest("big", PROMPTS[0], GREEDY))  # 8 + 32 tokens
+        engine.generate(PrefillRequest("fits", PROMPTS[0], SamplingParams(
+            max_tokens=20, temperature=0.0, ignore_eos=True)))
+        outputs = {}
+        while len(outputs) < 2:
+            for out in await engine.next_step():
+                if out.error is not None or out.finish_reason is not None:
+                    outputs[out.request_id] = out
+        assert isinstance(outputs["big"].error, CapacityExhausted)
+        assert outputs["fits"].error is None and outputs["fits"].index == 19
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize("max_tokens", [1, 200])
+async def test_a_decode_reservation_takes_the_prompt_and_a_block_of_headroom(
+        llama_dir: Path, max_tokens: int) -> None:
+    engine = await start_engine(llama_dir, num_blocks=64)  # blocks of 4
+    try:
+        blocks = engine.reserve("r", 17 + max_tokens, num_prompt_tokens=17)
+        assert len(blocks) == (5 if max_tokens == 1 else 6)  # 18 tokens; or 17 + 4
+        engine.abort("r")
+        assert (await collect(engine, set())) == {}
+    finally:
+        await engine.close()
+
+
+async def test_a_decode_worker_grows_its_reservations_and_preempts_when_short(
+        llama_dir: Path) -> None:
+    """Disaggregated: decode holds each prompt's KV (copied in, as a handoff lands it) and a
+    block of headroom, then grows; its pool holds every reservation but not half of what
+    the requests grow to."""
+    roomy = await start_engine(llama_dir, num_blocks=1024)
+    try:
+        alone = [(await generate(roomy, [prompt], f"alone{i}-"))[0]
+                 for i, prompt in enumerate(PROMPTS)]
+        results = [await roomy.prefill(PrefillRequest(f"p{i}", prompt, GREEDY))
+                   for i, prompt in enumerate(PROMPTS)]
+        reserved = sum(-(-(len(p) + 4) // 4) for p in PROMPTS)
+        decode = await start_engine(llama_dir, num_blocks=reserved + 4, max_batch_size=32)
+        try:
+            for i, (prompt, result) in enumerate(zip(PROMPTS, results, strict=True)):
+                targets = decode.reserve(f"d{i}", len(prompt) + GREEDY.max_tokens,
+                                         num_prompt_tokens=len(prompt))
+                source = roomy.kv.data[:, :, result.block_ids]  # type: ignore[union-attr]
+                decode.kv.data[:, :, targets[:len(result.block_ids)]] = source  # type: ignore[union-attr]
+                roomy.release(f"p{i}")
+            for i, (prompt, result) in enumerate(zip(PROMPTS, results, strict=True)):
+                decode.join(DecodeRequest(f"d{i}", prompt, result.first_token_id, GREEDY))
+            rest = await collect(decode, {f"d{i}" for i in range(len(PROMPTS))})
+            outputs = [[results[i].first_token_id, *rest[f"d{i}"]] for i in range(len(PROMPTS))]
+            assert outputs == alone
+            stats = decode.stats()
+            assert stats.num_preemptions > 0
+            assert stats.num_free_blocks == stats.num_total_blocks
+        finally:
+            await decode.close()
+    finally:
+        await roomy.close()

@@ -1,0 +1,87 @@
+"""A KV handoff that fails after prefill computed the KV is retried on another decode worker
+with the same KV: the prompt is never computed twice, the client's output is unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from services.decode.service import DecodeService
+from shared.messages import DispatchReply, KvCommitted
+from tests.integration.test_events import subscriber
+from tests.stack import Stack
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "halfmoon-tiny"
+
+
+class RefusingDecode(DecodeService):
+    """Implements the decode worker, but loses every request just before its commit (as a
+    worker that restarted or expired the reservation would)."""
+
+    async def _on_commit(self, message: KvCommitted) -> DispatchReply:
+        self._abort(message.request_id)
+        return self._refusal("simulated: the reservation is gone")
+
+
+def prefill_count(stack: Stack) -> float:
+    value = stack.prefills[0].metrics.registry.get_sample_value("halfmoon_prefill_seconds_count")
+    return value or 0.0
+
+
+async def test_a_refused_commit_moves_the_computed_kv_to_another_decode_worker(
+        nats_url: str, tiny_dir: Path) -> None:
+    worker = {"engine": "torch", "model_path": str(tiny_dir), "num_blocks": 256}
+    stack = Stack(nats_url, num_decode=2, worker=worker,
+                  gateway_options={"model_path": str(tiny_dir)})
+    # The refusing worker's id sorts first: placement tries it first (all else equal).
+    stack.decodes[0] = RefusingDecode(msgspec.structs.replace(
+        stack.decodes[0].config, worker_id="decode-0-refuses"))
+    body: dict[str, Any] = {"model": MODEL, "prompt": "Once upon a time in a far land",
+                            "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    async with stack, subscriber(stack) as events:
+        refusing, healthy = stack.decodes
+        status, first = await stack.post("/v1/completions", body)
+        assert status == 200, first
+        (migrated,) = [e for e in events if e.kind == "migrated"]
+        assert (migrated.lost_worker_id, migrated.decode_worker_id) == (
+            refusing.worker_id, healthy.worker_id)
+        assert prefill_count(stack) == 1  # computed once, sent twice
+        assert refusing.kv_commits == {} and healthy.kv_commits == {"shm": 1}
+        await refusing.stop()  # the reference run goes straight to the healthy worker
+        status, again = await stack.post("/v1/completions", body)
+        assert status == 200, again
+        assert first["choices"][0]["text"] == again["choices"][0]["text"]
+        assert len(stack.prefills[0].leases) == 0
+        await stack.wait_blocks_free(timeout_s=10)
+
+
+
+async def test_a_decode_worker_whose_transfer_listener_closed_is_bypassed(
+        nats_url: str, tiny_dir: Path) -> None:
+    # Over TCP, as between hosts (shared memory on one host needs no listener).
+    worker = {"engine": "torch", "model_path": str(tiny_dir), "num_blocks": 256,
+              "transfer_transports": "tcp"}
+    stack = Stack(nats_url, num_decode=2, worker=worker,
+                  gateway_options={"model_path": str(tiny_dir)})
+    stack.decodes[0] = DecodeService(msgspec.structs.replace(  # tried first, all else equal
+        stack.decodes[0].config, worker_id="decode-0-deaf"))
+    body: dict[str, Any] = {"model": MODEL, "prompt": "Once upon a time in a far land",
+                            "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    async with stack, subscriber(stack) as events:
+        deaf, other = stack.decodes
+        assert deaf.transfer is not None
+        await deaf.transfer.stop_listening()  # nothing lands there any more; it still serves
+        status, first = await stack.post("/v1/completions", body)
+        assert status == 200, first
+        (migrated,) = [e for e in events if e.kind == "migrated"]
+        assert (migrated.lost_worker_id, migrated.decode_worker_id) == (
+            deaf.worker_id, other.worker_id)
+        assert prefill_count(stack) == 1 and other.kv_commits == {"tcp": 1}
+        await deaf.stop()
+        status, again = await stack.post("/v1/completions", body)
+        assert first["choices"][0]["text"] == again["choices"][0]["text"]

@@ -1,0 +1,80 @@
+"""A NATS outage is not worker death: streams in flight survive a server restart of a few
+seconds, and nothing is failed over."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from engine.fake_engine import fake_completion
+from services.gateway.tokenizer import ByteTokenizer
+from shared.heartbeats import WorkerDirectory
+from shared.nats_server import EmbeddedNatsServer
+from tests.stack import Stack
+from tests.unit.test_placement import worker
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "halfmoon-tiny"
+TOKENIZER = ByteTokenizer()
+
+
+@pytest.fixture
+def own_server() -> Iterator[EmbeddedNatsServer]:
+    """A nats-server of this test's own, to kill and restart (its store survives)."""
+    server = EmbeddedNatsServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+async def test_streams_survive_a_nats_restart_and_no_worker_is_failed_over(
+        own_server: EmbeddedNatsServer) -> None:
+    async with Stack(own_server.url, worker={"fake_token_delay_s": 0.04}) as stack:
+        prompts = [f"outage {i}" for i in range(4)]
+        requests = [asyncio.create_task(stack.post("/v1/completions", {
+            "model": MODEL, "prompt": prompt, "max_tokens": 80, "temperature": 0}))
+            for prompt in prompts]
+        await asyncio.sleep(1.0)  # every stream under way
+        own_server.kill()
+        await asyncio.sleep(2.0)
+        own_server.restart()
+        results = await asyncio.wait_for(asyncio.gather(*requests), 60)
+        for prompt, (status, body) in zip(prompts, results, strict=True):
+            assert status == 200, body
+            expected = TOKENIZER.decode(fake_completion(TOKENIZER.encode(prompt), None, 80))
+            assert body["choices"][0]["text"] == expected
+        assert stack.gateway.metrics.failovers._value.get() == 0  # type: ignore[attr-defined]
+
+
+def test_heartbeat_judgments_wait_while_disconnected_and_one_interval_after() -> None:
+    directory = WorkerDirectory(timeout_s=2.0)
+    directory.observe(worker("p1"), now_s=100.0)
+    directory.suspend(now_s=101.0)  # our own connection dropped
+    assert directory.is_alive("p1", now_s=110.0)  # no news is not bad news while away
+    directory.resume(now_s=110.0)
+    assert directory.is_alive("p1", now_s=111.5)  # its heartbeats have time to come back
+    assert not directory.is_alive("p1", now_s=112.5)  # they did not: it is lost
+
+
+def test_a_worker_that_heartbeats_after_the_outage_stays_alive() -> None:
+    directory = WorkerDirectory(timeout_s=2.0)
+    directory.observe(worker("p1"), now_s=100.0)
+    directory.suspend(now_s=100.5)
+    directory.resume(now_s=105.0)
+    directory.observe(worker("p1"), now_s=105.5)
+    assert directory.is_alive("p1", now_s=107.0)
+    assert [w.worker_id for w in directory.healthy("prefill", now_s=107.0)] == ["p1"]
+
+
+def test_entries_are_not_expired_while_disconnected() -> None:
+    forgotten: list[str] = []
+    directory = WorkerDirectory(timeout_s=1.0, on_expire=forgotten.append)
+    now = time.monotonic()
+    directory.observe(worker("p1"), now_s=now)
+    directory.suspend(now_s=now + 0.5)
+    assert [w.worker_id for w in directory.healthy("prefill", now_s=now + 60)] == ["p1"]
+    assert forgotten == []

@@ -1,0 +1,121 @@
+"""Tool calling through the `openai` SDK on the built-in model (random weights): a forced
+call (`required` or a named function) is well formed and its arguments validate against the
+function's parameters, whole and streamed; history with calls and results is served."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from tests.stack import Stack, torch_stack_on
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "halfmoon-tiny"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+TOOLS = [WEATHER, ADD]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}  # type: ignore[index]
+MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+@pytest.fixture
+async def sdk(nats_url: str, tiny_dir: Path) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with torch_stack_on("disaggregated", nats_url, str(tiny_dir), num_blocks=1536,
+                              ) as stack, openai.AsyncOpenAI(
+            base_url=stack.base_url, api_key="x", max_retries=0, timeout=120) as client:
+        yield client
+
+
+def check_call(name: str, arguments: str, allowed: set[str]) -> None:
+    assert name in allowed
+    jsonschema.validate(json.loads(arguments), PARAMETERS[name])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "add"}}])
+async def test_a_forced_call_is_well_formed(sdk: openai.AsyncOpenAI, choice: Any) -> None:
+    allowed = {"get_weather", "add"} if choice == "required" else {"add"}
+
+    async def whole(seed: int) -> None:
+        response = await sdk.chat.completions.create(
+            model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=choice,  # type: ignore[arg-type]
+            max_tokens=128, temperature=1.0, seed=seed)
+        choice_ = response.choices[0]
+        assert choice_.finish_reason == "tool_calls"
+        calls = choice_.message.tool_calls or []
+        assert len(calls) == 1 and calls[0].type == "function" and calls[0].id
+        check_call(calls[0].function.name, calls[0].function.arguments, allowed)
+
+    async def streamed(seed: int) -> None:
+        stream = await sdk.chat.completions.create(
+            model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=choice,  # type: ignore[arg-type]
+            max_tokens=128, temperature=1.0, seed=seed, stream=True)
+        calls: dict[int, dict[str, str]] = {}
+        finish, content = None, ""
+        async for chunk in stream:
+            for delta_choice in chunk.choices:
+                content += delta_choice.delta.content or ""
+                finish = delta_choice.finish_reason or finish
+                for call in delta_choice.delta.tool_calls or []:
+                    entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                    entry["name"] += (call.function.name or "") if call.function else ""
+                    entry["arguments"] += (call.function.arguments or "") if call.function else ""
+        assert finish == "tool_calls" and content == "" and len(calls) == 1
+        check_call(calls[0]["name"], calls[0]["arguments"], allowed)
+
+    await asyncio.gather(*(whole(seed) for seed in range(10)),
+                         *(streamed(seed) for seed in range(10, 20)))
+
+
+async def test_auto_without_a_call_is_plain_text_and_history_is_served(
+        sdk: openai.AsyncOpenAI) -> None:
+    history = [*MESSAGES,
+               {"role": "assistant", "content": None, "tool_calls": [{
+                   "id": "call_1", "type": "function", "function": {
+                       "name": "get_weather",
+                       "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "12 degrees, rain"}]
+    response = await sdk.chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, max_tokens=16, temperature=0,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True})
+    assert response.choices[0].finish_reason == "length"
+    assert response.choices[0].message.tool_calls is None
+    assert response.choices[0].message.content
+
+
+async def test_the_tools_reach_the_prompt(torch_stack: Stack, tiny_dir: Path) -> None:
+    plain = await torch_stack.post("/v1/chat/completions", {
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 1})
+    with_tools = await torch_stack.post("/v1/chat/completions", {
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 1, "tools": TOOLS})
+    assert plain[0] == with_tools[0] == 200
+    extra = with_tools[1]["usage"]["prompt_tokens"] - plain[1]["usage"]["prompt_tokens"]
+    assert extra > 50  # the tool list and its instructions
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required", "tools": []}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "not": {}}}}],
+      "tool_choice": "required"}, "tools"),
+])
+async def test_bad_tool_requests_get_400(torch_stack: Stack, extra: dict[str, Any],
+                                         param: str) -> None:
+    status, body = await torch_stack.post("/v1/chat/completions", {
+        "model": MODEL, "messages": MESSAGES, "tools": TOOLS, **extra})
+    assert status == 400 and body["error"]["param"] == param, body

@@ -1,0 +1,119 @@
+"""One request's placement, attempt by attempt, without NATS: which commands each attempt
+sends, which sides are kept, and SLO admission."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from services.conductor import assignment
+from services.conductor.assignment import ClusterView, Progress, Rules
+from services.conductor.cost_model import Slo
+from shared.errors import SloViolation, WorkerUnavailable
+from shared.messages import (
+    DecodeReservation,
+    DispatchReply,
+    GenerateRequest,
+    PrefillTask,
+    SamplingParams,
+    WorkerHeartbeat,
+)
+from tests.unit.test_placement import worker
+
+REQUEST = GenerateRequest(request_id="r", model="m", prompt_token_ids=list(range(40)),
+                          sampling=SamplingParams(max_tokens=8), reply_subject="x",
+                          created_at_s=0.0)
+ACCEPT = DispatchReply(is_accepted=True, worker_id="")
+REFUSE = DispatchReply(is_accepted=False, worker_id="", reason="full")
+
+
+def view(*workers: WorkerHeartbeat) -> ClusterView:
+    by_id = {w.worker_id: w for w in workers}
+    return ClusterView(prefill=[w for w in workers if w.role == "prefill"],
+                       decode=[w for w in workers if w.role == "decode"], pending={},
+                       known=lambda worker_id: by_id.get(worker_id or ""))
+
+
+def attempt(cluster: ClusterView, progress: Progress, *replies: DispatchReply
+            ) -> assignment.Plan:
+    chosen = assignment.plan(REQUEST, cluster, progress, Rules(), prefix=None, turn=0)
+    for send, reply in zip(chosen.sends, replies, strict=True):
+        progress.record(send, reply)
+    return chosen
+
+
+def sent(chosen: assignment.Plan) -> list[tuple[str, str]]:
+    return [(send.role, send.worker.worker_id) for send in chosen.sends]
+
+
+def test_the_first_attempt_sends_both_sides_at_once() -> None:
+    progress = Progress()
+    chosen = attempt(view(worker("p1"), worker("d1", "decode")), progress, ACCEPT, ACCEPT)
+    assert sent(chosen) == [("prefill", "p1"), ("decode", "d1")]
+    assert isinstance(chosen.sends[0].message, PrefillTask)
+    reservation = chosen.sends[1].message
+    assert isinstance(reservation, DecodeReservation)
+    assert reservation.prefill_worker_id == "p1" and not reservation.is_local_prefill
+    assert progress.is_complete(chosen) and chosen.path == "disaggregated"
+
+
+def test_a_refusing_decode_worker_is_replaced_and_the_accepted_prefill_kept() -> None:
+    cluster = view(worker("p1"), worker("d1", "decode"), worker("d2", "decode"))
+    progress = Progress()
+    first = attempt(cluster, progress, ACCEPT, REFUSE)
+    assert not progress.is_complete(first)
+    second = attempt(cluster, progress, ACCEPT)
+    assert sent(second) == [("decode", "d2")]
+    assert progress.is_complete(second) and progress.kept == {"prefill": "p1", "decode": "d2"}
+
+
+def test_a_new_prefill_worker_is_told_to_the_kept_decode_worker_again() -> None:
+    cluster = view(worker("p1"), worker("p2"), worker("d1", "decode"))
+    progress = Progress()
+    attempt(cluster, progress, REFUSE, ACCEPT)
+    second = attempt(cluster, progress, ACCEPT, ACCEPT)
+    assert sent(second) == [("prefill", "p2"), ("decode", "d1")]
+    reservation = second.sends[1].message
+    assert isinstance(reservation, DecodeReservation) and reservation.prefill_worker_id == "p2"
+
+
+def test_a_kept_side_whose_heartbeats_vanished_is_chosen_again() -> None:
+    progress = Progress()
+    attempt(view(worker("p1"), worker("d1", "decode")), progress, ACCEPT, REFUSE)
+    later = view(worker("p2"), worker("d2", "decode"))  # p1 is gone from the view
+    assert sent(attempt(later, progress, ACCEPT, ACCEPT)) == [("prefill", "p2"),
+                                                              ("decode", "d2")]
+
+
+def test_a_short_prompt_goes_to_a_decode_worker_that_prefills_it_itself() -> None:
+    local = msgspec.structs.replace(worker("d1", "decode"), local_prefill_max_tokens=64)
+    progress = Progress()
+    chosen = attempt(view(worker("p1"), local), progress, ACCEPT)
+    assert chosen.path == "local" and sent(chosen) == [("decode", "d1")]
+    message = chosen.sends[0].message
+    assert isinstance(message, DecodeReservation) and message.is_local_prefill
+    assert progress.is_complete(chosen)
+
+
+def test_every_worker_refusing_leaves_no_placement() -> None:
+    cluster = view(worker("p1"), worker("d1", "decode"))
+    progress = Progress()
+    attempt(cluster, progress, REFUSE, REFUSE)
+    with pytest.raises(WorkerUnavailable):
+        attempt(cluster, progress)
+
+
+def test_accepted_sends_count_as_pending_work_until_the_next_heartbeat() -> None:
+    chosen = attempt(view(worker("p1"), worker("d1", "decode")), Progress(), ACCEPT, ACCEPT)
+    prefill_send, decode_send = chosen.sends
+    assert assignment.with_sent(None, prefill_send).num_prefill_tokens == 40
+    assert assignment.with_sent(None, decode_send).num_blocks == 3  # 48 tokens / 16
+
+
+def test_admission_rejects_what_cannot_meet_the_ttft_slo() -> None:
+    slow = msgspec.structs.replace(worker("p1"), prefill_tokens_per_s=100.0)
+    chosen = assignment.plan(REQUEST, view(slow, worker("d1", "decode")), Progress(), Rules(),
+                             prefix=None, turn=0)
+    assignment.admit(REQUEST, chosen, {}, None, Rules(slo=Slo(ttft_s=1.0)))  # 0.4 s: fine
+    with pytest.raises(SloViolation):
+        assignment.admit(REQUEST, chosen, {}, None, Rules(slo=Slo(ttft_s=0.1)))

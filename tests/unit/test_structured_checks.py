@@ -1,0 +1,68 @@
+"""The gateway's checks on JSON schemas, and the JSON closer's bookkeeping."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from engine.builtin_model import write_builtin_model
+from engine.grammar import Grammars, JsonState
+from services.gateway.structured import check_grammar
+from shared.errors import InvalidRequest
+from shared.messages import GrammarSpec
+
+
+def schema(value: object) -> GrammarSpec:
+    return GrammarSpec(kind="json_schema", source=json.dumps(value))
+
+
+def test_a_valid_schema_with_local_references_passes() -> None:
+    check_grammar(schema({"type": "object", "$defs": {"p": {"type": "integer"}},
+                          "properties": {"not": {"$ref": "#/$defs/p"}}}))
+    check_grammar(GrammarSpec(kind="json_object"))
+
+
+@pytest.mark.parametrize(("value", "match"), [
+    ({"type": "nonsense"}, "not a valid JSON schema"),
+    ({"type": "object", "properties": {"a": {"minimum": "x"}}}, "properties/a/minimum"),
+    ({"type": "array", "uniqueItems": True}, "'uniqueItems'"),
+    ({"allOf": [{"not": {"type": "string"}}]}, "'not' .at #/allOf/0"),
+    ({"$ref": "#/$defs/missing"}, "does not resolve"),
+    ({"$ref": "https://example.com/s.json"}, "only references inside"),
+    ([1, 2], "must be a JSON object"),
+])
+def test_a_schema_the_workers_could_not_keep_is_refused(value: object, match: str) -> None:
+    with pytest.raises(InvalidRequest, match=match) as info:
+        check_grammar(schema(value))
+    assert info.value.param == "response_format"
+
+
+@pytest.mark.parametrize(("text", "owed"), [
+    ("", 1), ("{", 1), ('{"a', 4), ('{"a"', 3), ('{"a":', 2), ('{"a": "x', 2),
+    ('{"a": "x\\"', 2), ('{"a": [1, {"b": 2', 3), ('{"a": [1, {"b": 2}]}', 0),
+])
+def test_the_json_state_counts_what_is_left_to_close(text: str, owed: int) -> None:
+    assert JsonState().after(text.encode()).owed() == owed
+
+
+def test_a_spec_compiles_once_per_worker(tmp_path: Path) -> None:
+    model_dir = write_builtin_model(tmp_path / "model")
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    grammars = Grammars(model_dir, vocab_size, [2])
+    spec = schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    compiles: list[GrammarSpec] = []
+    compile_one = grammars._compile
+
+    def counted(spec: GrammarSpec) -> object:
+        compiles.append(spec)
+        return compile_one(spec)
+
+    grammars._compile = counted  # type: ignore[method-assign,assignment]
+    with ThreadPoolExecutor(8) as pool:  # a burst of requests with one schema
+        burst = list(pool.map(grammars.compile, [spec] * 16))
+    assert compiles == [spec] and all(g is burst[0] for g in burst)
+    assert grammars.compile(spec) is burst[0]
+    assert grammars.compile(GrammarSpec(kind="json_object")) is not burst[0]
