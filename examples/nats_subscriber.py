@@ -93,6 +93,7 @@ async def watch(url: str, cluster: str, window_s: float, duration_s: float | Non
             print(f"skipped a malformed event on {msg.subject}: {exc!r}", file=sys.stderr)
 
     await nc.subscribe(f"halfmoon.{cluster}.v1.events.request.>", cb=on_event)
+    await nc.flush()  # subscribed at the server before the first report
     is_terminal = sys.stdout.isatty()
     started = time.monotonic()
     try:

@@ -35,6 +35,7 @@ async def subscriber(stack: Stack) -> AsyncIterator[list[RequestEvent]]:
         events.append(decoder.decode(msg.data))
 
     await nc.subscribe(stack.gateway.subjects.all_request_events, cb=on_message)
+    await nc.flush()  # the server has the subscription before any request is sent
     try:
         yield events
     finally:

@@ -88,6 +88,7 @@ async def test_sigkilled_decode_worker_is_replaced_mid_stream(
             reserved.append(worker_id)
 
         await observer.subscribe(subjects.decode_reserve(worker_id), cb=seen)
+    await observer.flush()
     try:
         await asyncio.to_thread(wait_healthy, f"http://127.0.0.1:{port}", 2)
         async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",

@@ -132,6 +132,7 @@ async def test_kv_quantized_on_the_wire_lands_dequantized_in_decode(
 
     subscription = await stack.gateway.nc.subscribe(
         stack.gateway.subjects.request_event("kv_committed"), cb=on_event)
+    await stack.gateway.nc.flush()
     tokenizer = HfTokenizer(tiny_dir)
     outputs = await complete_all(stack, tokenizer)
     await eventually(lambda: len(committed) == len(PROMPTS))
