@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -277,11 +278,13 @@ class ProcessCluster(Cluster):
             ("prefill", self.worker_flags)] * 2 + [("decode", self.worker_flags)] * 2
         roles += [("gateway", ["--tokenizer", "bytes", "--port", str(self.port + i),
                                "--log-level", "warning"]) for i in range(2)]
+        # Every worker of the cluster holds the same transfer secret.
+        environment = {**os.environ, "HALFMOON_TRANSFER_SECRET": secrets.token_hex(16)}
         for role, flags in roles:
             self.children.append((role, subprocess.Popen(
                 [sys.executable, "-m", "services.cli", role, "--nats-url", self.nats_url,
                  "--cluster", self.cluster, *flags], stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, start_new_session=True)))
+                stderr=subprocess.DEVNULL, start_new_session=True, env=environment)))
 
     @staticmethod
     async def _is_healthy(url: str) -> bool:

@@ -6,6 +6,7 @@
     halfmoon bench compare ...                colocated against disaggregated serving
     halfmoon bench transfer [--max-mib N]     transfer-engine benchmark (two processes)
     halfmoon schema [--out docs/contract]     the NATS contract: JSON Schemas + AsyncAPI
+    halfmoon nats-auth --out DIR              NATS users for each role: nkeys + users.conf
 
 Every service flag is also an environment variable `HALFMOON_<FLAG>` and a key of the TOML
 file given with `--config`.
@@ -87,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     schema = commands.add_parser("schema", help="write the NATS contract: JSON Schemas and "
                                  "an AsyncAPI document")
     schema.add_argument("--out", default="docs/contract", help="default: docs/contract")
+    auth = commands.add_parser("nats-auth", help="write least-privilege NATS users, one "
+                               "nkey per service role and per gateway, and the nats-server "
+                               "authorization block naming them")
+    auth.add_argument("--out", required=True, help="directory for users.conf and <user>.nk")
+    auth.add_argument("--cluster", default="default", help="the halfmoon cluster name "
+                      "(default: default)")
+    auth.add_argument("--gateways", type=int, default=2,
+                      help="gateway users gateway-0..N-1, each reading only its own tokens "
+                      "(default: 2)")
     bench = commands.add_parser("bench", help="benchmarks (bench serve --help)")
     bench.add_argument("target", choices=sorted(benchmarks()), help="what to measure")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER,
@@ -103,6 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return init_model(args.directory, is_forced=args.force)
         if args.command == "schema":
             return write_schema(Path(args.out))
+        if args.command == "nats-auth":
+            return write_nats_auth(Path(args.out), args.cluster, args.gateways)
         if args.command == "bench":
             return run_benchmark(args.target, args.bench_args)
         return run_service(args.command, vars(args))
@@ -132,6 +144,19 @@ def write_schema(out_dir: Path) -> int:
 
     written = write_contract(out_dir)
     print(f"wrote {len(written)} files under {out_dir}")
+    return 0
+
+
+def write_nats_auth(out_dir: Path, cluster: str, num_gateways: int) -> int:
+    from shared.nats_auth import write_nkey_users
+    from shared.subjects import Subjects
+
+    if num_gateways < 1:
+        raise ConfigError(f"--gateways must be at least 1, not {num_gateways}")
+    written = write_nkey_users(out_dir, Subjects(cluster),
+                               [f"gateway-{i}" for i in range(num_gateways)])
+    print(f"wrote {', '.join(path.name for path in written)} under {out_dir} (the .nk files "
+          "are secrets: one per service identity)")
     return 0
 
 

@@ -1,11 +1,12 @@
 """`halfmoon up`: the whole system on one machine, each service its own OS process.
 
-Order: NATS (embedded, unless `--nats` names a server) -> conductor -> prefill and decode
-workers -> gateway; ready once the gateway's /health sees every worker. From then on the
-launcher supervises: a child that exits unexpectedly is restarted with backoff while the
-others keep serving, and a crash loop (`--max-restarts` within `--restart-window-s`) stops
-everything with the process's last log lines (`supervisor.py`); restarts are counted on the
-launcher's own /metrics (`halfmoon_process_restarts_total{service}`). Ctrl-C or SIGTERM stops
+Order: NATS (embedded, one node or `--nats-cluster N`, unless `--nats` names a server) ->
+conductor -> prefill and decode workers -> gateway; ready once the gateway's /health sees
+every worker. From then on the launcher supervises: a child that exits unexpectedly (an
+embedded NATS node too) is restarted with backoff while the others keep serving, and a
+crash loop (`--max-restarts` within `--restart-window-s`) stops everything with the
+process's last log lines (`supervisor.py`); restarts are counted on the launcher's own
+/metrics (`halfmoon_process_restarts_total{service}`). Ctrl-C or SIGTERM stops
 the gateway first (no new requests), then workers and conductor, then NATS (children run in
 sessions of their own: a terminal's Ctrl-C reaches only the launcher); children that do not
 stop in time are killed, and children die with the launcher (PDEATHSIG).
@@ -40,8 +41,9 @@ from shared.config import (
     add_field_flag,
     flat_fields,
 )
-from shared.errors import ServiceStartFailed
-from shared.nats_server import EmbeddedNatsServer
+from shared.errors import ConfigError, ServiceStartFailed
+from shared.nats_client import redact
+from shared.nats_server import EmbeddedNatsCluster
 
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
@@ -86,6 +88,7 @@ class UpOptions:
     restart_policy: RestartPolicy = dataclass_field(default_factory=RestartPolicy)
     metrics_port: int = 0  # the launcher's own /metrics (0: a free port)
     num_gateways: int = 1  # on ports port, port + 1, ...
+    nats_cluster: int = 1  # nodes of the embedded NATS
 
     @property
     def is_builtin_model(self) -> bool:
@@ -100,6 +103,9 @@ class UpOptions:
                             help="use this NATS server instead of an embedded one")
         parser.add_argument("--nats-port", type=int, default=None,
                             help="port of the embedded NATS server (default: a free one)")
+        parser.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                            help="run the embedded NATS as a cluster of N nodes (JetStream "
+                                 "assets with min(N, 3) replicas unless --js-replicas says)")
         parser.add_argument("--mode", default="disaggregated",
                             choices=["disaggregated", "colocated"],
                             help="colocated: every worker prefills and decodes (no KV moves)")
@@ -143,6 +149,10 @@ class UpOptions:
             settings.append(("log_format", "console"))
         if args.model_path is not None:
             settings += [("model_path", args.model_path), ("model", Path(args.model_path).name)]
+        if args.nats_cluster > 1 and args.nats_url is not None:
+            raise ConfigError("--nats-cluster starts an embedded cluster; --nats names one")
+        if args.nats_cluster > 1 and args.js_replicas is None:
+            settings.append(("js_replicas", min(3, args.nats_cluster)))
         is_colocated = args.mode == "colocated"
         if is_colocated:  # a colocated worker prefills every prompt it could ever hold
             settings.append(("local_prefill_max_tokens", 1 << 30))
@@ -153,7 +163,7 @@ class UpOptions:
                    num_prefill=0 if is_colocated else args.num_prefill,
                    num_decode=args.num_workers if is_colocated else args.num_decode,
                    cluster=args.cluster, is_colocated=is_colocated,
-                   num_gateways=max(1, args.num_gateways),
+                   num_gateways=max(1, args.num_gateways), nats_cluster=args.nats_cluster,
                    settings=tuple(settings), metrics_port=args.metrics_port,
                    restart_policy=RestartPolicy(max_crashes=args.max_restarts,
                                                 crash_window_s=args.restart_window_s))
@@ -256,8 +266,9 @@ def run_up(options: UpOptions) -> int:
 
         ensure_builtin_model()  # once here, not racing in every worker
     metrics = LauncherMetrics()
-    server = None if options.nats_url else EmbeddedNatsServer(port=options.nats_port)
-    nats_url = options.nats_url or server.start()  # type: ignore[union-attr]
+    nats = None if options.nats_url else EmbeddedNatsCluster(options.nats_cluster,
+                                                            port=options.nats_port)
+    nats_url = options.nats_url or nats.start()  # type: ignore[union-attr]
     cluster = Cluster(options, nats_url, lambda role: metrics.restarts.labels(role).inc())
     urls = [f"http://{options.host}:{options.port + i}" for i in range(options.num_gateways)]
     url = urls[0]
@@ -266,17 +277,18 @@ def run_up(options: UpOptions) -> int:
         cluster.wait_ready(urls)
         metrics_url = metrics.serve(options.host, options.metrics_port)
         more = f" and {len(urls) - 1} more on the next ports" if len(urls) > 1 else ""
-        print(f"halfmoon is up: OpenAI API at {url}/v1{more} (NATS {nats_url}, launcher metrics "
-              f"{metrics_url}); Ctrl-C stops it", flush=True)
+        print(f"halfmoon is up: OpenAI API at {url}/v1{more} (NATS {redact(nats_url)}, "
+              f"launcher metrics {metrics_url}); Ctrl-C stops it", flush=True)
         while not stop_signal:
             cluster.supervisor.poll()
-            if server is not None and not server.is_running():
-                # The services reconnect by themselves; the store (the request queue, KV
-                # events) survives the server's restart.
-                print("halfmoon: the embedded nats-server exited; restarting it on the same "
-                      "port with its store", file=sys.stderr, flush=True)
-                server.restart()
-                metrics.restarts.labels("nats").inc()
+            for node in nats.nodes if nats is not None else []:
+                if not node.is_running():
+                    # The services reconnect by themselves; the store (the request queue, KV
+                    # events) survives the server's restart.
+                    print(f"halfmoon: the embedded nats-server {node.name} exited; restarting "
+                          "it on the same ports with its store", file=sys.stderr, flush=True)
+                    node.restart()
+                    metrics.restarts.labels("nats").inc()
             time.sleep(0.2)
         return 0
     except CrashLoop as exc:
@@ -284,5 +296,5 @@ def run_up(options: UpOptions) -> int:
         return 1
     finally:
         cluster.stop()  # services first: they drain while NATS is still there
-        if server is not None:
-            server.stop()
+        if nats is not None:
+            nats.stop()

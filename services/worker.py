@@ -17,6 +17,7 @@ import uuid
 from typing import Any
 
 import nats.errors
+import nats.js.errors
 from nats.js.kv import KeyValue
 
 from engine.protocol import Engine
@@ -35,7 +36,12 @@ from shared.messages import (
     WorkerRole,
 )
 from shared.metrics import CounterAtScrape, WorkerMetrics
-from shared.nats_client import encode, ensure_bucket, ensure_kv_event_stream
+from shared.nats_client import (
+    encode,
+    ensure_bucket,
+    ensure_kv_event_stream,
+    publish_to_stream,
+)
 from shared.service import Service
 from transfer_engine.batch import Notification
 from transfer_engine.engine import TransferEngine
@@ -65,6 +71,7 @@ class WorkerService(Service):
         # Every hold of KV blocks on behalf of another party (`kv_leases`).
         self.leases = LeaseTable(self.worker_id, self.metrics, self._publish_lease_event)
         self._kv_event_flush: asyncio.Task[None] | None = None
+        self._unsent_kv_events: list[KvBlockEvent] = []  # drained, not yet published
 
     @property
     def instance_id(self) -> str:
@@ -89,9 +96,10 @@ class WorkerService(Service):
         self._registry = await ensure_bucket(
             self.nc.jetstream(), self.subjects.workers_bucket,
             ttl_s=max(5.0, REGISTRY_TTL_HEARTBEATS * self.config.heartbeat_interval_s),
+            replicas=self.config.js_replicas,
         )
         js = self.nc.jetstream()
-        await ensure_kv_event_stream(js, self.subjects)
+        await ensure_kv_event_stream(js, self.subjects, replicas=self.config.js_replicas)
         await self._publish_kv_events(is_reset=True)
         self._work_subscriptions = await self._subscribe_work()
         await self.serve(self.subjects.abort, AbortRequest, self._on_abort)
@@ -140,7 +148,7 @@ class WorkerService(Service):
         while True:
             await self._sleep_judging_on_time(self.config.heartbeat_interval_s)
             self._on_tick()
-            await self._publish_kv_events()
+            self.publish_kv_events_soon()  # never holds up the heartbeat
             await self._heartbeat()
 
     def publish_kv_events_soon(self) -> None:
@@ -153,22 +161,25 @@ class WorkerService(Service):
         try:
             while await self._publish_kv_events():
                 pass
-        except nats.errors.Error as exc:  # the heartbeat loop publishes them later
-            self.log.warning("kv_events.publish_failed", error=repr(exc))
+        except nats.errors.Error as exc:  # kept: the next heartbeat's flush sends them
+            self.log.warning("kv_events.publish_failed", error=repr(exc),
+                             num_unsent=len(self._unsent_kv_events))
         finally:
             self._kv_event_flush = None
 
     async def _publish_kv_events(self, *, is_reset: bool = False) -> bool:
         """Tell the conductors' prefix index what this worker's cache gained and lost; return
         whether there was anything to tell."""
-        events = [KvBlockEvent(kind=kind, block_hash=block_hash.hex())  # type: ignore[arg-type]
-                  for kind, block_hash in self.engine.prefix_cache.drain_kv_events()]
-        if not events and not is_reset:
+        self._unsent_kv_events += [
+            KvBlockEvent(kind=kind, block_hash=block_hash.hex())  # type: ignore[arg-type]
+            for kind, block_hash in self.engine.prefix_cache.drain_kv_events()]
+        if not self._unsent_kv_events and not is_reset:
             return False
         batch = KvEventBatch(worker_id=self.worker_id, block_size=self.config.engine.block_size,
-                             events=events, is_reset=is_reset)
-        await self.nc.jetstream().publish(self.subjects.kv_events(self.worker_id),
-                                          encode(batch))
+                             events=self._unsent_kv_events, is_reset=is_reset)
+        await publish_to_stream(self.nc.jetstream(), self.subjects.kv_events(self.worker_id),
+                                encode(batch), msg_id=uuid.uuid4().hex)
+        self._unsent_kv_events = []
         return True
 
     async def _heartbeat(self) -> None:
@@ -177,7 +188,11 @@ class WorkerService(Service):
         payload = encode(self.heartbeat())
         await self.nc.publish(self.subjects.heartbeat(self.role, self.worker_id), payload)
         if self._registry is not None:
-            await self._registry.put(self.worker_id, payload)
+            try:
+                await self._registry.put(self.worker_id, payload)
+            except (nats.errors.Error, nats.js.errors.Error) as exc:
+                # The bucket's leader may be moving; the next heartbeat puts it again.
+                self.log.warning("registry.put_failed", error=repr(exc))
 
     def heartbeat(self) -> WorkerHeartbeat:
         stats = self.engine.stats()

@@ -13,7 +13,6 @@ fails, whatever was started is closed before the error propagates.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,16 +164,16 @@ async def start_transfer_engine(config: WorkerConfig, worker_id: str, nc: NatsCl
                                 subjects: Subjects,
                                 on_notification: Callable[[Notification], None]
                                 ) -> TransferEngine:
-    secret = config.transfer.secret
-    if not secret:
-        if not ipaddress.ip_address(config.transfer.host).is_loopback:
-            raise ConfigError("set transfer_secret (HALFMOON_TRANSFER_SECRET) when the "
-                              "transfer engine listens beyond loopback")
-        secret = f"halfmoon-local-{config.cluster}"  # loopback only: same machine
-    registry = await NatsEndpointRegistry.open(nc.jetstream(), subjects.transfer_bucket)
+    if not config.transfer.secret:
+        raise ConfigError("set transfer_secret (HALFMOON_TRANSFER_SECRET): the secret every "
+                          "worker of the cluster shares to authenticate KV transfers "
+                          "(`halfmoon up` makes one)")
+    registry = await NatsEndpointRegistry.open(nc.jetstream(), subjects.transfer_bucket,
+                                               replicas=config.js_replicas)
     transfer = TransferEngine(TransferConfig(
-        engine_id=worker_id, secret=secret.encode(), listen_host=config.transfer.host,
-        listen_port=config.transfer.port, advertise_host=config.transfer.advertise_host,
+        engine_id=worker_id, secret=config.transfer.secret.encode(),
+        listen_host=config.transfer.host, listen_port=config.transfer.port,
+        advertise_host=config.transfer.advertise_host,
         transports=tuple(t.strip() for t in config.transfer.transports.split(",")),
         timeout_s=config.transfer.kv_wait_timeout_s,
     ), registry, on_notification=on_notification)

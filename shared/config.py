@@ -24,10 +24,36 @@ EngineKind = Literal["torch", "fake", "sim"]
 PrefillPolicy = Literal["least-loaded", "round-robin", "cache-aware", "seed", "longest-prefix"]
 
 
+class NatsAuth(msgspec.Struct, frozen=True, kw_only=True):
+    """How a service proves who it is to NATS, and checks who NATS is: a credentials file
+    (JWT + nkey seed), an nkey seed file, a user and password, or a token; TLS with a CA to
+    trust and, for mutual TLS, this service's certificate and key (file paths). Secrets are
+    never logged nor put in an error message (the repr hides them)."""
+
+    creds: str | None = msgspec.field(default=None, name="nats_creds")
+    nkey_seed: str | None = msgspec.field(default=None, name="nats_nkey_seed")
+    user: str | None = msgspec.field(default=None, name="nats_user")
+    password: str | None = msgspec.field(default=None, name="nats_password")
+    token: str | None = msgspec.field(default=None, name="nats_token")
+    tls_ca: str | None = msgspec.field(default=None, name="nats_tls_ca")
+    tls_cert: str | None = msgspec.field(default=None, name="nats_tls_cert")
+    tls_key: str | None = msgspec.field(default=None, name="nats_tls_key")
+
+    def __repr__(self) -> str:
+        shown = {name: ("***" if name in ("password", "token") else value)
+                 for name in self.__struct_fields__
+                 if (value := getattr(self, name)) is not None}
+        return f"NatsAuth({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
+
 class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Settings every service shares."""
+    """Settings every service shares. `nats_url` may list several servers of one NATS
+    cluster, comma-separated; `js_replicas` is how many copies of every JetStream asset
+    (request queue, KV events, registries) the cluster keeps (3 in the cluster deployments)."""
 
     nats_url: str = "nats://127.0.0.1:4222"
+    nats: NatsAuth = msgspec.field(default_factory=NatsAuth)
+    js_replicas: int = 1
     cluster: str = "default"
     log_level: str = "info"
     log_format: Literal["auto", "json", "console"] = "auto"

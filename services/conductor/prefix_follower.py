@@ -26,7 +26,7 @@ from nats.js.object_store import ObjectStore
 from services.conductor.prefix_index import PrefixIndex
 from shared.logs import get_logger
 from shared.messages import KvEventBatch, PrefixIndexSnapshot
-from shared.nats_client import encode, ensure_kv_event_stream
+from shared.nats_client import encode, ensure_kv_event_stream, ensure_object_store
 from shared.subjects import Subjects
 
 log = get_logger(__name__)
@@ -36,8 +36,10 @@ _snapshot_decoder = msgspec.json.Decoder(PrefixIndexSnapshot)
 
 
 class PrefixIndexFollower:
-    def __init__(self, js: JetStreamContext, subjects: Subjects, index: PrefixIndex) -> None:
+    def __init__(self, js: JetStreamContext, subjects: Subjects, index: PrefixIndex, *,
+                 replicas: int = 1) -> None:
         self._js = js
+        self._replicas = replicas
         self._subjects = subjects
         self.index = index
         self.applied_seq = 0  # the last KV-event stream sequence in the index
@@ -47,7 +49,7 @@ class PrefixIndexFollower:
         self._store: ObjectStore | None = None
 
     async def start(self, catch_up_timeout_s: float) -> None:
-        await ensure_kv_event_stream(self._js, self._subjects)
+        await ensure_kv_event_stream(self._js, self._subjects, replicas=self._replicas)
         info = await self._js.stream_info(self._subjects.kv_events_stream)
         last_seq = info.state.last_seq
         snapshot = await self._load()
@@ -58,8 +60,8 @@ class PrefixIndexFollower:
             else ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
                                 opt_start_seq=self.applied_seq + 1)
         self._subscription = await self._js.subscribe(
-            self._subjects.all_kv_events, cb=self._on_batch, ordered_consumer=True,
-            config=config)
+            self._subjects.all_kv_events, stream=self._subjects.kv_events_stream,
+            cb=self._on_batch, ordered_consumer=True, config=config)
         try:
             async with asyncio.timeout(catch_up_timeout_s):
                 while self.applied_seq < last_seq:  # noqa: ASYNC110 - the callback advances it
@@ -117,9 +119,6 @@ class PrefixIndexFollower:
 
     async def _object_store(self) -> ObjectStore:
         if self._store is None:
-            bucket = self._subjects.snapshot_bucket
-            try:
-                self._store = await self._js.object_store(bucket)
-            except nats.js.errors.BucketNotFoundError:
-                self._store = await self._js.create_object_store(bucket)
+            self._store = await ensure_object_store(self._js, self._subjects.snapshot_bucket,
+                                                    replicas=self._replicas)
         return self._store

@@ -100,8 +100,10 @@ class ConductorService(Service):
             self.workers.observe_entry(heartbeat)
         js = self.nc.jetstream()
         await ensure_work_queue(js, self.subjects.requests_stream, self.subjects.requests,
-                                max_age_s=self.config.request_max_age_s)
-        self.prefix_follower = PrefixIndexFollower(js, self.subjects, self.prefix_index)
+                                max_age_s=self.config.request_max_age_s,
+                                replicas=self.config.js_replicas)
+        self.prefix_follower = PrefixIndexFollower(js, self.subjects, self.prefix_index,
+                                                   replicas=self.config.js_replicas)
         await self.prefix_follower.start(self.config.prefix_catch_up_timeout_s)
         if self.config.prefix_snapshot_interval_s > 0:
             self.spawn(self.prefix_follower.save_every(self.config.prefix_snapshot_interval_s),

@@ -37,7 +37,7 @@ from shared.messages import (
     choice_id,
 )
 from shared.metrics import GatewayMetrics
-from shared.nats_client import encode
+from shared.nats_client import encode, publish_to_stream
 from shared.subjects import Subjects
 
 log = get_logger(__name__)
@@ -331,8 +331,8 @@ class Generator:
         )
         message_id = request_id if attempt == 0 else f"{request_id}/{attempt}"
         try:
-            await ctx.js.publish(ctx.subjects.requests, encode(message),
-                                 headers={"Nats-Msg-Id": message_id, **(tracing.inject() or {})})
+            await publish_to_stream(ctx.js, ctx.subjects.requests, encode(message),
+                                    msg_id=message_id, headers=tracing.inject())
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             raise WorkerUnavailable(f"cannot queue the request: {exc!r}") from exc
 

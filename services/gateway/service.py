@@ -105,7 +105,8 @@ class GatewayService(Service):
         self._template = ChatTemplate(self._read_template() or template_source)
         js = self.nc.jetstream()
         await ensure_work_queue(js, self.subjects.requests_stream, self.subjects.requests,
-                                max_age_s=self.config.request_timeout_s)
+                                max_age_s=self.config.request_timeout_s,
+                                replicas=self.config.js_replicas)
         reply_subject = self.subjects.gateway(self.gateway_id)
         await self.serve(reply_subject, GatewayEvent, self._on_event)
         await self.serve(self.subjects.all_heartbeats, WorkerHeartbeat, self._on_heartbeat)

@@ -94,7 +94,9 @@ def test_up_serves_openai_and_sigterm_leaves_no_process(tmp_path: Path) -> None:
 def test_services_run_one_per_process_against_an_existing_server(nats_url: str) -> None:
     port = free_port()
     common = ["--nats", nats_url, "--cluster", "cli-split", "--log-level", "warning"]
-    processes = [halfmoon(role, *common) for role in ("conductor", "prefill", "decode")]
+    workers = ["--transfer-secret", "cli-split-secret"]
+    processes = [halfmoon("conductor", *common),
+                 *(halfmoon(role, *common, *workers) for role in ("prefill", "decode"))]
     processes.append(halfmoon("gateway", *common, "--port", str(port)))
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",

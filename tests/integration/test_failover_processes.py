@@ -37,7 +37,7 @@ def start(role: str, nats_url: str, model_dir: Path | None, *extra: str,
         [sys.executable, "-m", "services.cli", role, "--nats-url", nats_url,
          "--cluster", cluster, "--log-level", "warning", *model, *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "HALFMOON_TRANSFER_SECRET": "sigkill"},
     )
 
 

@@ -264,3 +264,22 @@ async def test_spans_reach_an_otlp_grpc_collector_process(
         "--tracing", "otlp-grpc", "--otlp-endpoint", f"http://127.0.0.1:{port}",
         received=lambda: rotel_spans(output))
     assert_logs_join_the_trace(records, trace_id)
+
+
+async def test_every_service_answers_health_beside_its_metrics(nats_url: str) -> None:
+    stack = Stack(nats_url)
+    async with stack:
+        for service in (stack.conductor, *stack.prefills, *stack.decodes):
+            assert service.metrics_url is not None
+            url = service.metrics_url.replace("/metrics", "/health")
+            async with aiohttp.ClientSession() as session, session.get(url) as response:
+                body = await response.json()
+            assert response.status == 200, body
+            assert body["status"] == "ok" and body["nats_connected"] is True
+            assert body["id"] == service.instance_id
+        decode = stack.decodes[0]
+        await decode.nc.close()  # cut off from NATS: not ready
+        url = (decode.metrics_url or "").replace("/metrics", "/health")
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            assert response.status == 503
+            assert (await response.json())["nats_connected"] is False

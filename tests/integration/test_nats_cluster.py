@@ -1,0 +1,91 @@
+"""A NATS JetStream cluster of three embedded nodes: every JetStream asset keeps three copies,
+and losing the node that leads the request stream loses no request and no token."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import nats
+import openai
+import pytest
+
+from engine.fake_engine import fake_completion
+from services.gateway.tokenizer import ByteTokenizer
+from shared.errors import ConfigError
+from shared.nats_client import ensure_work_queue
+from shared.nats_server import EmbeddedNatsCluster
+from shared.subjects import Subjects
+from tests.stack import Stack, eventually
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "halfmoon-tiny"
+TOKENIZER = ByteTokenizer()
+REPLICAS = {"js_replicas": 3}
+
+
+@pytest.fixture(scope="module")
+def nats_cluster() -> Iterator[EmbeddedNatsCluster]:
+    cluster = EmbeddedNatsCluster(3)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+async def stream_text(sdk: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> str:
+    stream = await sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                          temperature=0, stream=True)
+    return "".join([choice.text async for chunk in stream for choice in chunk.choices])
+
+
+async def test_killing_the_request_stream_leader_loses_no_request_and_no_token(
+        nats_cluster: EmbeddedNatsCluster) -> None:
+    async with Stack(nats_cluster.url, worker={"fake_token_delay_s": 0.03, **REPLICAS},
+                     gateway_options=REPLICAS, conductor_options=REPLICAS) as stack:
+        nc = await nats.connect(servers=nats_cluster.url.split(","))
+        info = await nc.jetstream().stream_info(stack.gateway.subjects.requests_stream)
+        assert info.config.num_replicas == 3 and info.cluster is not None
+        leader = nats_cluster.node(info.cluster.leader)
+        async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x",
+                                      max_retries=0) as sdk:
+            prompts = [f"cluster {i}" for i in range(8)]
+            early = [asyncio.create_task(stream_text(sdk, p, 60)) for p in prompts[:4]]
+            await asyncio.sleep(0.8)  # under way: tokens are streaming
+            leader.kill()
+            # Requests sent after the kill go through the stream's new leader.
+            late = [asyncio.create_task(stream_text(sdk, p, 60)) for p in prompts[4:]]
+            texts = await asyncio.wait_for(asyncio.gather(*early, *late), 60)
+        for prompt, text in zip(prompts, texts, strict=True):
+            assert text == TOKENIZER.decode(fake_completion(TOKENIZER.encode(prompt), None, 60))
+        leader.restart()
+        nats_cluster.wait_healthy()  # it rejoined: JetStream current again
+        async def has_three_current_replicas() -> bool:
+            info = await nc.jetstream().stream_info(stack.gateway.subjects.requests_stream)
+            peers = info.cluster.replicas or [] if info.cluster else []
+            return len(peers) == 2 and all(peer.current for peer in peers)
+        for _ in range(100):
+            if await has_three_current_replicas():
+                break
+            await asyncio.sleep(0.1)
+        assert await has_three_current_replicas()
+        status, body = await stack.post("/v1/completions", {
+            "model": MODEL, "prompt": "after", "max_tokens": 5, "temperature": 0})
+        assert status == 200, body
+        await nc.close()
+        await eventually(lambda: stack.gateway.metrics.failovers._value.get() == 0)  # type: ignore[attr-defined]
+
+
+async def test_an_asset_with_other_replicas_is_refused_by_name(
+        nats_cluster: EmbeddedNatsCluster) -> None:
+    nc = await nats.connect(servers=nats_cluster.url.split(","))
+    subjects = Subjects("replicas-mismatch")
+    js = nc.jetstream()
+    try:
+        await ensure_work_queue(js, subjects.requests_stream, subjects.requests, 60, replicas=1)
+        with pytest.raises(ConfigError, match=r"num_replicas=1 \(this service asks for 3\)"):
+            await ensure_work_queue(js, subjects.requests_stream, subjects.requests, 60,
+                                    replicas=3)
+    finally:
+        await js.delete_stream(subjects.requests_stream)
+        await nc.close()
