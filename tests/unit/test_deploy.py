@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import yaml
 
 from services.cli import SERVICES, build_parser
 from shared.metrics import ConductorMetrics, DecodeMetrics, GatewayMetrics, PrefillMetrics
+from shared.nats_auth import write_nkey_users
+from shared.nats_server import find_nats_server
+from shared.subjects import Subjects
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,9 +22,41 @@ def compose() -> dict:  # type: ignore[type-arg]
     return yaml.safe_load((ROOT / "compose.yaml").read_text())
 
 
-def test_compose_runs_nats_and_every_service() -> None:
+NATS_NODES = ("nats-1", "nats-2", "nats-3")
+# Written by `halfmoon nats-auth --out deploy/nats-auth --gateways 1` before the first `up`.
+GENERATED = "./deploy/nats-auth/"
+
+
+def test_compose_runs_a_three_node_nats_cluster_and_every_service() -> None:
     services = compose()["services"]
-    assert {"nats", *SERVICES} <= set(services)
+    assert {*NATS_NODES, *SERVICES} <= set(services)
+    for node in NATS_NODES:
+        assert services[node]["command"] == ["-c", "/etc/nats/nats.conf", "--server_name", node]
+    routes = (ROOT / "deploy" / "nats.conf").read_text()
+    assert all(f"nats://{node}:6222" in routes for node in NATS_NODES)
+    for name in SERVICES:
+        environment = services[name]["environment"]
+        assert environment["HALFMOON_NATS_URL"] == ",".join(
+            f"nats://{node}:4222" for node in NATS_NODES)
+        assert environment["HALFMOON_JS_REPLICAS"] == "3"
+
+
+def test_compose_gives_each_service_its_own_nats_user(tmp_path: Path) -> None:
+    document = compose()
+    written = {path.name for path in write_nkey_users(tmp_path, Subjects("default"),
+                                                      ["gateway-0"])}
+    for name in SERVICES:
+        service = document["services"][name]
+        user = "gateway-0" if name == "gateway" else name
+        assert service["secrets"] == [f"{user}.nk"]
+        assert service["environment"]["HALFMOON_NATS_NKEY_SEED"] == f"/run/secrets/{user}.nk"
+        assert document["secrets"][f"{user}.nk"]["file"] == f"{GENERATED}{user}.nk"
+    assert document["services"]["gateway"]["environment"]["HALFMOON_GATEWAY_ID"] == "gateway-0"
+    generated = {Path(secret["file"]).name for secret in document["secrets"].values()}
+    generated |= {Path(volume.split(":")[0]).name for node in NATS_NODES
+                  for volume in document["services"][node]["volumes"]
+                  if volume.startswith(GENERATED)}
+    assert generated <= written and "users.conf" in generated
 
 
 def test_every_file_compose_references_exists() -> None:
@@ -32,7 +68,7 @@ def test_every_file_compose_references_exists() -> None:
               for volume in service.get("volumes", [])]
     assert "./deploy/prometheus.yml" in mounts and "./deploy/grafana/dashboards" in mounts
     for source in mounts:
-        if source.startswith("./"):
+        if source.startswith("./") and not source.startswith(GENERATED):
             assert (ROOT / source).exists(), source
 
 
@@ -86,4 +122,11 @@ def test_compose_workers_can_move_kv_between_containers() -> None:
         environment = worker["environment"]
         assert environment["HALFMOON_TRANSFER_HOST"] == "0.0.0.0"
         assert environment["HALFMOON_TRANSFER_SECRET"].startswith("${HALFMOON_TRANSFER_SECRET:?")
-        assert environment["HALFMOON_NATS_URL"] == "nats://nats:4222"
+
+
+def test_compose_nats_config_is_one_the_server_accepts(tmp_path: Path) -> None:
+    (tmp_path / "nats.conf").write_text((ROOT / "deploy" / "nats.conf").read_text())
+    write_nkey_users(tmp_path / "auth", Subjects("default"), ["gateway-0"])
+    checked = subprocess.run([str(find_nats_server()), "-c", str(tmp_path / "nats.conf"), "-t",
+                              "--server_name", "nats-1"], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
