@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import json
 import os
 import random
 import socket
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import numpy as np
 import uvloop
@@ -40,34 +42,48 @@ _LARGE_BYTES = 16 << 20
 
 # --- the receiving process ----------------------------------------------------------------
 
-async def _serve_engine(size: int) -> None:
+async def _serve_engine(size: int, host: str, port_file: str | None) -> None:
     engine = TransferEngine(TransferConfig(engine_id="bench-receiver",
                                            secret=os.environ[_SECRET_ENV].encode(),
-                                           transports=("shm", "tcp")))
+                                           transports=("shm", "tcp"), listen_host=host))
     await engine.start()
     await engine.allocate("kv", size)
-    print(engine.endpoint().tcp_port, flush=True)
-    await asyncio.to_thread(sys.stdin.read)  # serve until the parent closes our stdin
+    _announce(engine.endpoint().tcp_port, port_file)
+    if port_file is None:
+        await asyncio.to_thread(sys.stdin.read)  # serve until the parent closes our stdin
+    else:
+        await asyncio.Event().wait()  # serve until terminated (bench.cluster's hosts)
     await engine.close()
 
 
-def _serve_socket(size: int) -> None:
+def _announce(port: int, port_file: str | None) -> None:
+    """Tell the parent our port: on stdout, or in a file (written whole, then renamed)."""
+    print(port, flush=True)
+    if port_file is not None:
+        Path(f"{port_file}.tmp").write_text(str(port))
+        Path(f"{port_file}.tmp").rename(port_file)
+
+
+def _serve_socket(size: int, host: str, port_file: str | None) -> None:
     """The TCP limit: each transfer is a piece count, a table of (offset, length) and the
     bytes, received with recv_into / recvmsg_into straight into place, then acknowledged."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    print(listener.getsockname()[1], flush=True)
-    conn, _ = listener.accept()
+    listener = socket.create_server((host, 0))
+    _announce(listener.getsockname()[1], port_file)
     buffer = memoryview(bytearray(size))
     count = bytearray(8)
-    def receive(views: list[memoryview]) -> int:
-        return conn.recvmsg_into(views)[0]
+    while True:  # one sender at a time, until terminated
+        conn, _ = listener.accept()
 
-    while _move_all(receive, [memoryview(count)]):
-        table = bytearray(16 * int.from_bytes(count, "little"))
-        _move_all(receive, [memoryview(table)])
-        pieces = np.frombuffer(table, dtype=np.int64).reshape(-1, 2).tolist()
-        _move_all(receive, [buffer[offset:offset + length] for offset, length in pieces])
-        conn.sendall(b"k")
+        def receive(views: list[memoryview], conn: socket.socket = conn) -> int:
+            return conn.recvmsg_into(views)[0]
+
+        while _move_all(receive, [memoryview(count)]):
+            table = bytearray(16 * int.from_bytes(count, "little"))
+            _move_all(receive, [memoryview(table)])
+            pieces = np.frombuffer(table, dtype=np.int64).reshape(-1, 2).tolist()
+            _move_all(receive, [buffer[offset:offset + length] for offset, length in pieces])
+            conn.sendall(b"k")
+        conn.close()
 
 
 def _move_all(move: Callable[[list[memoryview]], int], views: list[memoryview]) -> bool:
@@ -127,8 +143,8 @@ def _scattered(num_pieces: int, piece_bytes: int, segment_bytes: int,
 
 
 class _PlainSocket:
-    def __init__(self, port: int) -> None:
-        self._sock = socket.create_connection(("127.0.0.1", port))
+    def __init__(self, port: int, host: str = "127.0.0.1") -> None:
+        self._sock = socket.create_connection((host, port))
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     async def send(self, source: memoryview, batch: PieceArrays) -> None:
@@ -197,6 +213,33 @@ async def _run(max_bytes: int, seconds: float) -> list[dict[str, object]]:
             child.wait(timeout=10)
 
 
+async def _send_to(host: str, engine_port: int, socket_port: int, sizes: list[int],
+                   seconds: float) -> None:
+    """The sending side across hosts (bench.cluster): one JSON row per size on stdout,
+    our tcp transport against the plain socket over the same link."""
+    engine = TransferEngine(TransferConfig(engine_id="bench-sender",
+                                           secret=os.environ[_SECRET_ENV].encode(),
+                                           transports=("tcp",)))
+    await engine.start()
+    plain = _PlainSocket(socket_port, host)
+    try:
+        source = await engine.allocate("kv", max(sizes))
+        source[:] = os.urandom(1 << 20) * (max(sizes) >> 20)
+        peer = f"tcp://{host}:{engine_port}"
+        for size in sizes:
+            batch = PieceArrays("kv", "kv", np.zeros(1, np.int64), np.zeros(1, np.int64),
+                                np.full(1, size))
+            row: dict[str, object] = {"bytes": size}
+            row.update(await _race({
+                "tcp": lambda batch=batch: engine.write(peer, batch),
+                "socket": lambda batch=batch: plain.send(source, batch),
+            }, size, seconds))
+            print(json.dumps(row), flush=True)
+    finally:
+        plain.close()
+        await engine.close()
+
+
 async def _memcpy(target: memoryview, source: memoryview, batch: PieceArrays) -> None:
     """The memory limit for the same pieces in one process, shared memory to shared memory:
     memmove per piece, or one numpy gather/scatter for small equal pieces (faster there)."""
@@ -249,14 +292,24 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-mib", type=int, default=256, help="largest transfer (MiB)")
     parser.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
+    # The two sides of a run across hosts (bench.cluster), and the children of a local run.
     parser.add_argument("--serve", choices=("engine", "socket"), help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--listen-host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--port-file", help=argparse.SUPPRESS)
+    parser.add_argument("--send-to", help=argparse.SUPPRESS)
+    parser.add_argument("--engine-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--socket-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--sizes", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     configure_logging("warning")
     if args.serve == "engine":
-        uvloop.run(_serve_engine(args.size))
+        uvloop.run(_serve_engine(args.size, args.listen_host, args.port_file))
     elif args.serve == "socket":
-        _serve_socket(args.size)
+        _serve_socket(args.size, args.listen_host, args.port_file)
+    elif args.send_to:
+        uvloop.run(_send_to(args.send_to, args.engine_port, args.socket_port,
+                            [int(size) for size in args.sizes.split(",")], args.seconds))
     else:
         print(_HEADER, flush=True)
         rows = uvloop.run(_run(args.max_mib << 20, args.seconds))

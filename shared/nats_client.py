@@ -78,6 +78,11 @@ def auth_options(auth: NatsAuth) -> dict[str, Any]:
     return options
 
 
+CONNECT_TIMEOUT_S = 2.0  # per server tried: an unreachable one is left after this long
+PING_INTERVAL_S = 1.0
+MAX_OUTSTANDING_PINGS = 2
+
+
 async def connect(url: str, name: str, timeout_s: float = 10.0,
                   on_event: Callable[[str], None] | None = None,
                   auth: NatsAuth | None = None) -> NatsClient:
@@ -112,7 +117,12 @@ async def connect(url: str, name: str, timeout_s: float = 10.0,
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
-        connect_timeout=5,
+        connect_timeout=CONNECT_TIMEOUT_S,
+        # A server cut off by a partition closes nothing: unanswered pings are how a client
+        # learns it, within PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 1), and moves to
+        # another server of the cluster (nats-py's default takes 2 minutes per ping).
+        ping_interval=PING_INTERVAL_S,
+        max_outstanding_pings=MAX_OUTSTANDING_PINGS,
         drain_timeout=5,
         allow_reconnect=True,
         error_cb=on_error,
