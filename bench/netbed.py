@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+from shared.child_process import is_alive
+
 PREFIX = "hmbed"  # every namespace and root-side link this module makes starts with it
 
 
@@ -214,18 +216,8 @@ def remove_stale() -> None:
             if (match := re.match(rf"({PREFIX}(\d+))-", line))}
     for bed_id in beds:
         pid = int(bed_id.removeprefix(PREFIX))
-        if not _is_alive(pid):
+        if not is_alive(pid):
             _remove(bed_id)
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _free_subnet() -> ipaddress.IPv4Network:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 
 
@@ -16,3 +17,14 @@ def die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
     except OSError:
         pass
+
+
+def is_alive(pid: int) -> bool:
+    """Whether process `pid` exists (it may belong to another user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -209,11 +209,11 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     log.warning("jetstream.stream_updated", stream=config.name, changed=repr(changed))
 
 
-# While a stream's leader moves (a node lost, an election: a few seconds) its publishes go
-# unanswered. A message id makes the stream drop a retry's duplicate, so publishing again is
-# safe; past this long the caller hears of it.
+# While a stream's leader moves (a node lost, an election: a few seconds) its publishes and
+# its consumers' pulls go unanswered (these errors). A message id makes the stream drop a
+# retry's duplicate, so publishing again is safe; past this long the caller hears of it.
 STREAM_PUBLISH_RETRY_S = 10.0
-_UNANSWERED = (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+UNANSWERED_ERRORS = (nats.errors.TimeoutError, nats.errors.NoRespondersError,
                nats.errors.ConnectionReconnectingError, nats.js.errors.NoStreamResponseError,
                nats.js.errors.ServiceUnavailableError)
 
@@ -230,7 +230,7 @@ async def publish_to_stream(js: JetStreamContext, subject: str, payload: bytes, 
         try:
             await js.publish(subject, payload, headers={"Nats-Msg-Id": msg_id, **(headers or {})})
             return
-        except _UNANSWERED as exc:
+        except UNANSWERED_ERRORS as exc:
             if loop.time() + delay_s > deadline:
                 raise
             log.info("stream.publish_retry", subject=subject, msg_id=msg_id, error=repr(exc))

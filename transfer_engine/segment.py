@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from shared.child_process import is_alive
 from shared.messages import SegmentInfo
 from transfer_engine.errors import InvalidTransfer
 from transfer_engine.staging import DeviceStaging
@@ -161,17 +162,7 @@ def sweep_orphans() -> list[str]:
     removed = []
     for path in SHM_DIR.glob("halfmoon-te-*"):
         pid_text = path.name.split("-")[2]
-        if pid_text.isdigit() and not _is_alive(int(pid_text)):
+        if pid_text.isdigit() and not is_alive(int(pid_text)):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -48,12 +48,15 @@ from shared.messages import (
 )
 from shared.metrics import ConductorMetrics
 from shared.nats_client import (
+    UNANSWERED_ERRORS,
     dispatch,
     encode,
     ensure_work_queue,
     read_registry,
 )
 from shared.service import Service
+
+FETCH_RETRY_S = 0.25
 
 
 def _seconds(ms: float | None) -> float | None:
@@ -134,6 +137,11 @@ class ConductorService(Service):
                 continue
             except nats.errors.ConnectionClosedError:
                 return
+            except UNANSWERED_ERRORS as exc:
+                # The stream's leader moves (a NATS node lost): pull again once it is back.
+                self.log.info("requests.fetch_retry", error=repr(exc))
+                await asyncio.sleep(FETCH_RETRY_S)
+                continue
             for message in messages:
                 self._num_placing += 1
                 try:

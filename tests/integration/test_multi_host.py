@@ -55,7 +55,7 @@ def test_kv_crosses_hosts_over_tcp_only(two_hosts: BedCluster) -> None:
     client = openai.OpenAI(base_url=f"{two_hosts.gateway_url}/v1", api_key="x", max_retries=0)
     prompt = "a prompt that fills a few KV blocks on one host " * 3
     completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
-                                           temperature=0)
+                                           temperature=0, extra_body={"ignore_eos": True})
     assert completion.usage is not None and completion.usage.completion_tokens == 8
     moved = transferred(two_hosts, "prefill", 0)
     assert moved.get("tcp", 0) > 0 and moved.get("shm", 0) == 0, moved

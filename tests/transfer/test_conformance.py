@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 
 import numpy as np
 import pytest
 import torch
 
-from tests.transfer.conftest import SEGMENT_BYTES, Pair
+from tests.transfer.conftest import SEGMENT_BYTES, Pair, start_pair
 from transfer_engine import compression
 from transfer_engine.errors import InvalidTransfer, PeerNotFound
 
@@ -175,3 +176,33 @@ async def test_a_staged_tensor_is_read_from_and_written_to_its_device(
     target[:16] = 7.0  # changed on the device after registration: a read must see it
     await pair.source.read(peer, [("dev-src", 0, "dev-dst", 0, 64)])
     assert torch.equal(source[:16], torch.full((16,), 7.0, device=device))
+
+
+async def test_a_large_shm_copy_runs_beside_the_event_loop() -> None:
+    """Copies up to a few MiB run inline (cheaper than a thread hand-off); larger ones in a
+    worker thread, while the loop keeps running."""
+    pair = await start_pair("shm")
+    try:
+        size = 64 << 20
+        source = await pair.source.allocate("big", size)
+        target = await pair.target.allocate("big", size)
+        source[:] = os.urandom(1 << 20) * 64
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        before = ticks
+        result = await pair.source.write(pair.target.config.engine_id,
+                                         [("big", 0, "big", 0, size)])
+        ticker.cancel()
+        assert result.transport == "shm" and ticks > before + 1
+        assert target == source
+    finally:
+        await pair.source.close()
+        await pair.target.close()
