@@ -93,6 +93,11 @@ class WorkerUnavailable(HalfmoonError):
     error_type = "service_unavailable"
 
 
+class NoHealthyWorker(WorkerUnavailable):
+    """No worker of a needed role is healthy at this moment; one may come back (a restart, a
+    healed partition), so the conductor holds the request a little before giving up."""
+
+
 class WorkerLost(WorkerUnavailable):
     """A worker serving the request stopped heartbeating; the gateway places it again."""
 

@@ -31,7 +31,7 @@ from services.conductor.cost_model import (
     seed_score,
 )
 from shared.config import PrefillPolicy
-from shared.errors import CapacityExhausted, WorkerUnavailable
+from shared.errors import CapacityExhausted, NoHealthyWorker
 from shared.messages import PrefixSource, WorkerHeartbeat
 
 
@@ -93,7 +93,7 @@ def pick_prefill(
     """The healthy prefill worker, not in `excluded`, that `policy` prefers."""
     candidates = [w for w in workers if w.worker_id not in excluded]
     if not candidates:
-        raise WorkerUnavailable("no healthy prefill worker")
+        raise NoHealthyWorker("no healthy prefill worker")
     match policy:
         case "round-robin":
             candidates.sort(key=lambda w: w.worker_id)
@@ -179,7 +179,7 @@ def pick_decode(
     left after them."""
     candidates = [w for w in workers if w.worker_id not in excluded]
     if not candidates:
-        raise WorkerUnavailable("no healthy decode worker")
+        raise NoHealthyWorker("no healthy decode worker")
 
     measured = [w.decode_step_s for w in candidates if w.decode_step_s > 0]
     unmeasured_step_s = sum(measured) / len(measured) if measured else 1.0

@@ -35,7 +35,7 @@ from services.conductor.prefix_index import PrefixIndex
 from shared import tracing
 from shared.block_hash import block_hashes
 from shared.config import ConductorConfig
-from shared.errors import HalfmoonError, SloViolation, WorkerUnavailable
+from shared.errors import HalfmoonError, NoHealthyWorker, SloViolation, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
 from shared.messages import (
     AbortRequest,
@@ -57,6 +57,8 @@ from shared.nats_client import (
 from shared.service import Service
 
 FETCH_RETRY_S = 0.25
+HOLD_RETRY_S = 0.5  # a held request is delivered again this much later
+MAX_DELIVER = 8  # deliveries of one request message before JetStream drops it
 
 
 def _seconds(ms: float | None) -> float | None:
@@ -113,7 +115,7 @@ class ConductorService(Service):
                        "prefix-snapshots")
         consumer = ConsumerConfig(
             durable_name=self.subjects.conductor_consumer, ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=10.0, max_deliver=5, max_ack_pending=4096,
+            ack_wait=10.0, max_deliver=MAX_DELIVER, max_ack_pending=4096,
         )
         self._is_fetching = True
         for i in range(self.config.num_fetchers):
@@ -181,12 +183,23 @@ class ConductorService(Service):
                 decode_worker_id=decode_id, placement_s=placement_s, path=chosen.path)
         except HalfmoonError as exc:
             await self._abort(request.request_id, exc.message)  # any side that accepted
+            if isinstance(exc, NoHealthyWorker) and self._may_hold(request, msg):
+                self.log.info("request.held", reason=exc.message)
+                await msg.nak(delay=HOLD_RETRY_S)  # JetStream delivers it again then
+                return
             await self._reject(request, exc)
         except Exception as exc:
             self.log.error("request.place_failed", request_id=request.request_id, exc_info=exc)
             await msg.nak(delay=0.5)
             return
         await msg.ack()
+
+    def _may_hold(self, request: GenerateRequest, msg: Msg) -> bool:
+        """Whether a request no worker can take now may wait for one: young enough, and
+        with deliveries left before the consumer's `MAX_DELIVER` drops it."""
+        age_s = time.time() - request.created_at_s
+        return (age_s + HOLD_RETRY_S <= self.config.no_worker_hold_s
+                and msg.metadata.num_delivered < MAX_DELIVER - 1)
 
     async def _place(self, request: GenerateRequest,
                      progress: assignment.Progress | None = None) -> Plan:

@@ -91,6 +91,28 @@ def test_up_serves_openai_and_sigterm_leaves_no_process(tmp_path: Path) -> None:
     assert not [pid for pid in children if is_alive(pid)]
 
 
+def test_up_runs_an_embedded_three_node_nats_cluster() -> None:
+    port = free_port()
+    process = halfmoon("up", "--port", str(port), "--engine", "fake", "--nats-cluster", "3")
+    try:
+        line = wait_for_line(process, "halfmoon is up", 60)
+        assert line.count("nats://127.0.0.1:") == 3  # the three nodes' client URLs
+        assert sum(b"nats-server" in _cmdline(pid) for pid in children_of(process.pid)) == 3
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        completion = client.completions.create(model=MODEL, prompt="a", max_tokens=3)
+        assert completion.usage is not None and completion.usage.completion_tokens == 3
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def test_services_run_one_per_process_against_an_existing_server(nats_url: str) -> None:
     port = free_port()
     common = ["--nats", nats_url, "--cluster", "cli-split", "--log-level", "warning"]

@@ -81,6 +81,15 @@ def test_a_partitioned_decode_host_fails_over_and_rejoins(tiny_dir: Path) -> Non
                 assert time.monotonic() < deadline, cluster.health()
                 time.sleep(0.1)
             asyncio.run(_stream_while(cluster, lambda: None, num=8))
+            # Nothing leaks: every worker, the partitioned one too, holds no KV block.
+            workers = [("prefill", 0), ("decode", 1), ("decode", 2)]
+            deadline = time.monotonic() + 20
+            while any(cluster.worker_metrics(*worker)["halfmoon_kv_blocks_used"]
+                      for worker in workers):
+                assert time.monotonic() < deadline, [
+                    cluster.worker_metrics(*worker)["halfmoon_kv_blocks_used"]
+                    for worker in workers]
+                time.sleep(0.2)
         finally:
             cluster.close()
 

@@ -9,6 +9,7 @@ import aiohttp
 import openai
 import pytest
 
+from services.decode.service import DecodeService
 from tests.stack import Stack, eventually
 
 pytestmark = pytest.mark.e2e
@@ -228,3 +229,20 @@ async def test_missing_api_key_through_the_sdk_is_401(nats_url: str) -> None:
     ):
         with pytest.raises(openai.AuthenticationError, match="API key"):
             await sdk.chat.completions.create(**CHAT)  # type: ignore[call-overload]
+
+
+async def test_a_request_waits_for_a_decode_worker_that_comes_back(nats_url: str) -> None:
+    """No decode worker for a moment (a restart, a partition healing): the conductor holds
+    the request instead of answering 503 at once."""
+    async with Stack(nats_url, conductor_options={"no_worker_hold_s": 6.0}) as stack:
+        decode = stack.decodes[0]
+        await decode.stop()
+        await eventually(lambda: not stack.conductor.workers.healthy("decode"), timeout_s=5)
+        request = asyncio.create_task(stack.post("/v1/completions", {**GOOD, "max_tokens": 3}))
+        await asyncio.sleep(1.0)
+        assert not request.done()
+        stack.decodes[0] = DecodeService(decode.config)
+        await stack.decodes[0].start()
+        status, body = await asyncio.wait_for(request, 10)
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] == 3
