@@ -1,13 +1,17 @@
 """What tracing costs: the control-path benchmark with tracing off and at 100 % sampling.
 
 Starts a rotel collector (a real OTLP/gRPC receiver, its own process, dropping what it
-receives), then, in alternating rounds, `halfmoon up --engine fake` with tracing off and with
-every service exporting every span to the collector (`--tracing otlp-grpc`,
-`--trace-sample-ratio`, 1 by default), each driven by `--concurrency` streaming clients for
-`--duration-s`. Prints requests/s and TTFT per mode and the traced/untraced ratios, over all
-rounds of the same run (the machine is shared and noisy: rounds alternate so drift hits both).
+receives), then, in `--rounds` rounds, `halfmoon up --engine fake` once with tracing off and
+once with every service exporting every span to the collector (`--tracing otlp-grpc`,
+`--trace-sample-ratio`, 1 by default), in the order ABBA so drift falls on both alike; each
+stack is warmed up, then driven by `--concurrency` streaming clients for `--duration-s`.
+Prints requests/s and TTFT per mode, the traced/untraced ratios of the means and the median
+of the per-round throughput ratios (robust to one slow spell). This machine is shared and
+noisy, and a stack that runs slower also coalesces fewer tokens per message, so one window
+can be 10-20 % off the next: `--control` runs tracing off against tracing off, the same
+way, to show the noise floor of the ratio.
 
-    python -m bench.tracing_overhead --rounds 3 --duration-s 10
+    python -m bench.tracing_overhead --rounds 6 --duration-s 6 [--control]
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,47 +42,35 @@ def start_collector(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
     return process, grpc_port
 
 
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
 def measure(up_args: list[str], args: argparse.Namespace) -> LevelResult:
     process, url = launch("--engine", "fake", "--log-level", "warning", *up_args)
     try:
-        asyncio.run(run_level(url, 1, 1.0, args.max_tokens))  # warm-up
+        asyncio.run(run_level(url, args.concurrency, 1.0, args.max_tokens))  # warm-up
         return asyncio.run(run_level(url, args.concurrency, args.duration_s, args.max_tokens))
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
 
 
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
+def run_rounds(modes: dict[str, list[str]], args: argparse.Namespace
+               ) -> dict[str, list[LevelResult]]:
+    """`args.rounds` rounds, a fresh stack per mode each, alternating which goes first."""
+    results: dict[str, list[LevelResult]] = {mode: [] for mode in modes}
+    for round_number in range(args.rounds):
+        order = list(modes) if round_number % 2 == 0 else list(reversed(modes))
+        for mode in order:
+            result = measure(modes[mode], args)
+            results[mode].append(result)
+            print(f"round {round_number + 1} tracing {mode}: {result.requests_per_s:.1f} "
+                  f"req/s, TTFT p50 {result.ttft_p50_ms:.2f} ms", file=sys.stderr)
+    return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--duration-s", type=float, default=10.0)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--sample-ratio", type=float, default=1.0)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as workdir:
-        collector, grpc_port = start_collector(Path(workdir))
-        modes = {"off": ["--tracing", "off"],
-                 f"on ({100 * args.sample_ratio:g} %)": [
-                     "--tracing", "otlp-grpc", "--otlp-endpoint", f"http://127.0.0.1:{grpc_port}",
-                     "--trace-sample-ratio", str(args.sample_ratio)]}
-        results: dict[str, list[LevelResult]] = {mode: [] for mode in modes}
-        try:
-            for round_number in range(args.rounds):
-                for mode, up_args in modes.items():
-                    result = measure(up_args, args)
-                    results[mode].append(result)
-                    print(f"round {round_number + 1} tracing {mode}: "
-                          f"{result.requests_per_s:.1f} req/s, TTFT p50 "
-                          f"{result.ttft_p50_ms:.2f} ms", file=sys.stderr)
-        finally:
-            collector.terminate()
-            collector.wait(timeout=10)
+def print_summary(results: dict[str, list[LevelResult]]) -> None:
     print(f"{'tracing':>11} {'req/s':>8} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9}")
     summary = {}
     for mode, rounds in results.items():
@@ -88,9 +81,39 @@ def main() -> None:
               f"{mean([r.tokens_per_s for r in rounds]):>9.0f} {summary[mode][1]:>7.2f}ms "
               f"{summary[mode][2]:>7.2f}ms")
     (off_rps, off_p50, off_p99), (on_rps, on_p50, on_p99) = summary.values()
-    print(f"traced / untraced: throughput {on_rps / off_rps:.3f}x, TTFT p50 "
-          f"{on_p50 / off_p50:.3f}x, TTFT p99 {on_p99 / off_p99:.3f}x "
-          f"(throughput cost {100 * (1 - on_rps / off_rps):.1f} %)")
+    off_rounds, on_rounds = results.values()
+    pair_median = statistics.median(
+        on.requests_per_s / off.requests_per_s for off, on in zip(off_rounds, on_rounds,
+                                                                   strict=True))
+    print(f"traced / untraced: throughput {on_rps / off_rps:.3f}x (median of pairs "
+          f"{pair_median:.3f}x), TTFT p50 {on_p50 / off_p50:.3f}x, TTFT p99 "
+          f"{on_p99 / off_p99:.3f}x (throughput cost {100 * (1 - on_rps / off_rps):.1f} %)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--duration-s", type=float, default=6.0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--sample-ratio", type=float, default=1.0)
+    parser.add_argument("--control", action="store_true",
+                        help="tracing off against tracing off: the ratio's noise floor")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as workdir:
+        collector, grpc_port = start_collector(Path(workdir))
+        traced = ["--tracing", "otlp-grpc", "--otlp-endpoint", f"http://127.0.0.1:{grpc_port}",
+                  "--trace-sample-ratio", str(args.sample_ratio)]
+        modes = {"off": ["--tracing", "off"],
+                 "off again" if args.control else f"on ({100 * args.sample_ratio:g} %)":
+                     ["--tracing", "off"] if args.control else traced}
+        try:
+            results = run_rounds(modes, args)
+        finally:
+            collector.terminate()
+            collector.wait(timeout=10)
+    print_summary(results)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import abc
 import asyncio
 import contextlib
 import enum
+import gc
 import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -39,6 +40,22 @@ from shared.messages import DispatchReply, Message
 from shared.metrics import CONTENT_TYPE, ServiceMetrics
 from shared.nats_client import connect, encode
 from shared.subjects import Subjects
+
+# A young generation this large lets a request's short-lived objects die by reference count
+# before a collection walks them (Python's default, 700, collects hundreds of times a
+# second under load); the older generations then run rarely, and never walk what start-up
+# built.
+GC_THRESHOLDS = (50_000, 20, 20)
+
+
+def settle_garbage_collector() -> None:
+    """Once a serving process is up: what start-up built (modules, config, the model's
+    Python objects) lives as long as the process, so `gc.freeze` takes it out of every
+    later collection (a full one walked ~60k objects, ~40 ms in the gateway), and the
+    thresholds above space collections out."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 class ServiceState(enum.Enum):
@@ -135,6 +152,7 @@ class Service(abc.ABC):
             loop.add_signal_handler(sig, self._stop_requested.set)
         try:
             await self.start()
+            settle_garbage_collector()
             await self._stop_requested.wait()
             await self.stop()
         finally:

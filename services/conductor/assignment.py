@@ -35,7 +35,7 @@ from services.conductor.placement import (
     pick_prefill,
     prefix_source,
 )
-from shared.config import PrefillPolicy
+from shared.config import ConductorConfig, PrefillPolicy
 from shared.errors import HalfmoonError
 from shared.messages import (
     DecodeReservation,
@@ -59,6 +59,18 @@ class Rules:
     transfer_cost: TransferCost = field(default_factory=lambda: TransferCost(2e9, 0.002))
     default_prefill_tokens_per_s: float = 2000.0
     slo: Slo = field(default_factory=Slo)
+
+    @classmethod
+    def from_config(cls, config: ConductorConfig) -> Rules:
+        return cls(
+            policy=config.policy, is_prefix_fetch=config.prefix_fetch,
+            transfer_cost=TransferCost(config.transfer_bytes_per_s, config.transfer_overhead_s),
+            default_prefill_tokens_per_s=config.default_prefill_tokens_per_s,
+            slo=Slo(ttft_s=_seconds(config.ttft_slo_ms), tbt_s=_seconds(config.tbt_slo_ms)))
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000
 
 
 @dataclass(frozen=True)
@@ -231,3 +243,22 @@ def with_sent(pending: PendingWork | None, send: Send) -> PendingWork:
     return PendingWork(entry.num_requests + 1, entry.num_blocks + num_blocks,
                        entry.num_prefill_tokens + send.num_prefill_tokens)
 
+
+
+def describe(chosen: Plan, prefix: PrefixView | None, num_candidates: int
+             ) -> dict[str, str | int]:
+    """The decision and its inputs, as span attributes (`halfmoon.*`)."""
+    prefill, decode, source = chosen.prefill, chosen.decode, chosen.source
+    return {
+        "halfmoon.path": chosen.path,
+        "halfmoon.prefill_worker": prefill.worker_id,
+        "halfmoon.decode_worker": decode.worker_id,
+        "halfmoon.prompt_blocks": prefix.num_blocks if prefix else 0,
+        "halfmoon.cached_blocks": prefix.cached_blocks.get(prefill.worker_id, 0)
+        if prefix else 0,
+        "halfmoon.prefix_source": source.worker_id if source else "",
+        "halfmoon.prefill_load": prefill.num_running + prefill.num_waiting,
+        "halfmoon.prefill_waiting_tokens": prefill.num_waiting_tokens,
+        "halfmoon.decode_free_blocks": decode.num_free_blocks,
+        "halfmoon.num_prefill_candidates": num_candidates,
+    }

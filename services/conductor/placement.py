@@ -30,6 +30,8 @@ from services.conductor.cost_model import (
     reuse_benefit_s,
     seed_score,
 )
+from services.conductor.prefix_index import PrefixIndex
+from shared.block_hash import block_hashes
 from shared.config import PrefillPolicy
 from shared.errors import CapacityExhausted, NoHealthyWorker
 from shared.messages import PrefixSource, WorkerHeartbeat
@@ -53,6 +55,20 @@ class PrefixView:
 
     num_blocks: int = 0
     cached_blocks: Mapping[str, int] = field(default_factory=dict)
+
+
+def prefix_view(prompt_token_ids: Sequence[int], workers: Sequence[WorkerHeartbeat],
+                index: PrefixIndex, *, policy: PrefillPolicy, is_fetch_enabled: bool
+                ) -> PrefixView | None:
+    """What `index` says about a prompt for these prefill workers; None when the policy
+    does not look (load-only policies, unless a prefix may be fetched from a peer)."""
+    is_fetchable = is_fetch_enabled and any(w.kv_bytes_per_block for w in workers)
+    if not workers or (policy in ("least-loaded", "round-robin") and not is_fetchable):
+        return None
+    # Workers of one cluster share a block size; hash with the first one's.
+    hashes = block_hashes(prompt_token_ids, workers[0].block_size)
+    cached = index.leading_blocks(hashes, [w.worker_id for w in workers])
+    return PrefixView(num_blocks=len(hashes), cached_blocks=cached)
 
 
 @dataclass(frozen=True)

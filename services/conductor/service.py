@@ -28,12 +28,10 @@ from opentelemetry import trace
 
 from services.conductor import assignment
 from services.conductor.assignment import Plan
-from services.conductor.cost_model import Slo, TransferCost
-from services.conductor.placement import PendingWork, PrefixView
+from services.conductor.placement import PendingWork, PrefixView, prefix_view
 from services.conductor.prefix_follower import PrefixIndexFollower
 from services.conductor.prefix_index import PrefixIndex
 from shared import tracing
-from shared.block_hash import block_hashes
 from shared.config import ConductorConfig
 from shared.errors import HalfmoonError, NoHealthyWorker, SloViolation, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
@@ -61,10 +59,6 @@ HOLD_RETRY_S = 0.5  # a held request is delivered again this much later
 MAX_DELIVER = 8  # deliveries of one request message before JetStream drops it
 
 
-def _seconds(ms: float | None) -> float | None:
-    return None if ms is None else ms / 1000
-
-
 _request_decoder = msgspec.json.Decoder(GenerateRequest)
 
 
@@ -80,11 +74,7 @@ class ConductorService(Service):
         self.workers = WorkerDirectory(config.heartbeat_timeout_s,
                                        on_expire=self.prefix_index.forget_worker)
         self._turn = 0
-        self._rules = assignment.Rules(
-            policy=config.policy, is_prefix_fetch=config.prefix_fetch,
-            transfer_cost=TransferCost(config.transfer_bytes_per_s, config.transfer_overhead_s),
-            default_prefill_tokens_per_s=config.default_prefill_tokens_per_s,
-            slo=Slo(ttft_s=_seconds(config.ttft_slo_ms), tbt_s=_seconds(config.tbt_slo_ms)))
+        self._rules = assignment.Rules.from_config(config)
         self.rejections: Counter[str] = Counter()  # by reason (also in the metrics)
         self._pending: dict[str, PendingWork] = {}
         self._num_placing = 0
@@ -165,10 +155,10 @@ class ConductorService(Service):
             return
         started = time.perf_counter()
         try:
-            with tracing.attached(tracing.extract(msg.headers)), \
-                    tracing.span(__name__, "conductor.schedule", attributes={
-                        "halfmoon.request_id": request.request_id,
-                        "halfmoon.policy": self.config.policy}), \
+            with tracing.span(__name__, "conductor.schedule",
+                              parent=tracing.extract(msg.headers), attributes={
+                                  "halfmoon.request_id": request.request_id,
+                                  "halfmoon.policy": self.config.policy}), \
                     structlog.contextvars.bound_contextvars(request_id=request.request_id):
                 chosen = await self._place(request)
             prefill_id, decode_id = chosen.prefill.worker_id, chosen.decode.worker_id
@@ -210,8 +200,9 @@ class ConductorService(Service):
         error: HalfmoonError = WorkerUnavailable("no placement attempted")
         for _ in range(self.config.max_placement_attempts):
             self._turn += 1
+            view = self._view()
             try:
-                chosen = assignment.plan(request, self._view(), progress, self._rules,
+                chosen = assignment.plan(request, view, progress, self._rules,
                                          prefix=prefix, turn=self._turn)
                 if progress.num_attempts == 1:
                     assignment.admit(request, chosen, self._pending, prefix, self._rules)
@@ -227,7 +218,7 @@ class ConductorService(Service):
                 else:
                     error = self._refusal_error(send.worker.worker_id, reply)
             if progress.is_complete(chosen):
-                self._count_placement(chosen, prefix)
+                self._count_placement(chosen, prefix, num_candidates=len(view.prefill))
                 return chosen
         raise error
 
@@ -265,15 +256,9 @@ class ConductorService(Service):
             else self.subjects.decode_reserve(worker_id)
 
     def _prefix_view(self, request: GenerateRequest) -> PrefixView | None:
-        workers = self.workers.healthy("prefill")
-        is_fetchable = self.config.prefix_fetch and any(w.kv_bytes_per_block for w in workers)
-        if not workers or (self.config.policy in ("least-loaded", "round-robin")
-                           and not is_fetchable):
-            return None
-        # Workers of one cluster share a block size; hash with the first one's.
-        hashes = block_hashes(request.prompt_token_ids, workers[0].block_size)
-        cached = self.prefix_index.leading_blocks(hashes, [w.worker_id for w in workers])
-        return PrefixView(num_blocks=len(hashes), cached_blocks=cached)
+        return prefix_view(request.prompt_token_ids, self.workers.healthy("prefill"),
+                           self.prefix_index, policy=self.config.policy,
+                           is_fetch_enabled=self.config.prefix_fetch)
 
     async def _dispatch(self, subject: str, message: Any) -> DispatchReply | HalfmoonError:
         try:
@@ -286,26 +271,14 @@ class ConductorService(Service):
         self.log.info("placement.refused", worker_id=worker_id, reason=reason)
         return WorkerUnavailable(f"{worker_id} refused: {reason}")
 
-    def _count_placement(self, chosen: Plan, prefix: PrefixView | None) -> None:
+    def _count_placement(self, chosen: Plan, prefix: PrefixView | None, *,
+                         num_candidates: int) -> None:
         """Metrics, and the decision with its inputs on the schedule span."""
-        prefill, decode, source = chosen.prefill, chosen.decode, chosen.source
         self.metrics.placements.labels(self.config.policy, chosen.path,
-                                       "true" if source else "false").inc()
-        if not tracing.is_enabled():
-            return
-        trace.get_current_span().set_attributes({
-            "halfmoon.path": chosen.path,
-            "halfmoon.prefill_worker": prefill.worker_id,
-            "halfmoon.decode_worker": decode.worker_id,
-            "halfmoon.prompt_blocks": prefix.num_blocks if prefix else 0,
-            "halfmoon.cached_blocks": prefix.cached_blocks.get(prefill.worker_id, 0)
-            if prefix else 0,
-            "halfmoon.prefix_source": source.worker_id if source else "",
-            "halfmoon.prefill_load": prefill.num_running + prefill.num_waiting,
-            "halfmoon.prefill_waiting_tokens": prefill.num_waiting_tokens,
-            "halfmoon.decode_free_blocks": decode.num_free_blocks,
-            "halfmoon.num_prefill_candidates": len(self.workers.healthy("prefill")),
-        })
+                                       "true" if chosen.source else "false").inc()
+        if tracing.is_enabled():
+            trace.get_current_span().set_attributes(
+                assignment.describe(chosen, prefix, num_candidates))
 
     async def _reject(self, request: GenerateRequest, error: HalfmoonError) -> None:
         self.log.info("request.rejected", request_id=request.request_id, code=error.code,
