@@ -1,14 +1,18 @@
 """halfmoon across hosts of a network-namespace bed (`bench.netbed`): KV moves between hosts
 over TCP on shaped links.
 
-    python -m bench.cluster [--rates-mbit 1000,10000] [--sizes-mib 16,64,256]
-                            (or: halfmoon bench cluster; needs root)
+    python -m bench.cluster [--scenarios transfer,serving,faults] [--rates-mbit 1000,10000]
+                            [--sizes-mib 16,64,256] (or: halfmoon bench cluster; needs root)
 
-Scenario (a): the transfer engine between two hosts whose links are shaped with `tbf` at
-each rate: GB/s of one transfer of each size (median over repeats; a repeat ends when the
+Scenario (a), `transfer`: the transfer engine between two hosts whose links are shaped with
+`tbf` at each rate: GB/s of one transfer of each size (median over repeats; a repeat ends when the
 receiver has every byte) as a fraction of the link rate, beside a plain socket
 (sendall/recv_into) over the same link in the same run. The seed's TCP figure is 70-80 % of
 the link; the aim is >= 90 % for transfers >= 16 MiB.
+
+Scenarios (b) `serving` and (c) `faults` (`bench.cluster_serving`): a seeded Poisson stream
+across 3 NATS hosts and 2 + 2 worker hosts against the same stream on one host, and the stream
+while a NATS node is SIGKILLed or its host cut off.
 
 `BedCluster` also runs a whole halfmoon (NATS, conductor, gateway, workers) with each
 process on the host it is given; the tests marked `cluster` drive it.
@@ -69,7 +73,10 @@ class BedCluster:
         self.nats_url = ",".join(f"nats://{self.host(i).address}:{NATS_PORT}"
                                  for i in placement.nats)
         self.gateway_url = f"http://{self.host(placement.gateway).address}:{GATEWAY_PORT}"
-        self._metrics_ports: dict[tuple[str, int], int] = {}  # (role, host) -> port
+        # (role, host) -> port, of the first worker of a role on a host
+        self._metrics_ports: dict[tuple[str, int], int] = {}
+        self._num_workers: dict[int, int] = {}  # by host
+        self._nats: dict[int, subprocess.Popen[bytes]] = {}  # by host
         self._log_names: list[str] = []
 
     def host(self, index: int) -> Host:
@@ -103,25 +110,39 @@ class BedCluster:
             routes = ",".join(f"nats://{self.host(i).address}:6222" for i in self.placement.nats)
             args += ["--server_name", host.name, "--cluster_name", "bed",
                      "--cluster", f"nats://{host.address}:6222", "--routes", routes]
-        self._log_names.append(f"nats-{index}")
-        self.bed.spawn(host, args, log_name=f"nats-{index}")
+        if f"nats-{index}" not in self._log_names:
+            self._log_names.append(f"nats-{index}")
+        self._nats[index] = self.bed.spawn(host, args, log_name=f"nats-{index}")
+
+    def kill_nats(self, index: int) -> None:
+        """SIGKILL the NATS node on host `index` (`start_nats` starts it again, on its
+        store: it rejoins the cluster)."""
+        process = self._nats.pop(index)
+        process.kill()
+        process.wait(timeout=10)
 
     def _common(self) -> list[str]:
         return ["--nats-url", self.nats_url, "--cluster", self._cluster, "--log-level",
                 "warning", "--js-replicas", str(min(3, len(self.placement.nats)))]
 
     def _service(self, role: str, index: int, flags: list[str]) -> None:
-        self._log_names.append(f"{role}-{index}")
+        log_name = f"{role}-{index}-{len(self._log_names)}"
+        self._log_names.append(log_name)
         self.bed.spawn(self.host(index), [
             sys.executable, "-m", "services.cli", role, *self._common(),
-            "--metrics-host", "0.0.0.0", *flags], env=self._env, log_name=f"{role}-{index}")
+            "--metrics-host", "0.0.0.0", *flags], env=self._env, log_name=log_name)
 
     def _worker(self, role: str, index: int) -> None:
         host = self.host(index)
-        nth = sum(1 for _, on in self._metrics_ports if on == index)
-        self._metrics_ports[role, index] = METRICS_PORT + nth
+        nth = self._num_workers.get(index, 0)  # workers on this host so far
+        self._num_workers[index] = nth + 1
+        worker_id = f"{role}-{index}"
+        if (role, index) in self._metrics_ports:  # another of this role on this host
+            worker_id = f"{role}-{index}-{nth}"
+        else:
+            self._metrics_ports[role, index] = METRICS_PORT + nth
         self._service(role, index, [
-            "--metrics-port", str(METRICS_PORT + nth), "--worker-id", f"{role}-{index}",
+            "--metrics-port", str(METRICS_PORT + nth), "--worker-id", worker_id,
             "--host-name", host.name, "--transfer-host", "0.0.0.0",
             "--transfer-port", str(TRANSFER_PORT + nth), "--transfer-advertise-host",
             host.address, *self._worker_flags])
@@ -222,24 +243,56 @@ def _summary(rows: list[dict[str, object]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="halfmoon bench cluster", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenarios", default="transfer,serving,faults",
+                        help="any of transfer (a), serving (b), faults (c)")
     parser.add_argument("--rates-mbit", default="1000,10000", help="link rates to shape")
     parser.add_argument("--sizes-mib", default="16,64,256", help="transfer sizes")
     parser.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
+    parser.add_argument("--num-requests", type=int, default=60, help="of the serving stream")
+    parser.add_argument("--rate", type=float, default=4.0, help="requests/s of the stream")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     reason = NetBed.unavailable()
     if reason is not None:
         sys.exit(f"halfmoon bench cluster: {reason}")
-    rates = [float(rate) for rate in args.rates_mbit.split(",")]
-    sizes = [int(size) << 20 for size in args.sizes_mib.split(",")]
-    print(HEADER, flush=True)
+    scenarios = set(args.scenarios.split(","))
     started = time.monotonic()
-    with NetBed(2) as bed:
-        rows = _transfer_rows(bed, rates, sizes, args.seconds)
-    print(_summary(rows))
+    report: dict[str, object] = {}
+    if "transfer" in scenarios:
+        print(HEADER, flush=True)
+        with NetBed(2) as bed:
+            rows = _transfer_rows(bed, [float(rate) for rate in args.rates_mbit.split(",")],
+                                  [int(size) << 20 for size in args.sizes_mib.split(",")],
+                                  args.seconds)
+        print(_summary(rows))
+        report["transfer"] = rows
+    if scenarios & {"serving", "faults"}:
+        report.update(_serving(scenarios, args))
     print(f"({time.monotonic() - started:.0f} s)")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(json.dumps(report, indent=2, default=vars))
+
+
+def _serving(scenarios: set[str], args: argparse.Namespace) -> dict[str, object]:
+    from bench import cluster_serving as serving  # it imports this module
+    from engine.builtin_model import ensure_builtin_model
+
+    settings = serving.StreamSettings(model_dir=ensure_builtin_model(),
+                                      num_requests=args.num_requests, rate=args.rate)
+    report: dict[str, object] = {}
+    if "serving" in scenarios:
+        summaries = serving.stream_rows(settings)
+        print(serving.STREAM_HEADER)
+        for name, summary in summaries.items():
+            print(serving.format_stream(name, summary), flush=True)
+        report["serving"] = {name: summary.to_dict() for name, summary in summaries.items()}
+    if "faults" in scenarios:
+        faults = serving.fault_rows(settings)
+        print(serving.FAULT_HEADER)
+        for row in faults:
+            print(serving.format_fault(row), flush=True)
+        report["faults"] = faults
+    return report
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ class WorkerService(Service):
         # Every hold of KV blocks on behalf of another party (`kv_leases`).
         self.leases = LeaseTable(self.worker_id, self.metrics, self._publish_lease_event)
         self._kv_event_flush: asyncio.Task[None] | None = None
+        self._registry_put: asyncio.Task[None] | None = None
         self._unsent_kv_events: list[KvBlockEvent] = []  # drained, not yet published
 
     @property
@@ -104,6 +105,8 @@ class WorkerService(Service):
         self._work_subscriptions = await self._subscribe_work()
         await self.serve(self.subjects.abort, AbortRequest, self._on_abort)
         await self._heartbeat()
+        if self._registry_put is not None:  # registered before start() returns
+            await self._registry_put
         self.spawn(self._heartbeat_loop(), "heartbeat")
 
     def _read_gauges_at_scrape(self) -> None:
@@ -187,12 +190,21 @@ class WorkerService(Service):
         new conductor or gateway builds its view before the next heartbeat arrives."""
         payload = encode(self.heartbeat())
         await self.nc.publish(self.subjects.heartbeat(self.role, self.worker_id), payload)
-        if self._registry is not None:
-            try:
+        if self._registry is not None and self._registry_put is None:
+            # Beside the heartbeat, never before the next one: while the bucket's leader
+            # moves (a NATS node lost) a put waits seconds, and heartbeats held up behind it
+            # made every conductor judge every worker lost at once. A put still in flight
+            # skips this one; the next heartbeat puts a fresher entry.
+            self._registry_put = self.spawn(self._put_registry(payload), "registry-put")
+
+    async def _put_registry(self, payload: bytes) -> None:
+        try:
+            if self._registry is not None:
                 await self._registry.put(self.worker_id, payload)
-            except (nats.errors.Error, nats.js.errors.Error) as exc:
-                # The bucket's leader may be moving; the next heartbeat puts it again.
-                self.log.warning("registry.put_failed", error=repr(exc))
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            self.log.warning("registry.put_failed", error=repr(exc))
+        finally:
+            self._registry_put = None
 
     def heartbeat(self) -> WorkerHeartbeat:
         stats = self.engine.stats()

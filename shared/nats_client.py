@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import re
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import nats.errors
@@ -24,6 +24,8 @@ from shared.errors import ConfigError, TransferFailed, WorkerUnavailable
 from shared.logs import get_logger
 from shared.messages import DispatchReply, Message, PrefixFetch, PrefixFetched, WorkerHeartbeat
 from shared.subjects import Subjects
+
+T = TypeVar("T")
 
 log = get_logger(__name__)
 
@@ -193,6 +195,11 @@ _FIXED_STREAM_SETTINGS = ("retention", "storage", "num_replicas")
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     """Create the stream, or bring an existing one to this config; an existing stream that
     differs in a fixed setting is a `ConfigError` naming each difference."""
+    await answered(lambda: _create_or_update_stream(js, config), f"stream {config.name}",
+                   within_s=ASSET_WAIT_S)
+
+
+async def _create_or_update_stream(js: JetStreamContext, config: StreamConfig) -> None:
     try:
         await js.add_stream(config)
         return
@@ -213,29 +220,41 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
 # its consumers' pulls go unanswered (these errors). A message id makes the stream drop a
 # retry's duplicate, so publishing again is safe; past this long the caller hears of it.
 STREAM_PUBLISH_RETRY_S = 10.0
+# How long a service at start-up waits for JetStream to answer for its streams and buckets:
+# a cluster that starts with it elects its meta leader first (seconds).
+ASSET_WAIT_S = 30.0
 UNANSWERED_ERRORS = (nats.errors.TimeoutError, nats.errors.NoRespondersError,
                nats.errors.ConnectionReconnectingError, nats.js.errors.NoStreamResponseError,
                nats.js.errors.ServiceUnavailableError)
 
 
-async def publish_to_stream(js: JetStreamContext, subject: str, payload: bytes, *,
-                            msg_id: str, headers: dict[str, str] | None = None,
-                            within_s: float = STREAM_PUBLISH_RETRY_S) -> None:
-    """Publish to a JetStream stream once (by `msg_id`), retrying while the stream cannot
-    answer, for up to `within_s`; then, or on any other error, raise nats-py's error."""
+async def answered(call: Callable[[], Awaitable[T]], what: str, *,
+                   within_s: float = STREAM_PUBLISH_RETRY_S) -> T:
+    """`call()`, made again while JetStream cannot answer it (a cluster still electing its
+    meta leader at start-up, a stream's leader moving), for up to `within_s`; then, or on
+    any other error, nats-py's error is raised."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within_s
     delay_s = 0.05
     while True:
         try:
-            await js.publish(subject, payload, headers={"Nats-Msg-Id": msg_id, **(headers or {})})
-            return
+            return await call()
         except UNANSWERED_ERRORS as exc:
             if loop.time() + delay_s > deadline:
                 raise
-            log.info("stream.publish_retry", subject=subject, msg_id=msg_id, error=repr(exc))
+            log.info("jetstream.retry", what=what, error=repr(exc))
             await asyncio.sleep(delay_s)
             delay_s = min(2 * delay_s, 0.5)
+
+
+async def publish_to_stream(js: JetStreamContext, subject: str, payload: bytes, *,
+                            msg_id: str, headers: dict[str, str] | None = None,
+                            within_s: float = STREAM_PUBLISH_RETRY_S) -> None:
+    """Publish to a JetStream stream once (by `msg_id`: the stream drops a retry's
+    duplicate), retrying while the stream cannot answer (`answered`)."""
+    await answered(lambda: js.publish(subject, payload, headers={"Nats-Msg-Id": msg_id,
+                                                                 **(headers or {})}),
+                   f"publish {msg_id} to {subject}", within_s=within_s)
 
 
 def _refuse_differences(asset: str, settings: list[tuple[str, object, object]]) -> None:
@@ -255,6 +274,12 @@ async def ensure_bucket(js: JetStreamContext, bucket: str, ttl_s: float, *,
                         replicas: int = 1) -> KeyValue:
     """The KV bucket, created if missing; an existing one must have these replicas (its TTL
     stays what its creator set)."""
+    return await answered(lambda: _open_bucket(js, bucket, ttl_s, replicas),
+                          f"KV bucket {bucket}", within_s=ASSET_WAIT_S)
+
+
+async def _open_bucket(js: JetStreamContext, bucket: str, ttl_s: float, replicas: int
+                       ) -> KeyValue:
     try:
         kv = await js.key_value(bucket)
     except nats.js.errors.BucketNotFoundError:
@@ -268,6 +293,11 @@ async def ensure_bucket(js: JetStreamContext, bucket: str, ttl_s: float, *,
 async def ensure_object_store(js: JetStreamContext, bucket: str, *,
                               replicas: int = 1) -> ObjectStore:
     """The object store, created if missing; an existing one must have these replicas."""
+    return await answered(lambda: _open_object_store(js, bucket, replicas),
+                          f"object store {bucket}", within_s=ASSET_WAIT_S)
+
+
+async def _open_object_store(js: JetStreamContext, bucket: str, replicas: int) -> ObjectStore:
     try:
         store = await js.object_store(bucket)
     except nats.js.errors.BucketNotFoundError:

@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from shared.messages import TransferEndpoint
-from shared.nats_client import ensure_bucket
+from shared.nats_client import answered, ensure_bucket
 from transfer_engine.errors import InvalidTransfer
 
 _KEY = re.compile(r"^[-/_=.a-zA-Z0-9]+$")
@@ -46,7 +46,9 @@ class NatsEndpointRegistry:
         return cls(await ensure_bucket(js, bucket, ttl_s=0, replicas=replicas))
 
     async def put(self, endpoint: TransferEndpoint) -> None:
-        await self._bucket.put(_key(endpoint.engine_id), msgspec.json.encode(endpoint))
+        await answered(lambda: self._bucket.put(_key(endpoint.engine_id),
+                                                msgspec.json.encode(endpoint)),
+                       f"descriptor of {endpoint.engine_id}")
 
     async def get(self, engine_id: str) -> TransferEndpoint | None:
         try:

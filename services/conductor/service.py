@@ -46,7 +46,9 @@ from shared.messages import (
 )
 from shared.metrics import ConductorMetrics
 from shared.nats_client import (
+    ASSET_WAIT_S,
     UNANSWERED_ERRORS,
+    answered,
     dispatch,
     encode,
     ensure_work_queue,
@@ -109,10 +111,10 @@ class ConductorService(Service):
         )
         self._is_fetching = True
         for i in range(self.config.num_fetchers):
-            subscription = await js.pull_subscribe(
+            subscription = await answered(lambda: js.pull_subscribe(
                 self.subjects.requests, durable=self.subjects.conductor_consumer,
                 stream=self.subjects.requests_stream, config=consumer,
-            )
+            ), "the conductors' consumer", within_s=ASSET_WAIT_S)
             self._js_subscriptions.append(subscription)
             self.spawn(self._fetch_loop(subscription), f"fetch.{i}")
 

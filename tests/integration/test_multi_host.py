@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -151,3 +152,14 @@ def test_the_bed_leaves_nothing_behind_after_a_failure() -> None:
     links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
     assert PREFIX not in links
     assert sleeper.poll() is not None
+
+
+@pytest.mark.cluster
+def test_the_cluster_benchmark_serves_its_stream_across_hosts_and_on_one() -> None:
+    """`bench.cluster`'s scenario (b), small: both setups serve every request."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.cluster", "--scenarios", "serving", "--num-requests", "6",
+         "--rate", "4"], capture_output=True, text=True, timeout=400, check=True)
+    rows = {" ".join(line.split()[:2]): line.split() for line in done.stdout.splitlines()}
+    for setup in ("across hosts", "one host"):
+        assert rows[setup][2:4] == ["6", "6"], done.stdout  # sent, ok

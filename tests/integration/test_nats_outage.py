@@ -78,3 +78,41 @@ def test_entries_are_not_expired_while_disconnected() -> None:
     directory.suspend(now_s=now + 0.5)
     assert [w.worker_id for w in directory.healthy("prefill", now_s=now + 60)] == ["p1"]
     assert forgotten == []
+
+
+class _StalledBucket:
+    """A registry bucket whose puts wait as a KV bucket's do while its leader moves, until
+    nats-py's JetStream timeout (5 s)."""
+
+    def __init__(self) -> None:
+        self.num_puts = 0
+
+    async def put(self, key: str, value: bytes) -> int:
+        self.num_puts += 1
+        await asyncio.sleep(5.0)
+        return 0
+
+    async def delete(self, key: str) -> bool:
+        return True
+
+
+async def test_a_stalled_registry_put_holds_up_no_heartbeat(nats_url: str) -> None:
+    """A NATS node lost moves the registry bucket's leader: its puts wait seconds. The
+    heartbeats go on meanwhile, or every conductor would judge every worker lost."""
+    async with Stack(nats_url) as stack:
+        decode = stack.decodes[0]
+        bucket = _StalledBucket()
+        decode._registry = bucket  # type: ignore[assignment]
+        beats: list[float] = []
+
+        async def count(_msg: object) -> None:
+            beats.append(time.monotonic())
+
+        subscription = await stack.conductor.nc.subscribe(
+            stack.conductor.subjects.heartbeat("decode", decode.worker_id), cb=count)
+        await stack.conductor.nc.flush()
+        await asyncio.sleep(2.0)
+        await subscription.unsubscribe()
+        assert len(beats) >= 3, beats  # every 0.5 s, not one per stalled put
+        assert bucket.num_puts == 1  # one put in flight at a time
+        assert stack.conductor.workers.is_alive(decode.worker_id)
