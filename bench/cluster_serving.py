@@ -110,13 +110,13 @@ def stream_rows(settings: StreamSettings) -> dict[str, Summary]:
 def fault_rows(settings: StreamSettings) -> list[FaultRow]:
     """The stream across hosts with a NATS node killed, then with a NATS host cut off."""
     rows = []
-    for name in ("SIGKILL NATS node", "partition NATS host"):
+    faults: dict[str, Callable[[BedCluster], Callable[[], None]]] = {
+        "SIGKILL NATS node": _kill_and_restart, "partition NATS host": _cut_and_heal}
+    for name, make_fault in faults.items():
         with NetBed(7) as bed:
             cluster = _cluster(bed, ACROSS_HOSTS, settings)
             try:
-                fault = _kill_and_restart(cluster) if name.startswith("SIGKILL") \
-                    else _cut_and_heal(bed)
-                _, records = _stream(cluster, settings, fault)
+                _, records = _stream(cluster, settings, make_fault(cluster))
             finally:
                 cluster.close()
         rows.append(_fault_row(name, records))
@@ -131,7 +131,9 @@ def _kill_and_restart(cluster: BedCluster) -> Callable[[], None]:
     return fault
 
 
-def _cut_and_heal(bed: NetBed) -> Callable[[], None]:
+def _cut_and_heal(cluster: BedCluster) -> Callable[[], None]:
+    bed = cluster.bed
+
     def fault() -> None:
         bed.cut(bed.hosts[1])
         time.sleep(HEAL_AFTER_S)
