@@ -157,10 +157,22 @@ class BedCluster:
             return {"status": "unreachable"}
 
     def is_ready(self) -> bool:
+        """The gateway sees every worker and the conductor is up (workers heartbeat to the
+        gateway whether or not a conductor runs)."""
         health = self.health()
         return (health.get("status") == "ok"
                 and health.get("num_prefill_workers") == len(self.placement.prefill)
-                and health.get("num_decode_workers") == len(self.placement.decode))
+                and health.get("num_decode_workers") == len(self.placement.decode)
+                and self._is_conductor_up())
+
+    def _is_conductor_up(self) -> bool:
+        host = self.host(self.placement.conductor)
+        url = f"http://{host.address}:{CONDUCTOR_METRICS_PORT}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
     def worker_metrics(self, role: str, index: int) -> dict[str, float]:
         """A worker's Prometheus samples (`name{labels}` -> value)."""

@@ -92,8 +92,10 @@ class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):
     num_fetchers: int = 4
     request_max_age_s: float = 60.0
     # A request that finds no healthy worker of a role waits up to this long for one to come
-    # back (a restarting worker, a healed partition, a NATS node lost) before its 503.
-    no_worker_hold_s: float = 3.0
+    # back (a restarting worker, a healed partition, a NATS node lost) before its 503: long
+    # enough for a worker whose NATS node was cut off to notice (3 s of unanswered pings),
+    # reconnect to another node and heartbeat again.
+    no_worker_hold_s: float = 5.0
     policy: PrefillPolicy = "cache-aware"
     ttft_slo_ms: float | None = None  # reject when the best predicted TTFT exceeds it
     tbt_slo_ms: float | None = None  # reject when the best predicted decode step exceeds it

@@ -228,6 +228,16 @@ UNANSWERED_ERRORS = (nats.errors.TimeoutError, nats.errors.NoRespondersError,
                nats.js.errors.ServiceUnavailableError)
 
 
+def is_transient(exc: BaseException) -> bool:
+    """Whether JetStream may answer the same call a moment later: it went unanswered, or the
+    server refused it for a reason of its own (a 5xx, or an error outside the client-error
+    classes, as it answers while electing a stream's leader)."""
+    if isinstance(exc, UNANSWERED_ERRORS):
+        return True
+    return isinstance(exc, nats.js.errors.APIError) and not isinstance(
+        exc, nats.js.errors.BadRequestError | nats.js.errors.NotFoundError)
+
+
 async def answered(call: Callable[[], Awaitable[T]], what: str, *,
                    within_s: float = STREAM_PUBLISH_RETRY_S) -> T:
     """`call()`, made again while JetStream cannot answer it (a cluster still electing its
@@ -239,10 +249,10 @@ async def answered(call: Callable[[], Awaitable[T]], what: str, *,
     while True:
         try:
             return await call()
-        except UNANSWERED_ERRORS as exc:
-            if loop.time() + delay_s > deadline:
+        except (*UNANSWERED_ERRORS, nats.js.errors.APIError) as exc:
+            if not is_transient(exc) or loop.time() + delay_s > deadline:
                 raise
-            log.info("jetstream.retry", what=what, error=repr(exc))
+            log.info("jetstream.retry", what=what, error=str(exc) or repr(exc))
             await asyncio.sleep(delay_s)
             delay_s = min(2 * delay_s, 0.5)
 
@@ -309,9 +319,12 @@ async def _open_object_store(js: JetStreamContext, bucket: str, replicas: int) -
 
 async def read_registry(js: JetStreamContext, bucket: str) -> list[WorkerHeartbeat]:
     """Every live worker's latest heartbeat from the registry bucket (empty if none)."""
-    try:
+    async def list_keys() -> tuple[KeyValue, list[str]]:
         kv = await js.key_value(bucket)
-        keys = await kv.keys()
+        return kv, await kv.keys()
+
+    try:
+        kv, keys = await answered(list_keys, f"KV bucket {bucket}", within_s=ASSET_WAIT_S)
     except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError):
         return []
     heartbeats = []

@@ -26,7 +26,13 @@ from nats.js.object_store import ObjectStore
 from services.conductor.prefix_index import PrefixIndex
 from shared.logs import get_logger
 from shared.messages import KvEventBatch, PrefixIndexSnapshot
-from shared.nats_client import encode, ensure_kv_event_stream, ensure_object_store
+from shared.nats_client import (
+    ASSET_WAIT_S,
+    answered,
+    encode,
+    ensure_kv_event_stream,
+    ensure_object_store,
+)
 from shared.subjects import Subjects
 
 log = get_logger(__name__)
@@ -50,7 +56,9 @@ class PrefixIndexFollower:
 
     async def start(self, catch_up_timeout_s: float) -> None:
         await ensure_kv_event_stream(self._js, self._subjects, replicas=self._replicas)
-        info = await self._js.stream_info(self._subjects.kv_events_stream)
+        stream = self._subjects.kv_events_stream
+        info = await answered(lambda: self._js.stream_info(stream), f"stream {stream}",
+                              within_s=ASSET_WAIT_S)
         last_seq = info.state.last_seq
         snapshot = await self._load()
         if snapshot is not None and snapshot.stream_seq <= last_seq:
@@ -59,9 +67,10 @@ class PrefixIndexFollower:
         config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL) if not self.applied_seq \
             else ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
                                 opt_start_seq=self.applied_seq + 1)
-        self._subscription = await self._js.subscribe(
-            self._subjects.all_kv_events, stream=self._subjects.kv_events_stream,
-            cb=self._on_batch, ordered_consumer=True, config=config)
+        self._subscription = await answered(lambda: self._js.subscribe(
+            self._subjects.all_kv_events, stream=stream, cb=self._on_batch,
+            ordered_consumer=True, config=config), f"a consumer of {stream}",
+            within_s=ASSET_WAIT_S)
         try:
             async with asyncio.timeout(catch_up_timeout_s):
                 while self.applied_seq < last_seq:  # noqa: ASYNC110 - the callback advances it

@@ -334,7 +334,7 @@ class Generator:
             await publish_to_stream(ctx.js, ctx.subjects.requests, encode(message),
                                     msg_id=message_id, headers=tracing.inject())
         except (nats.errors.Error, nats.js.errors.Error) as exc:
-            raise WorkerUnavailable(f"cannot queue the request: {exc!r}") from exc
+            raise WorkerUnavailable(f"cannot queue the request: {str(exc) or repr(exc)}") from exc
 
     async def _abort(self, request_id: str) -> None:
         try:
