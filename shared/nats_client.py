@@ -230,12 +230,12 @@ UNANSWERED_ERRORS = (nats.errors.TimeoutError, nats.errors.NoRespondersError,
 
 def is_transient(exc: BaseException) -> bool:
     """Whether JetStream may answer the same call a moment later: it went unanswered, or the
-    server refused it for a reason of its own (a 5xx, or an error outside the client-error
-    classes, as it answers while electing a stream's leader)."""
-    if isinstance(exc, UNANSWERED_ERRORS):
+    server refused it for a reason of its own: a 5xx, or a bare `APIError` (a code nats-py
+    does not classify, as a publish got during a leader election). Every classified error
+    (bad request, not found, no keys, a wrong last sequence, ...) is an answer."""
+    if isinstance(exc, (*UNANSWERED_ERRORS, nats.js.errors.ServerError)):
         return True
-    return isinstance(exc, nats.js.errors.APIError) and not isinstance(
-        exc, nats.js.errors.BadRequestError | nats.js.errors.NotFoundError)
+    return type(exc) is nats.js.errors.APIError
 
 
 async def answered(call: Callable[[], Awaitable[T]], what: str, *,

@@ -19,7 +19,9 @@ def test_unanswered_calls_and_server_side_refusals_are_transient(exc: Exception)
 
 @pytest.mark.parametrize("exc", [
     nats.js.errors.BadRequestError(code=400), nats.js.errors.NotFoundError(code=404),
-    nats.js.errors.BucketNotFoundError(), ValueError("not nats")])
+    nats.js.errors.BucketNotFoundError(), nats.js.errors.NoKeysError(),
+    nats.js.errors.KeyWrongLastSequenceError(description="wrong last sequence"),
+    ValueError("not nats")])
 def test_client_errors_are_not_transient(exc: Exception) -> None:
     assert not is_transient(exc)
 
