@@ -57,7 +57,7 @@ from shared.nats_client import (
 from shared.service import Service
 
 FETCH_RETRY_S = 0.25
-HOLD_RETRY_S = 0.5  # a held request is delivered again this much later
+HOLD_RETRY_S = 0.5  # a held request is delivered again at least this much later
 MAX_DELIVER = 8  # deliveries of one request message before JetStream drops it
 
 
@@ -177,7 +177,7 @@ class ConductorService(Service):
             await self._abort(request.request_id, exc.message)  # any side that accepted
             if isinstance(exc, NoHealthyWorker) and self._may_hold(request, msg):
                 self.log.info("request.held", reason=exc.message)
-                await msg.nak(delay=HOLD_RETRY_S)  # JetStream delivers it again then
+                await msg.nak(delay=self._hold_delay_s())  # JetStream delivers it again then
                 return
             await self._reject(request, exc)
         except Exception as exc:
@@ -190,8 +190,13 @@ class ConductorService(Service):
         """Whether a request no worker can take now may wait for one: young enough, and
         with deliveries left before the consumer's `MAX_DELIVER` drops it."""
         age_s = time.time() - request.created_at_s
-        return (age_s + HOLD_RETRY_S <= self.config.no_worker_hold_s
+        return (age_s + self._hold_delay_s() <= self.config.no_worker_hold_s
                 and msg.metadata.num_delivered < MAX_DELIVER - 1)
+
+    def _hold_delay_s(self) -> float:
+        """The hold spread over the deliveries the consumer allows (the first try and one
+        spare aside), so a longer `no_worker_hold_s` is not cut short by `MAX_DELIVER`."""
+        return max(HOLD_RETRY_S, self.config.no_worker_hold_s / (MAX_DELIVER - 2))
 
     async def _place(self, request: GenerateRequest,
                      progress: assignment.Progress | None = None) -> Plan:
