@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import dataclasses
 import json
 import os
 import random
@@ -38,6 +39,10 @@ from transfer_engine.segment import buffer_address
 _SECRET_ENV = "HALFMOON_BENCH_SECRET"
 _BATCHES = [(1000, 4 << 10), (1000, 64 << 10)]
 _LARGE_BYTES = 16 << 20
+# The receiver's segment that tcp writes land in: shm writes go to "kv", so that neither
+# contender finds its target's cache lines owned by the other process's core (each
+# baseline has a target of its own too).
+_TCP_TARGET = "kv-tcp"
 
 
 # --- the receiving process ----------------------------------------------------------------
@@ -48,6 +53,7 @@ async def _serve_engine(size: int, host: str, port_file: str | None) -> None:
                                            transports=("shm", "tcp"), listen_host=host))
     await engine.start()
     await engine.allocate("kv", size)
+    await engine.allocate(_TCP_TARGET, size)
     _announce(engine.endpoint().tcp_port, port_file)
     if port_file is None:
         await asyncio.to_thread(sys.stdin.read)  # serve until the parent closes our stdin
@@ -195,7 +201,7 @@ async def _run(max_bytes: int, seconds: float) -> list[dict[str, object]]:
             row: dict[str, object] = {"shape": label, "bytes": num_bytes}
             row.update(await _race({
                 "shm": lambda batch=batch: engines["shm"].write(peer, batch),
-                "tcp": lambda batch=batch: engines["tcp"].write(peer, batch),
+                "tcp": lambda batch=batch: engines["tcp"].write(peer, _to_tcp_target(batch)),
                 "socket": lambda batch=batch: plain.send(source, batch),
                 "memcpy": lambda batch=batch: _memcpy(copy_target, source, batch),
             }, num_bytes, seconds))
@@ -211,6 +217,10 @@ async def _run(max_bytes: int, seconds: float) -> list[dict[str, object]]:
             child.stdin.close()
             child.terminate() if child is sink else None
             child.wait(timeout=10)
+
+
+def _to_tcp_target(batch: PieceArrays) -> PieceArrays:
+    return dataclasses.replace(batch, remote_segment=_TCP_TARGET)
 
 
 async def _send_to(host: str, engine_port: int, socket_port: int, sizes: list[int],

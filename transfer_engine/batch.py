@@ -9,8 +9,7 @@ vector operations, so planning a 1,000-piece batch costs microseconds, not a Pyt
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -20,10 +19,12 @@ from transfer_engine.segment import check_bounds
 
 # Below this many pieces, plain Python loops beat numpy's per-call overhead.
 _SMALL_BATCH = 16
+_INT64 = np.dtype(np.int64)
 
 if TYPE_CHECKING:
-    from shared.messages import SegmentInfo
+    from shared.messages import SegmentInfo, TransferEndpoint
     from transfer_engine.segment import Segment
+    from transfer_engine.transport import Transport
 
 
 class TransferPiece(NamedTuple):
@@ -81,14 +82,16 @@ class Run:
     local_offsets: np.ndarray
     remote_offsets: np.ndarray
     lengths: np.ndarray
+    num_bytes: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        lengths = self.lengths
+        object.__setattr__(self, "num_bytes", sum(lengths.tolist()) if len(
+            lengths) <= _SMALL_BATCH else int(lengths.sum()))
 
     @property
     def num_pieces(self) -> int:
         return len(self.lengths)
-
-    @cached_property
-    def num_bytes(self) -> int:
-        return int(self.lengths.sum())
 
     def local_views(self) -> list[memoryview]:
         data = self.local.data
@@ -98,6 +101,46 @@ class Run:
     def take(self, start: int, stop: int) -> Run:
         return Run(self.local, self.remote, self.local_offsets[start:stop],
                    self.remote_offsets[start:stop], self.lengths[start:stop])
+
+
+@dataclass(frozen=True)
+class Route:
+    """A peer's segment as seen from one of ours: the peer's descriptor, both segments, and the
+    transports that reach it (in preference order). Resolved once per pair of segments."""
+
+    endpoint: TransferEndpoint
+    local: Segment
+    remote: SegmentInfo
+    candidates: list[Transport]
+
+    def plan(self, pieces: PieceArrays, *, is_read: bool) -> Run | None:
+        """The pieces coalesced and bounds-checked on both sides; None if nothing moves."""
+        local, remote = self.local, self.remote
+        if is_read and not local.is_writable:
+            raise InvalidTransfer(f"segment {local.name!r} is read-only")
+        if _is_one_int64_piece(pieces):  # a layer-sized piece, the common case: no numpy calls
+            (local_offset,), (remote_offset,), (length,) = (
+                pieces.local_offsets.tolist(), pieces.remote_offsets.tolist(),
+                pieces.lengths.tolist())
+            check_bounds(local.name, local.size_bytes, local_offset, length)
+            check_bounds(remote.name, remote.size_bytes, remote_offset, length)
+            return Run(local, remote, pieces.local_offsets, pieces.remote_offsets,
+                       pieces.lengths) if length else None
+        local_offsets, remote_offsets, lengths = coalesce(
+            *(np.asarray(numbers, dtype=np.int64) for numbers in (
+                pieces.local_offsets, pieces.remote_offsets, pieces.lengths)))
+        check_ranges(local.name, local.size_bytes, local_offsets, lengths)
+        check_ranges(remote.name, remote.size_bytes, remote_offsets, lengths)
+        return Run(local, remote, local_offsets, remote_offsets, lengths) if len(
+            lengths) else None
+
+
+def _is_one_int64_piece(pieces: PieceArrays) -> bool:
+    local, remote, lengths = pieces.local_offsets, pieces.remote_offsets, pieces.lengths
+    return (type(local) is np.ndarray and type(remote) is np.ndarray
+            and type(lengths) is np.ndarray and local.dtype is _INT64
+            and remote.dtype is _INT64 and lengths.dtype is _INT64
+            and local.shape == remote.shape == lengths.shape == (1,))
 
 
 def group(batch: object) -> list[PieceArrays]:

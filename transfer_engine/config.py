@@ -17,7 +17,7 @@ def default_host_id() -> str:
 
 @dataclass(frozen=True)
 class TcpOptions:
-    num_streams: int = 2  # connections a large batch is striped over (each copies in a thread)
+    num_streams: int = 2  # connections a large batch is striped over
     stripe_min_bytes: int = 8 << 20
     connect_timeout_s: float = 5.0
     frame_timeout_s: float = 30.0

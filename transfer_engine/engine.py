@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import structlog
 
 from shared.messages import SegmentInfo, TransferEndpoint
@@ -29,11 +28,10 @@ from transfer_engine import compression as quantization
 from transfer_engine.batch import (
     Notification,
     PieceArrays,
+    Route,
     Run,
     TransferPiece,
     TransferResult,
-    check_ranges,
-    coalesce,
     group,
 )
 from transfer_engine.config import TransferConfig
@@ -75,6 +73,7 @@ class TransferEngine:
         self.notifications: asyncio.Queue[Notification] = asyncio.Queue()
         self._memory = LocalMemory(config.engine_id)
         self._peers: dict[str, TransferEndpoint] = {}
+        self._routes: dict[tuple[str, str, str], Route] = {}
         self._transports: list[Transport] = []
         self._tcp: TcpTransport | None = None
         self._port = 0
@@ -151,6 +150,7 @@ class TransferEngine:
         Device tensors move through a pinned host mirror (staging.py): peers reach them over
         tcp only."""
         segment = self._memory.register(name, buffer, is_staged=is_staged)
+        self._routes.clear()
         await self._added(segment)
         return segment.info()
 
@@ -158,6 +158,7 @@ class TransferEngine:
         """Allocate and register shared memory (one-sided shm writes from same-host peers);
         returns it as a writable byte view (wrap it with `torch.frombuffer` or numpy)."""
         segment = self._memory.allocate(name, size_bytes)
+        self._routes.clear()
         await self._added(segment)
         return segment.data
 
@@ -170,6 +171,7 @@ class TransferEngine:
 
     async def unregister(self, name: str) -> None:
         self._memory.unregister(name)
+        self._routes.clear()
         await self._publish()
 
     async def write(self, peer: Peer, batch: Batch, *, notify: bytes | None = None,
@@ -193,9 +195,10 @@ class TransferEngine:
             raise InvalidTransfer("the transfer engine is not running")
         started = time.perf_counter()
         groups = group(batch)
-        endpoint = await self._resolve(peer, {pieces.remote_segment for pieces in groups})
-        runs = self._plan(endpoint, groups, is_read=not is_write)
-        candidates = self._reaching(endpoint, [run.remote for run in runs])
+        routes = [await self._route(peer, pieces) for pieces in groups]
+        runs = [run for route, pieces in zip(routes, groups, strict=True)
+                if (run := route.plan(pieces, is_read=not is_write)) is not None]
+        endpoint, candidates = await self._reach(peer, routes)
         staged = [run for run in runs if run.local.staging is not None]
         if staged and is_write:
             await asyncio.to_thread(_stage, staged, to_device=False)
@@ -236,6 +239,40 @@ class TransferEngine:
         return Plan(endpoint, runs, notifications, compression,
                     timeout_s or self.config.timeout_s)
 
+    async def _route(self, peer: Peer, pieces: PieceArrays) -> Route:
+        """How to reach `pieces.remote_segment` of `peer` from `pieces.local_segment`: cached
+        per (peer, segments) until the peer's descriptor or our segments change."""
+        key = (peer, pieces.local_segment, pieces.remote_segment) if isinstance(
+            peer, str) else None
+        route = self._routes.get(key) if key is not None else None
+        if route is None:
+            endpoint = await self._resolve(peer, {pieces.remote_segment})
+            remote = next((info for info in endpoint.segments
+                           if info.name == pieces.remote_segment), None)
+            if remote is None:
+                raise InvalidTransfer(f"{endpoint.engine_id!r} has no segment "
+                                      f"{pieces.remote_segment!r}")
+            route = Route(endpoint, self._memory.get(pieces.local_segment), remote,
+                          self._reaching(endpoint, [remote]))
+            if key is not None:
+                self._routes[key] = route
+        return route
+
+    async def _reach(self, peer: Peer, routes: list[Route]
+                     ) -> tuple[TransferEndpoint, list[Transport]]:
+        """The peer's descriptor and the transports that reach every segment of a batch."""
+        if not routes:  # no pieces (a notification alone, say): any transport to the peer
+            endpoint = await self._resolve(peer, set())
+            return endpoint, self._reaching(endpoint, [])
+        if len(routes) == 1:
+            return routes[0].endpoint, routes[0].candidates
+        candidates = [transport for transport in routes[0].candidates
+                      if all(transport in route.candidates for route in routes)]
+        if not candidates:
+            raise PeerNotFound(f"no transport of {self.transport_names} reaches every segment"
+                               f" of {routes[0].endpoint.engine_id!r} in this batch")
+        return routes[0].endpoint, candidates
+
     async def _resolve(self, peer: Peer, segment_names: set[str]) -> TransferEndpoint:
         if isinstance(peer, TransferEndpoint):
             return peer
@@ -244,6 +281,7 @@ class TransferEngine:
             return known
         endpoint = await self._look_up(peer)
         self._peers[peer] = endpoint
+        self._routes.clear()
         return endpoint
 
     async def _look_up(self, peer: str) -> TransferEndpoint:
@@ -272,29 +310,8 @@ class TransferEngine:
         sock, endpoint = await self._tcp.handshake(host, port)
         sock.close()
         self._peers[endpoint.engine_id] = endpoint
+        self._routes.clear()
         return endpoint
-
-    def _plan(self, endpoint: TransferEndpoint, groups: list[PieceArrays],
-              *, is_read: bool) -> list[Run]:
-        """Coalesce and bounds-check every group against both segments."""
-        remote_segments = {info.name: info for info in endpoint.segments}
-        runs = []
-        for pieces in groups:
-            local = self._memory.get(pieces.local_segment)
-            if is_read and not local.is_writable:
-                raise InvalidTransfer(f"segment {local.name!r} is read-only")
-            remote = remote_segments.get(pieces.remote_segment)
-            if remote is None:
-                raise InvalidTransfer(f"{endpoint.engine_id!r} has no segment "
-                                      f"{pieces.remote_segment!r}")
-            local_offsets, remote_offsets, lengths = coalesce(
-                *(np.asarray(numbers, dtype=np.int64) for numbers in (
-                    pieces.local_offsets, pieces.remote_offsets, pieces.lengths)))
-            check_ranges(local.name, local.size_bytes, local_offsets, lengths)
-            check_ranges(remote.name, remote.size_bytes, remote_offsets, lengths)
-            if len(lengths):
-                runs.append(Run(local, remote, local_offsets, remote_offsets, lengths))
-        return runs
 
     def _reaching(self, endpoint: TransferEndpoint, remote: list[SegmentInfo]
                   ) -> list[Transport]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,7 +36,7 @@ class ShmTransport:
     def __init__(self, host_id: str, tcp: TcpTransport) -> None:
         self._host_id = host_id
         self._tcp = tcp
-        self._mapped: dict[tuple[str, int], SharedMemoryRegion] = {}
+        self._mapped: dict[tuple[str, int], _Mapped] = {}
         self._copying: set[asyncio.Future[None]] = set()
 
     def can_reach(self, peer: TransferEndpoint, remote: list[SegmentInfo]) -> bool:
@@ -63,16 +63,16 @@ class ShmTransport:
     def _copies(self, plan: Plan, *, is_write: bool) -> list[Copy]:
         copies = []
         for run in plan.runs:
-            local, remote = run.local.data, self._map(plan.peer, run.remote)
+            local, remote = run.local, self._map(plan.peer, run.remote)
             if is_write:
-                copies.append(Copy(local, remote, run.local_offsets, run.remote_offsets,
-                                   run.lengths))
+                copies.append(Copy(local.data, local.address, remote.buffer, remote.address,
+                                   run.local_offsets, run.remote_offsets, run.lengths))
             else:
-                copies.append(Copy(remote, local, run.remote_offsets, run.local_offsets,
-                                   run.lengths))
+                copies.append(Copy(remote.buffer, remote.address, local.data, local.address,
+                                   run.remote_offsets, run.local_offsets, run.lengths))
         return copies
 
-    def _map(self, peer: TransferEndpoint, info: SegmentInfo) -> memoryview:
+    def _map(self, peer: TransferEndpoint, info: SegmentInfo) -> _Mapped:
         """The peer's segment, mapped here (once)."""
         key = (peer.engine_id, info.segment_id)
         mapped = self._mapped.get(key)
@@ -85,22 +85,33 @@ class ShmTransport:
             except OSError as error:
                 raise TransferFailed(f"cannot map {peer.engine_id!r}'s segment "
                                      f"{info.name!r}: {error}") from error
-            mapped = self._mapped[key] = region
-        return mapped.buffer
+            mapped = self._mapped[key] = _Mapped(region, region.buffer,
+                                                 buffer_address(region.buffer))
+        return mapped
 
     async def close(self) -> None:
         await asyncio.gather(*self._copying, return_exceptions=True)
-        for region in self._mapped.values():
-            region.close()
+        for mapped in self._mapped.values():
+            mapped.region.close()
         self._mapped.clear()
 
 
-@dataclass(frozen=True)
-class Copy:
-    """One run's pieces from `source` to `target` (whole segments, byte offsets)."""
+class _Mapped(NamedTuple):
+    """A peer's segment mapped into this process."""
+
+    region: SharedMemoryRegion
+    buffer: memoryview
+    address: int
+
+
+class Copy(NamedTuple):
+    """One run's pieces from `source` to `target` (whole segments and their addresses, byte
+    offsets)."""
 
     source: memoryview
+    source_address: int
     target: memoryview
+    target_address: int
     source_offsets: np.ndarray
     target_offsets: np.ndarray
     lengths: np.ndarray
@@ -115,8 +126,10 @@ def _copy_all(copies: list[Copy]) -> None:
 def _copy_rows(copy: Copy) -> bool:
     """Small equal pieces at multiples of their size (KV blocks): one vectorized gather and
     scatter, which beats a call per piece; False if the run is not of that shape."""
+    if len(copy.lengths) < 16:
+        return False
     size = int(copy.lengths[0])
-    if len(copy.lengths) < 16 or size > _ROW_COPY_MAX_BYTES or (copy.lengths != size).any() \
+    if size > _ROW_COPY_MAX_BYTES or (copy.lengths != size).any() \
             or (copy.source_offsets % size).any() or (copy.target_offsets % size).any():
         return False
     source = _rows(copy.source, size)
@@ -134,7 +147,11 @@ def _rows(data: memoryview, size: int) -> np.ndarray:
 
 def _copy_pieces(copy: Copy) -> None:
     memmove = ctypes.memmove
-    sources = (buffer_address(copy.source) + copy.source_offsets).tolist()
-    targets = (buffer_address(copy.target) + copy.target_offsets).tolist()
+    if len(copy.lengths) == 1:  # the common layer-sized piece: no array arithmetic
+        memmove(copy.target_address + int(copy.target_offsets[0]),
+                copy.source_address + int(copy.source_offsets[0]), int(copy.lengths[0]))
+        return
+    sources = (copy.source_address + copy.source_offsets).tolist()
+    targets = (copy.target_address + copy.target_offsets).tolist()
     for source, target, length in zip(sources, targets, copy.lengths.tolist(), strict=True):
         memmove(target, source, length)

@@ -1,12 +1,9 @@
-"""Vectored, zero-copy socket I/O on a non-blocking socket, awaited on any asyncio loop.
+"""Vectored, zero-copy socket I/O on a non-blocking socket, awaited on any asyncio loop: the
+handshake's few messages (connections then run as `frame_stream.FrameStream`), and the
+batching helpers both use.
 
-asyncio has `sock_recv_into` for one buffer; a transfer lands in many (one per piece), so
-these helpers call `recvmsg_into` / `sendmsg` with the whole list of views and wait for
-readiness only when the kernel would block. No byte is copied in user space.
-
-Large receives raise SO_RCVLOWAT while they wait, so the loop wakes once per ~1 MiB queued
-rather than once per packet: that, not threads, is what brings a single connection to the
-plain-socket rate (worker threads were tried and measured slower here, see the README).
+`recv_into` / `send` call `recvmsg_into` / `sendmsg` with the whole list of views and wait
+for readiness only when the kernel would block. No byte is copied in user space.
 """
 
 from __future__ import annotations
@@ -17,10 +14,9 @@ import os
 import socket
 
 _BATCH_BYTES = 512 << 10
-_RCVLOWAT_BYTES = 1 << 20
 
 # Linux caps one sendmsg/recvmsg at IOV_MAX (1024) buffers.
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 class ConnectionClosed(ConnectionError):
@@ -30,30 +26,17 @@ class ConnectionClosed(ConnectionError):
 async def recv_into(sock: socket.socket, views: list[memoryview]) -> None:
     """Fill every view (byte-format memoryviews), in order, from `sock`."""
     pending = [view for view in views if view.nbytes]
-    remaining = sum(view.nbytes for view in pending)
     index = 0
-    lowat = 1
-    try:
-        while index < len(pending):
-            batch = _next_batch(pending, index)
-            try:
-                received = sock.recvmsg_into(batch)[0]
-            except (BlockingIOError, InterruptedError):
-                # Wake only when a good chunk is queued: one wake-up per ~RCVLOWAT bytes,
-                # not one per packet (the kernel honours SO_RCVLOWAT in poll/epoll).
-                wanted = min(remaining, _RCVLOWAT_BYTES)
-                if wanted != lowat:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, wanted)
-                    lowat = wanted
-                await _ready(sock, is_write=False)
-                continue
-            if received == 0:
-                raise ConnectionClosed("peer closed the connection")
-            remaining -= received
-            index = _advance(pending, index, batch, received)
-    finally:
-        if lowat != 1 and sock.fileno() >= 0:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+    while index < len(pending):
+        batch = next_batch(pending, index)
+        try:
+            received = sock.recvmsg_into(batch)[0]
+        except (BlockingIOError, InterruptedError):
+            await _ready(sock, is_write=False)
+            continue
+        if received == 0:
+            raise ConnectionClosed("peer closed the connection")
+        index = advance(pending, index, batch, received)
 
 
 async def recv_bytes(sock: socket.socket, num_bytes: int) -> bytes:
@@ -68,13 +51,13 @@ async def send(sock: socket.socket, views: list[memoryview | bytes]) -> None:
     pending = [view for view in views if len(view)]
     index = 0
     while index < len(pending):
-        batch = _next_batch(pending, index)
+        batch = next_batch(pending, index)
         try:
             sent = sock.sendmsg(batch)
         except (BlockingIOError, InterruptedError):
             await _ready(sock, is_write=True)
             continue
-        index = _advance(pending, index, batch, sent)
+        index = advance(pending, index, batch, sent)
 
 
 def abort(sock: socket.socket) -> None:
@@ -84,11 +67,11 @@ def abort(sock: socket.socket) -> None:
     sock.close()
 
 
-def _next_batch(pending: list, index: int) -> list:
+def next_batch(pending: list, index: int) -> list:
     """The buffers for one syscall: at most IOV_MAX, and no more than about _BATCH_BYTES.
     Python acquires every buffer it passes, on every call; passing a thousand small pieces
     when the socket holds a few of them would cost more than the copy."""
-    stop = min(len(pending), index + _IOV_MAX)
+    stop = min(len(pending), index + IOV_MAX)
     num_bytes = 0
     for position in range(index, stop):
         num_bytes += len(pending[position])
@@ -97,7 +80,7 @@ def _next_batch(pending: list, index: int) -> list:
     return pending[index:stop]
 
 
-def _advance(pending: list, index: int, batch: list, num_bytes: int) -> int:
+def advance(pending: list, index: int, batch: list, num_bytes: int) -> int:
     """Skip the buffers of `batch` (= pending[index:]) that `num_bytes` covered; trim the
     one it ended inside. Returns the index of the first buffer still to go."""
     for buffer in batch:

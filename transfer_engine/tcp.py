@@ -1,9 +1,11 @@
 """The TCP transport: pooled, authenticated connections to each peer, and the inbound server.
 
-Outbound, each connection (`Link`) has a sender task and a receiver task. Writes queued on a
-link while it is busy are merged into one WRITE frame (one piece table, one payload sent with
-a single vectored `sendmsg`), so many small requests to one peer cost one round trip. A batch
-of at least `stripe_min_bytes` is cut into `num_streams` stripes sent on as many connections.
+Outbound, each connection (`Link`) is a `FrameStream` (frame_stream.py): driven by the event
+loop's callbacks, no task per connection. A write to an idle link is sent at once; writes
+submitted while frames are in flight are merged into one WRITE frame at the end of that turn
+of the loop (one piece table, one payload sent with one vectored `sendmsg`), so many small
+requests to one peer cost one round trip. A batch of at least `stripe_min_bytes` is cut into
+`num_streams` stripes sent on as many connections.
 A link that fails or stalls is closed and every transfer on it fails with a typed error.
 """
 
@@ -30,6 +32,7 @@ from transfer_engine.errors import (
     TransferFailed,
     TransferTimeout,
 )
+from transfer_engine.frame_stream import FrameStream
 from transfer_engine.memory import LocalMemory
 from transfer_engine.tcp_server import TcpServer
 from transfer_engine.transport import Deliver, Plan
@@ -73,20 +76,22 @@ class _Job:
         return [view for run in self.runs for view in run.local_views()]
 
 
-class Link:
-    """One authenticated connection to a peer."""
+class Link(FrameStream):
+    """One authenticated connection to a peer. A transfer submitted to an idle link goes out at
+    once; while frames are in flight, those submitted in one turn of the event loop go out as
+    one frame at the end of that turn (merged, when they are plain writes). Answers are parsed
+    as they arrive (frame_stream.py)."""
 
     def __init__(self, sock: socket.socket, peer_id: str, stats: TcpStats) -> None:
+        super().__init__(sock)
         self.peer_id = peer_id
-        self._sock = sock
         self._stats = stats
         self._queue: deque[_Job] = deque()
-        self._has_work = asyncio.Event()
         self._pending: dict[int, list[_Job]] = {}
         self._request_ids = itertools.count(1)
+        self._header_bytes = memoryview(bytearray(wire.HEADER.size))
+        self._is_flush_due = False
         self.error: TransferFailed | None = None
-        self._tasks = [asyncio.ensure_future(self._send_loop()),
-                       asyncio.ensure_future(self._receive_loop())]
 
     @property
     def is_alive(self) -> bool:
@@ -102,42 +107,49 @@ class Link:
             job.future.set_exception(self.error)
             return
         self._queue.append(job)
-        self._has_work.set()
+        if not self._pending and not self._is_flush_due:
+            self._flush()  # an idle link: send at once
+        elif not self._is_flush_due:
+            # Frames are in flight: what else is submitted in this turn of the loop joins
+            # this one (a round trip per burst, not per transfer).
+            self._is_flush_due = True
+            self._loop.call_soon(self._flush)
 
     def close(self, error: TransferFailed) -> None:
-        """Close the socket and fail every transfer queued or in flight on it."""
+        """Close the connection and fail every transfer queued or in flight on it."""
         if self.error is not None:
             return
         self.error = error
-        current = asyncio.current_task()
-        for task in self._tasks:
-            if task is not current:
-                task.cancel()
-        # Drop the tasks: a cancelled task's traceback holds its frame (and the views it was
-        # sending); keeping it here would tie that to this link in a reference cycle.
-        self._tasks.clear()
-        sock_io.abort(self._sock)
+        self.abort()
         jobs = [*self._queue, *itertools.chain(*self._pending.values())]
         self._queue.clear()
         self._pending.clear()
-        for job in jobs:
-            if not job.future.done():
-                job.future.set_exception(error)
+        _settle(jobs, error)
 
-    async def _send_loop(self) -> None:
-        try:
-            while True:
-                await self._has_work.wait()
-                jobs = self._take_frame()
-                if not self._queue:
-                    self._has_work.clear()
-                request_id = next(self._request_ids)
-                self._pending[request_id] = jobs
-                self._stats.num_frames_sent += 1
-                self._stats.num_transfers_sent += len(jobs)
-                await sock_io.send(self._sock, _frame(request_id, jobs))
-        except OSError as error:
-            self.close(TransferFailed(f"connection to {self.peer_id!r} lost: {error}"))
+    # --- FrameStream -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._next_frame()
+        super().start()
+
+    def connection_lost(self, error: Exception | None) -> None:
+        self.close(TransferFailed(f"connection to {self.peer_id!r} lost: "
+                                  f"{error or 'closed'}"))
+
+    def resume_writing(self) -> None:
+        self._flush()  # what was submitted while the output queue was full
+
+    # --- sending ---------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        self._is_flush_due = False
+        while self._queue and not self._is_write_paused and self.error is None:
+            jobs = self._take_frame()
+            request_id = next(self._request_ids)
+            self._pending[request_id] = jobs
+            self._stats.num_frames_sent += 1
+            self._stats.num_transfers_sent += len(jobs)
+            self.send(_frame(request_id, jobs))
 
     def _take_frame(self) -> list[_Job]:
         jobs = [self._queue.popleft()]
@@ -150,38 +162,53 @@ class Link:
             jobs.append(self._queue.popleft())
         return jobs
 
-    async def _receive_loop(self) -> None:
+    # --- receiving the answers -------------------------------------------------------------
+
+    def _next_frame(self) -> None:
+        self.expect([self._header_bytes], self._on_header)
+
+    def _on_header(self) -> None:
         try:
-            while True:
-                header = wire.unpack_header(await sock_io.recv_bytes(self._sock, wire.HEADER.size))
-                await self._on_frame(header)
+            header = wire.unpack_header(self._header_bytes)
+            jobs = self._pending.get(header.request_id)
+            if header.op == wire.Op.ERROR:
+                body = memoryview(bytearray(header.meta_len))
+                self.expect([body], lambda: self._on_error(header, bytes(body)))
+            elif jobs is None or header.op not in (wire.Op.ACK, wire.Op.DATA):
+                raise ProtocolViolation(f"unexpected {header.op.name} for request "
+                                        f"{header.request_id} from {self.peer_id!r}")
+            elif header.op == wire.Op.ACK and not header.meta_len:
+                self._answered(header.request_id)
+            elif header.op == wire.Op.DATA:
+                views = [view for run in jobs[0].runs for view in run.local_views()]
+                if header.payload_len != sum(view.nbytes for view in views):
+                    raise ProtocolViolation(f"{self.peer_id!r} answered a read with "
+                                            f"{header.payload_len} bytes")
+                self.expect(views, lambda: self._answered(header.request_id))
+            else:
+                reply = memoryview(bytearray(header.meta_len))
+                self.expect([reply], lambda: self._answered(header.request_id, bytes(reply)))
         except TransferFailed as error:
             self.close(error)
-        except (OSError, sock_io.ConnectionClosed) as error:
-            self.close(TransferFailed(f"connection to {self.peer_id!r} lost: {error}"))
 
-    async def _on_frame(self, header: wire.Header) -> None:
-        if header.op == wire.Op.ERROR:
-            meta = await sock_io.recv_bytes(self._sock, header.meta_len)
+    def _on_error(self, header: wire.Header, meta: bytes) -> None:
+        try:
             body = wire.decode(meta, wire.ErrorBody)
-            error = _error_from(body, self.peer_id)
-            if body.kind != wire.ErrorKind.INVALID or header.request_id not in self._pending:
-                raise error
-            _settle(self._pending.pop(header.request_id), error)
+        except ProtocolViolation as error:
+            self.close(error)
             return
-        jobs = self._pending.pop(header.request_id, None)
-        if jobs is None or header.op not in (wire.Op.ACK, wire.Op.DATA):
-            raise ProtocolViolation(f"unexpected {header.op.name} for request "
-                                    f"{header.request_id} from {self.peer_id!r}")
-        if header.op == wire.Op.ACK and header.meta_len:
-            jobs[0].reply = await sock_io.recv_bytes(self._sock, header.meta_len)
-        if header.op == wire.Op.DATA:
-            views = [view for run in jobs[0].runs for view in run.local_views()]
-            if header.payload_len != sum(view.nbytes for view in views):
-                raise ProtocolViolation(f"{self.peer_id!r} answered a read with "
-                                        f"{header.payload_len} bytes")
-            await sock_io.recv_into(self._sock, views)
+        error = _error_from(body, self.peer_id)
+        if body.kind != wire.ErrorKind.INVALID or header.request_id not in self._pending:
+            self.close(error)
+            return
+        _settle(self._pending.pop(header.request_id), error)
+        self._next_frame()
+
+    def _answered(self, request_id: int, reply: bytes = b"") -> None:
+        jobs = self._pending.pop(request_id)
+        jobs[0].reply = reply
         _settle(jobs, None)
+        self._next_frame()
 
 
 def _settle(jobs: list[_Job], error: Exception | None) -> None:
@@ -253,9 +280,11 @@ class TcpTransport:
             payload = await asyncio.to_thread(_compress_all, plan.runs, plan.compression)
             jobs = [self._job(wire.Op.WRITE, plan.runs, plan.notifications,
                               plan.compression, payload)]
+        elif self._num_stripes(plan.num_bytes) == 1:
+            jobs = [self._job(wire.Op.WRITE, plan.runs, plan.notifications)]
         else:
-            stripes = stripe(plan.runs, self._num_stripes(plan.num_bytes))
-            jobs = [self._job(wire.Op.WRITE, stripe) for stripe in stripes]
+            jobs = [self._job(wire.Op.WRITE, part)
+                    for part in stripe(plan.runs, self._options.num_streams)]
             if len(jobs) == 1:
                 jobs[0].notifications = list(plan.notifications)
         await self._run(plan.peer, plan.timeout_s, jobs)
@@ -313,6 +342,12 @@ class TcpTransport:
 
     async def _links_to(self, peer: TransferEndpoint, count: int) -> list[Link]:
         """`count` live links to `peer`, least loaded first, opening new ones as needed."""
+        if count == 1:  # the common case, without the lock: any live link will do
+            live = [link for link in self._links.get(peer.engine_id, ()) if link.is_alive]
+            if len(live) > 1:
+                return [min(live, key=lambda link: link.num_queued_bytes)]
+            if live:
+                return live
         lock = self._connecting.setdefault(peer.engine_id, asyncio.Lock())
         async with lock:
             links = [link for link in self._links.get(peer.engine_id, []) if link.is_alive]
@@ -330,8 +365,10 @@ class TcpTransport:
             sock.close()
             raise TransferFailed(f"{peer.tcp_host}:{peer.tcp_port} is {endpoint.engine_id!r}, "
                                  f"not {peer.engine_id!r}")
+        link = Link(sock, peer.engine_id, self.stats)
+        link.start()
         self.stats.num_links_opened += 1
-        return Link(sock, peer.engine_id, self.stats)
+        return link
 
     async def handshake(self, host: str, port: int) -> tuple[socket.socket, TransferEndpoint]:
         """Connect and authenticate both ways; return the socket and the peer's descriptor

@@ -1,10 +1,13 @@
 """The inbound side of the TCP transport: accept peers, check their secret, and serve their
 frames (see wire.py) straight into and out of registered memory.
 
-One task per connection handles its frames in order. A bad piece (unknown segment, out of
-bounds) is refused with an ERROR frame after its payload is drained, and the connection lives
-on; bytes that are not our protocol close the connection. Neither touches memory or stops
-the engine.
+The handshake runs as a coroutine on the socket; the authenticated connection is then an
+`_Inbound` stream (frame_stream.py) that the event loop calls as bytes arrive, so a frame
+costs no task switch and no per-wait registration with the poller. Frames of one
+connection are served in order. A bad piece (unknown segment, out of bounds) is refused
+with an ERROR frame after its payload is drained, and the connection lives on; bytes that
+are not our protocol close the connection. Neither touches memory or stops the engine. A
+peer that stalls mid-frame (or stops reading our answers) for `frame_timeout_s` is cut off.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from transfer_engine.errors import (
     ProtocolViolation,
     TransferFailed,
 )
+from transfer_engine.frame_stream import FrameStream
 from transfer_engine.memory import LocalMemory
 from transfer_engine.transport import Deliver
 
@@ -38,13 +42,14 @@ class TcpServer:
     def __init__(self, secret: bytes, memory: LocalMemory, deliver: Deliver,
                  endpoint: Callable[[], TransferEndpoint], frame_timeout_s: float) -> None:
         self._secret = secret
-        self._memory = memory
-        self._deliver = deliver
+        self.memory = memory
+        self.deliver = deliver
         self._endpoint = endpoint
-        self._frame_timeout_s = frame_timeout_s
+        self.frame_timeout_s = frame_timeout_s
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._socks: set[socket.socket] = set()
+        self._socks: set[socket.socket] = set()  # connections still in their handshake
+        self._inbound: set[_Inbound] = set()
         # Set by the RDMA transport: make a queue pair for a connecting peer, return its info.
         self.accept_rdma: Callable[[str, wire.QpInfo], wire.QpInfo] | None = None
 
@@ -53,7 +58,7 @@ class TcpServer:
         listener = socket.create_server((host, port), backlog=128, reuse_port=False)
         listener.setblocking(False)
         self._listener = listener
-        self._spawn(self._accept_loop(listener))
+        self.spawn(self._accept_loop(listener))
         return listener.getsockname()[1]
 
     async def close(self) -> None:
@@ -62,14 +67,22 @@ class TcpServer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for sock in list(self._socks):
             sock_io.abort(sock)
+        for inbound in list(self._inbound):
+            inbound.abort()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
 
-    def _spawn(self, coro: object) -> None:
+    def spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def opened(self, inbound: _Inbound) -> None:
+        self._inbound.add(inbound)
+
+    def closed(self, inbound: _Inbound) -> None:
+        self._inbound.discard(inbound)
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -77,33 +90,31 @@ class TcpServer:
             sock, _ = await loop.sock_accept(listener)
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._spawn(self._serve(sock))
+            self.spawn(self._serve(sock))
 
     async def _serve(self, sock: socket.socket) -> None:
+        """Authenticate the peer, then hand the connection to an `_Inbound` protocol."""
         self._socks.add(sock)
-        peer_id = "?"
         try:
-            async with asyncio.timeout(self._frame_timeout_s):
+            async with asyncio.timeout(self.frame_timeout_s):
                 peer_id = await self._handshake(sock)
-            while True:
-                header = await _recv_header(sock)
-                async with asyncio.timeout(self._frame_timeout_s):
-                    await self._handle(sock, peer_id, header)
+            self._socks.discard(sock)
+            _Inbound(self, peer_id, sock).start()
+            return
         except (sock_io.ConnectionClosed, ConnectionError):
             pass
         except AuthenticationRefused as error:
             log.warning("transfer.peer_refused", reason=error.message)
             await _send_error(sock, 0, wire.ErrorKind.AUTH, error.message)
         except ProtocolViolation as error:
-            log.warning("transfer.protocol_violation", peer_id=peer_id, reason=error.message)
+            log.warning("transfer.protocol_violation", peer_id="?", reason=error.message)
             await _send_error(sock, 0, wire.ErrorKind.PROTOCOL, error.message)
         except TimeoutError:
-            log.warning("transfer.peer_stalled", peer_id=peer_id)
+            log.warning("transfer.peer_stalled", peer_id="?")
         except Exception:
-            log.exception("transfer.serve_failed", peer_id=peer_id)
-        finally:
-            self._socks.discard(sock)
-            sock_io.abort(sock)
+            log.exception("transfer.serve_failed", peer_id="?")
+        self._socks.discard(sock)
+        sock_io.abort(sock)
 
     async def _handshake(self, sock: socket.socket) -> str:
         challenge = os.urandom(wire.CHALLENGE_BYTES)
@@ -122,46 +133,91 @@ class TcpServer:
                                   welcome])
         return hello.engine_id
 
-    async def _handle(self, sock: socket.socket, peer_id: str, header: wire.Header) -> None:
-        table_bytes = await sock_io.recv_bytes(sock, header.num_pieces * wire.PIECE.size)
-        table = wire.unpack_pieces(table_bytes)
-        meta_bytes = await sock_io.recv_bytes(sock, header.meta_len)
-        if header.op == wire.Op.RDMA_CONNECT:
-            await self._connect_rdma(sock, peer_id, header, meta_bytes)
-            return
-        meta = wire.decode(meta_bytes, wire.FrameMeta) if meta_bytes else wire.FrameMeta()
-        match header.op:
-            case wire.Op.WRITE:
-                if not await self._land(sock, header, table, meta):
-                    return
-                self._memory.landed(table)
-                self._deliver(peer_id, meta.notifications)
-                await sock_io.send(sock, [wire.Header(wire.Op.ACK, header.request_id).pack()])
-            case wire.Op.READ:
-                await self._serve_read(sock, header, table)
-            case wire.Op.NOTIFY:
-                self._deliver(peer_id, meta.notifications)
-                await sock_io.send(sock, [wire.Header(wire.Op.ACK, header.request_id).pack()])
-            case _:
-                raise ProtocolViolation(f"unexpected {header.op.name} from a peer")
 
-    async def _connect_rdma(self, sock: socket.socket, peer_id: str, header: wire.Header,
-                            meta_bytes: bytes) -> None:
-        if self.accept_rdma is None:
-            await _send_error(sock, header.request_id, wire.ErrorKind.INVALID,
-                              "this engine has no RDMA device")
+class _Inbound(FrameStream):
+    """One authenticated peer's connection: header, then piece table and meta, then payload;
+    each step says what it expects next."""
+
+    def __init__(self, server: TcpServer, peer_id: str, sock: socket.socket) -> None:
+        super().__init__(sock)
+        self._server = server
+        self._memory = server.memory
+        self._peer_id = peer_id
+        self._header_bytes = memoryview(bytearray(wire.HEADER.size))
+        self._body = memoryview(b"")
+        self._header = wire.Header(wire.Op.ACK)
+        self._frame_since: float | None = None  # when the frame being received began
+        self._held_since: float | None = None  # when the peer stopped reading our answers
+        self._watchdog: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        self._server.opened(self)
+        self._watch()
+        self._next_frame()
+        super().start()
+
+    def connection_lost(self, error: Exception | None) -> None:
+        self._server.closed(self)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+    def pause_writing(self) -> None:
+        self.pause()  # no more frames until the peer reads our answers
+        self._held_since = self._loop.time()
+
+    def resume_writing(self) -> None:
+        self._held_since = None
+        self.resume()
+
+    def _watch(self) -> None:
+        """Every quarter of `frame_timeout_s`: cut off a peer stalled for longer than it."""
+        since = min((t for t in (self._frame_since, self._held_since) if t is not None),
+                    default=None)
+        if since is not None and self._loop.time() - since > self._server.frame_timeout_s:
+            log.warning("transfer.peer_stalled", peer_id=self._peer_id)
+            self.abort()
             return
+        self._watchdog = self._loop.call_later(max(self._server.frame_timeout_s / 4, 0.01),
+                                               self._watch)
+
+    def _next_frame(self) -> None:
+        self._frame_since = None
+        self.expect([self._header_bytes], self._on_header)
+
+    def _on_header(self) -> None:
         try:
-            reply = wire.encode(self.accept_rdma(peer_id, wire.decode(meta_bytes, wire.QpInfo)))
-        except TransferFailed as error:
-            await _send_error(sock, header.request_id, wire.ErrorKind.INVALID, error.message)
+            header = wire.unpack_header(self._header_bytes)
+        except ProtocolViolation as error:
+            self._refuse(error)
             return
-        await sock_io.send(sock, [wire.Header(wire.Op.ACK, header.request_id,
-                                              meta_len=len(reply)).pack(), reply])
+        self._frame_since = self._loop.time()
+        self._header = header
+        self._body = memoryview(bytearray(header.num_pieces * wire.PIECE.size
+                                          + header.meta_len))
+        self.expect([self._body], self._on_body)
 
-    async def _land(self, sock: socket.socket, header: wire.Header,
-                    table: np.ndarray, meta: wire.FrameMeta) -> bool:
-        """Receive a WRITE's payload into its pieces; False if it was refused (and drained)."""
+    def _on_body(self) -> None:
+        header = self._header
+        table_bytes = header.num_pieces * wire.PIECE.size
+        table = wire.unpack_pieces(self._body[:table_bytes])
+        meta_bytes = self._body[table_bytes:]
+        try:
+            match header.op:
+                case wire.Op.WRITE:
+                    self._on_write(header, table, _frame_meta(meta_bytes))
+                case wire.Op.READ:
+                    self._on_read(header, table)
+                case wire.Op.NOTIFY:
+                    self._server.deliver(self._peer_id, _frame_meta(meta_bytes).notifications)
+                    self._answer(wire.Header(wire.Op.ACK, header.request_id))
+                case wire.Op.RDMA_CONNECT:
+                    self._connect_rdma(header, bytes(meta_bytes))
+                case _:
+                    raise ProtocolViolation(f"unexpected {header.op.name} from a peer")
+        except ProtocolViolation as error:
+            self._refuse(error)
+
+    def _on_write(self, header: wire.Header, table: np.ndarray, meta: wire.FrameMeta) -> None:
         try:
             views = self._memory.views(table, for_write=True)
             sizes = [_wire_size(view.nbytes, meta.compression) for view in views]
@@ -169,28 +225,91 @@ class TcpServer:
                 raise InvalidTransfer(f"payload of {header.payload_len} bytes does not match "
                                       f"its pieces ({sum(sizes)} bytes)")
         except InvalidTransfer as error:
-            await _discard(sock, header.payload_len)
-            await _send_error(sock, header.request_id, wire.ErrorKind.INVALID, error.message)
-            return False
+            self._discard(header.payload_len, header.request_id, error.message)
+            return
         if meta.compression is None:
-            await sock_io.recv_into(sock, views)
-            return True
+            self.expect(views, lambda: self._landed(header, table, meta))
+            return
         payload = memoryview(bytearray(header.payload_len))
-        await sock_io.recv_into(sock, [payload])
-        await asyncio.to_thread(_decompress_all, payload, sizes, views, meta.compression)
-        return True
+        self.expect([payload], lambda: self._decompress(header, table, meta, payload, sizes,
+                                                        views))
 
-    async def _serve_read(self, sock: socket.socket, header: wire.Header,
-                          table: np.ndarray) -> None:
+    def _landed(self, header: wire.Header, table: np.ndarray, meta: wire.FrameMeta) -> None:
+        self._memory.landed(table)
+        self._server.deliver(self._peer_id, meta.notifications)
+        self._answer(wire.Header(wire.Op.ACK, header.request_id))
+
+    def _decompress(self, header: wire.Header, table: np.ndarray, meta: wire.FrameMeta,
+                    payload: memoryview, sizes: list[int], views: list[memoryview]) -> None:
+        """Dequantize in a thread; the frames after this one wait."""
+        self.pause()
+
+        async def decompress() -> None:
+            assert meta.compression is not None  # invariant: only compressed frames get here
+            try:
+                await asyncio.to_thread(_decompress_all, payload, sizes, views, meta.compression)
+            except Exception:
+                log.exception("transfer.serve_failed", peer_id=self._peer_id)
+                self.abort()
+                return
+            self._landed(header, table, meta)
+            self.resume()
+
+        self._server.spawn(decompress())
+
+    def _on_read(self, header: wire.Header, table: np.ndarray) -> None:
         try:
             views = self._memory.views(table, for_write=False)
         except InvalidTransfer as error:
-            await _send_error(sock, header.request_id, wire.ErrorKind.INVALID, error.message)
+            self._answer(*_error_frame(header.request_id, wire.ErrorKind.INVALID, error.message))
             return
         self._memory.before_read(table)
         total = sum(view.nbytes for view in views)
-        await sock_io.send(sock, [wire.Header(wire.Op.DATA, header.request_id,
-                                              payload_len=total).pack(), *views])
+        self._answer(wire.Header(wire.Op.DATA, header.request_id, payload_len=total), *views)
+
+    def _connect_rdma(self, header: wire.Header, meta: bytes) -> None:
+        if self._server.accept_rdma is None:
+            self._answer(*_error_frame(header.request_id, wire.ErrorKind.INVALID,
+                                       "this engine has no RDMA device"))
+            return
+        try:
+            reply = wire.encode(self._server.accept_rdma(self._peer_id,
+                                                         wire.decode(meta, wire.QpInfo)))
+        except TransferFailed as error:
+            self._answer(*_error_frame(header.request_id, wire.ErrorKind.INVALID, error.message))
+            return
+        self._answer(wire.Header(wire.Op.ACK, header.request_id, meta_len=len(reply)), reply)
+
+    def _discard(self, num_bytes: int, request_id: int, message: str) -> None:
+        """Drain a refused payload a chunk at a time, then refuse it with an ERROR frame."""
+        if num_bytes == 0:
+            self._answer(*_error_frame(request_id, wire.ErrorKind.INVALID, message))
+            return
+        chunk = memoryview(bytearray(min(num_bytes, _DISCARD_CHUNK_BYTES)))
+        self.expect([chunk], lambda: self._discard(num_bytes - chunk.nbytes, request_id,
+                                                   message))
+
+    def _answer(self, header: wire.Header, *parts: bytes | memoryview) -> None:
+        """Send a frame back, then read the next one."""
+        self.send([header.pack(), *parts])
+        self._next_frame()
+
+    def _refuse(self, error: ProtocolViolation) -> None:
+        """Bytes that are not our protocol: say so and close (after the ERROR is sent)."""
+        log.warning("transfer.protocol_violation", peer_id=self._peer_id, reason=error.message)
+        header, body = _error_frame(0, wire.ErrorKind.PROTOCOL, error.message)
+        self.send([header.pack(), body])
+        self.close_after_send()
+
+
+def _frame_meta(meta_bytes: memoryview) -> wire.FrameMeta:
+    return wire.decode(meta_bytes, wire.FrameMeta) if meta_bytes.nbytes else wire.FrameMeta()
+
+
+def _error_frame(request_id: int, kind: wire.ErrorKind,
+                 message: str) -> tuple[wire.Header, bytes]:
+    body = wire.encode(wire.ErrorBody(kind=kind, message=message))
+    return wire.Header(wire.Op.ERROR, request_id, meta_len=len(body)), body
 
 
 def _wire_size(num_bytes: int, compress: wire.Compression | None) -> int:
@@ -210,17 +329,8 @@ async def _recv_header(sock: socket.socket) -> wire.Header:
 
 
 
-async def _discard(sock: socket.socket, num_bytes: int) -> None:
-    scratch = memoryview(bytearray(min(num_bytes, _DISCARD_CHUNK_BYTES)))
-    while num_bytes:
-        chunk = scratch[:min(num_bytes, scratch.nbytes)]
-        await sock_io.recv_into(sock, [chunk])
-        num_bytes -= chunk.nbytes
-
-
 async def _send_error(sock: socket.socket, request_id: int, kind: wire.ErrorKind,
                       message: str) -> None:
-    body = wire.encode(wire.ErrorBody(kind=kind, message=message))
     with contextlib.suppress(OSError):  # the peer may be gone; then there is no one to tell
-        await sock_io.send(sock, [wire.Header(wire.Op.ERROR, request_id,
-                                              meta_len=len(body)).pack(), body])
+        header, body = _error_frame(request_id, kind, message)
+        await sock_io.send(sock, [header.pack(), body])

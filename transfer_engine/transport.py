@@ -8,7 +8,7 @@ moves bytes and reports failures as `TransferFailed` / `TransferTimeout`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from shared.messages import SegmentInfo, TransferEndpoint
@@ -25,10 +25,10 @@ class Plan:
     notifications: list[bytes]
     compression: Compression | None
     timeout_s: float
+    num_bytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(run.num_bytes for run in self.runs)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_bytes", sum(run.num_bytes for run in self.runs))
 
     @property
     def num_pieces(self) -> int:

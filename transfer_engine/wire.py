@@ -82,17 +82,19 @@ class Header(msgspec.Struct, frozen=True):
                            self.num_pieces, self.meta_len, self.payload_len)
 
 
+_OPS = {op.value: op for op in Op}  # a dict lookup: Op(value) costs a microsecond per frame
+
+
 def unpack_header(data: bytes | memoryview) -> Header:
-    magic, version, op, flags, request_id, num_pieces, meta_len, payload_len = \
-        HEADER.unpack(data)
+    fields = HEADER.unpack(data)
+    magic, version, op, flags, request_id, num_pieces, meta_len, payload_len = fields
     if magic != MAGIC:
         raise ProtocolViolation(f"bad magic {bytes(magic)!r}")
     if version != VERSION:
         raise ProtocolViolation(f"unsupported protocol version {version}")
-    try:
-        op = Op(op)
-    except ValueError as error:
-        raise ProtocolViolation(f"unknown op {op}") from error
+    op = _OPS.get(op)
+    if op is None:
+        raise ProtocolViolation(f"unknown op {fields[2]}")
     if meta_len > MAX_META_BYTES or num_pieces > MAX_PIECES:
         raise ProtocolViolation(f"frame too large: {num_pieces} pieces, {meta_len} meta bytes")
     return Header(op, request_id, num_pieces, meta_len, payload_len, flags)

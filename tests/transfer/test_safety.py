@@ -197,6 +197,33 @@ async def test_a_malformed_frame_closes_only_that_connection(
     await assert_still_serves(tcp_pair)
 
 
+async def test_a_peer_that_stalls_mid_frame_is_cut_off() -> None:
+    pair = await start_pair("tcp", frame_timeout_s=0.3)
+    try:
+        peer = await welcomed(pair.target)
+        table = wire.PIECE.pack(kv_id(pair.target), 0, 4096)
+        await peer.send(wire.Header(wire.Op.WRITE, 1, 1, payload_len=4096).pack(), table,
+                        b"half" * 512)  # half the payload, then silence
+        assert await peer.is_closed_by_peer()
+        await assert_still_serves(pair)
+    finally:
+        await pair.source.close()
+        await pair.target.close()
+
+
+async def test_an_idle_connection_is_not_cut_off() -> None:
+    pair = await start_pair("tcp", frame_timeout_s=0.2)
+    try:
+        peer = await welcomed(pair.target)
+        await asyncio.sleep(0.6)  # idle between frames: no frame is stalled
+        header, _ = await peer.write(kv_id(pair.target), 0, 4, b"late")
+        assert header.op == wire.Op.ACK
+        assert pair.target_kv[:4] == b"late"
+    finally:
+        await pair.source.close()
+        await pair.target.close()
+
+
 async def test_garbage_instead_of_a_handshake_is_refused(tcp_pair: Pair) -> None:
     sock = socket.create_connection(("127.0.0.1", tcp_pair.target.endpoint().tcp_port))
     sock.setblocking(False)

@@ -40,6 +40,22 @@ async def test_concurrent_small_writes_to_one_peer_are_merged(tcp_pair: Pair) ->
     assert tcp_pair.target.notifications.qsize() == 100
 
 
+async def test_large_and_small_transfers_in_flight_together_all_land(tcp_pair: Pair) -> None:
+    """A payload received straight into memory (with the receive low-water mark raised) and
+    small frames behind it on the same connection: none waits for bytes that never come."""
+    tcp_pair.source_kv[:] = os.urandom(SEGMENT_BYTES)
+    target = tcp_pair.target.config.engine_id
+    half = SEGMENT_BYTES // 2
+    sizes = [half - 8192, 16, 4096, 100, 3000]
+    offsets = [0, half, half + 4096, half + 12288, half + 16384]
+    await asyncio.gather(*(tcp_pair.source.write(target, [("kv", offset, "kv", offset, size)])
+                           for offset, size in zip(offsets, sizes, strict=True)))
+    for offset, size in zip(offsets, sizes, strict=True):
+        assert tcp_pair.target_kv[offset:offset + size] == \
+            tcp_pair.source_kv[offset:offset + size]
+    await tcp_pair.source.read(target, [("kv", 0, "kv", 0, 200_000)])
+
+
 async def test_a_large_write_is_striped_over_several_connections(tcp_pair: Pair) -> None:
     tcp_pair.source_kv[:] = os.urandom(SEGMENT_BYTES)
     result = await tcp_pair.source.write(tcp_pair.target.config.engine_id,
