@@ -281,6 +281,16 @@ def _format(row: dict[str, object]) -> str:
             f"{tcp / sock:10.0%} {shm / mem:10.0%}")
 
 
+def _latencies(rows: list[dict[str, object]]) -> str:
+    """The smallest single transfer as time per transfer (median round): the round trip."""
+    row = rows[0]
+    micros = {name: int(row["bytes"]) / float(row[name]) / 1e3  # type: ignore[call-overload,arg-type]
+              for name in ("tcp", "socket", "shm", "memcpy")}
+    return (f"{row['shape']}: tcp round trip {micros['tcp']:.0f} us (plain socket "
+            f"{micros['socket']:.0f} us); shm write {micros['shm']:.0f} us (memcpy "
+            f"{micros['memcpy']:.0f} us)")
+
+
 def _summary(rows: list[dict[str, object]]) -> str:
     large = [row for row in rows if " x " not in str(row["shape"])
              and int(row["bytes"]) >= _LARGE_BYTES]  # type: ignore[call-overload]
@@ -323,6 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(_HEADER, flush=True)
         rows = uvloop.run(_run(args.max_mib << 20, args.seconds))
+        print(_latencies(rows))
         print(_summary(rows))
 
 

@@ -22,3 +22,4 @@ def test_bench_transfer_prints_every_shape_with_its_baselines() -> None:
         # Tiny transfers may round to 0.00 GB/s on a loaded machine; 64 MiB never does.
         assert all(figure > 0 for figure in figures) or "KiB" in shape.split(" x ")[-1]
     assert all(float(v) > 0 for v in rows["1000 x 64 KiB"].split("|")[1].split())
+    assert any(line.startswith("4 KiB: tcp round trip ") for line in lines)
