@@ -17,7 +17,7 @@ import os
 import socket
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 
@@ -51,16 +51,25 @@ class TcpStats:
     num_links_opened: int = 0
 
 
-@dataclass(eq=False)
 class _Job:
-    op: wire.Op
-    runs: list[Run]
-    future: asyncio.Future[None]
-    notifications: list[bytes] = field(default_factory=list)
-    compression: wire.Compression | None = None
-    payload: list[bytes] | None = None  # compressed pieces, when compressing
-    meta: bytes = b""  # the body of a control request (RDMA_CONNECT)
-    reply: bytes = b""  # the body of its ACK
+    """One transfer's frame on a link, and the future its caller awaits."""
+
+    __slots__ = ("compression", "deadline", "future", "meta", "notifications", "op", "payload",
+                 "reply", "runs", "timeout_s")
+
+    def __init__(self, op: wire.Op, runs: list[Run], future: asyncio.Future[None],
+                 notifications: list[bytes], compression: wire.Compression | None = None,
+                 payload: list[bytes] | None = None) -> None:
+        self.op = op
+        self.runs = runs
+        self.future = future
+        self.notifications = notifications
+        self.compression = compression
+        self.payload = payload  # compressed pieces, when compressing
+        self.meta = b""  # the body of a control request (RDMA_CONNECT)
+        self.reply = b""  # the body of its ACK
+        self.timeout_s = 0.0
+        self.deadline = 0.0  # event-loop time by which it must be answered
 
     @property
     def is_mergeable(self) -> bool:
@@ -91,6 +100,7 @@ class Link(FrameStream):
         self._request_ids = itertools.count(1)
         self._header_bytes = memoryview(bytearray(wire.HEADER.size))
         self._is_flush_due = False
+        self._timer: asyncio.TimerHandle | None = None  # the earliest deadline of a job here
         self.error: TransferFailed | None = None
 
     @property
@@ -107,6 +117,10 @@ class Link(FrameStream):
             job.future.set_exception(self.error)
             return
         self._queue.append(job)
+        if self._timer is None or job.deadline < self._timer.when():
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self._loop.call_at(job.deadline, self._expire)
         if not self._pending and not self._is_flush_due:
             self._flush()  # an idle link: send at once
         elif not self._is_flush_due:
@@ -120,11 +134,27 @@ class Link(FrameStream):
         if self.error is not None:
             return
         self.error = error
+        if self._timer is not None:
+            self._timer.cancel()
         self.abort()
         jobs = [*self._queue, *itertools.chain(*self._pending.values())]
         self._queue.clear()
         self._pending.clear()
         _settle(jobs, error)
+
+    def _expire(self) -> None:
+        """A deadline came: a transfer not answered by its deadline fails the link (it may be
+        mid-frame; no later transfer can use it). One timer per link, not one per transfer:
+        it re-arms for the earliest deadline still pending."""
+        self._timer = None
+        jobs = [*self._queue, *itertools.chain(*self._pending.values())]
+        now = self._loop.time()
+        late = next((job for job in jobs if job.deadline <= now), None)
+        if late is not None:
+            self.close(TransferTimeout(f"transfer to {self.peer_id!r} did not finish within "
+                                       f"{late.timeout_s:g} s"))
+        elif jobs:
+            self._timer = self._loop.call_at(min(job.deadline for job in jobs), self._expire)
 
     # --- FrameStream -----------------------------------------------------------------------
 
@@ -325,22 +355,23 @@ class TcpTransport:
         return self._options.num_streams if num_bytes >= self._options.stripe_min_bytes else 1
 
     async def _run(self, peer: TransferEndpoint, timeout_s: float, jobs: list[_Job]) -> None:
-        links: list[Link] = []
+        """Submit the jobs on links to `peer` and wait for their answers; a job unanswered
+        after `timeout_s` closes its link (`Link._expire`) and fails with `TransferTimeout`."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        for job in jobs:
+            job.timeout_s, job.deadline = timeout_s, deadline
         try:
-            async with asyncio.timeout(timeout_s):
-                links = await self._links_to(peer, len(jobs))
-                for job, link in zip(jobs, links, strict=False):
-                    link.submit(job)
-                for job in jobs:
-                    await job.future
+            links = await self._links_to(peer, len(jobs), timeout_s)
         except TimeoutError:
-            error = TransferTimeout(f"transfer to {peer.engine_id!r} did not finish within "
-                                    f"{timeout_s:g} s")
-            for link in links:
-                link.close(error)  # it may be mid-frame; no later transfer can use it
-            raise error from None
+            raise TransferTimeout(f"transfer to {peer.engine_id!r} did not finish within "
+                                  f"{timeout_s:g} s (no connection)") from None
+        for job, link in zip(jobs, links, strict=False):
+            link.submit(job)
+        for job in jobs:
+            await job.future
 
-    async def _links_to(self, peer: TransferEndpoint, count: int) -> list[Link]:
+    async def _links_to(self, peer: TransferEndpoint, count: int,
+                        timeout_s: float) -> list[Link]:
         """`count` live links to `peer`, least loaded first, opening new ones as needed."""
         if count == 1:  # the common case, without the lock: any live link will do
             live = [link for link in self._links.get(peer.engine_id, ()) if link.is_alive]
@@ -353,7 +384,8 @@ class TcpTransport:
             links = [link for link in self._links.get(peer.engine_id, []) if link.is_alive]
             want = min(max(count, 1), self._options.num_streams)
             missing = max(want - len(links), 0)
-            links += await asyncio.gather(*(self._connect(peer) for _ in range(missing)))
+            async with asyncio.timeout(timeout_s):
+                links += await asyncio.gather(*(self._connect(peer) for _ in range(missing)))
             self._links[peer.engine_id] = links
         if count == 1:
             return [min(links, key=lambda link: link.num_queued_bytes)]

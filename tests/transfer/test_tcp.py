@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tests.transfer.conftest import SECRET, SEGMENT_BYTES, Pair, start_pair
 from transfer_engine.config import TransferConfig
 from transfer_engine.engine import TransferEngine
-from transfer_engine.errors import PeerNotFound
+from transfer_engine.errors import PeerNotFound, TransferTimeout
 from transfer_engine.registry import LocalEndpointRegistry
 
 
@@ -54,6 +54,25 @@ async def test_large_and_small_transfers_in_flight_together_all_land(tcp_pair: P
         assert tcp_pair.target_kv[offset:offset + size] == \
             tcp_pair.source_kv[offset:offset + size]
     await tcp_pair.source.read(target, [("kv", 0, "kv", 0, 200_000)])
+
+
+async def test_a_short_deadline_behind_a_long_one_still_expires_on_time(
+        tcp_pair: Pair) -> None:
+    """One deadline timer per link: a transfer with a shorter timeout than one already in
+    flight re-arms it, and the stalled link fails both with `TransferTimeout`."""
+    target = tcp_pair.target.config.engine_id
+    await tcp_pair.source.write(target, [("kv", 0, "kv", 0, 16)])  # open the link
+    for inbound in list(tcp_pair.target._tcp.server._inbound):  # type: ignore[union-attr]
+        inbound.pause()  # the peer stops reading: nothing is answered
+    patient = asyncio.ensure_future(tcp_pair.source.write(target, [("kv", 0, "kv", 0, 16)],
+                                                          timeout_s=30))
+    await asyncio.sleep(0.05)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(TransferTimeout, match=r"did not finish within 0\.3 s"):
+        await tcp_pair.source.write(target, [("kv", 16, "kv", 16, 16)], timeout_s=0.3)
+    assert asyncio.get_running_loop().time() - started < 2
+    with pytest.raises(TransferTimeout):
+        await patient
 
 
 async def test_a_large_write_is_striped_over_several_connections(tcp_pair: Pair) -> None:
