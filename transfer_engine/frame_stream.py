@@ -40,6 +40,9 @@ _PAUSE_WRITING_BYTES = 4 << 20  # queued output above which the subclass stops s
 
 
 class FrameStream:
+    """A connection's reading steps and its output queue; subclasses (`tcp.Link`,
+    `tcp_server._Inbound`) say what each frame's steps are."""
+
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._fd = sock.fileno()
