@@ -75,6 +75,32 @@ async def test_a_short_deadline_behind_a_long_one_still_expires_on_time(
         await patient
 
 
+async def test_writes_and_reads_beyond_the_output_queue_mark_land_whole_and_in_order() -> None:
+    """24 MiB each way on one connection: the sender's queue passes its high-water mark
+    (later writes wait, then merge), and so does the server's answer to a large read."""
+    pair = await start_pair("tcp", stripe_min_bytes=1 << 30)  # one connection
+    try:
+        big = 24 << 20
+        source = await pair.source.allocate("big", big)
+        target = await pair.target.allocate("big", big)
+        source[:] = os.urandom(1 << 20) * 24
+        target_id = pair.target.config.engine_id
+        small = [pair.source.write(target_id, [("kv", i * 4096, "kv", i * 4096, 4096)],
+                                   notify=b"%d" % i) for i in range(50)]
+        pair.source_kv[:] = os.urandom(SEGMENT_BYTES)
+        await asyncio.gather(pair.source.write(target_id, [("big", 0, "big", 0, big)]), *small)
+        assert target == source
+        assert pair.target_kv[:50 * 4096] == pair.source_kv[:50 * 4096]
+        payloads = [(await pair.target.notifications.get()).payload for _ in range(50)]
+        assert payloads == [b"%d" % i for i in range(50)]
+        target[:] = os.urandom(1 << 20) * 24
+        await pair.source.read(target_id, [("big", 0, "big", 0, big)])
+        assert source == target
+    finally:
+        await pair.source.close()
+        await pair.target.close()
+
+
 async def test_a_large_write_is_striped_over_several_connections(tcp_pair: Pair) -> None:
     tcp_pair.source_kv[:] = os.urandom(SEGMENT_BYTES)
     result = await tcp_pair.source.write(tcp_pair.target.config.engine_id,
