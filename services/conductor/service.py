@@ -207,7 +207,7 @@ class ConductorService(Service):
         error: HalfmoonError = WorkerUnavailable("no placement attempted")
         for _ in range(self.config.max_placement_attempts):
             self._turn += 1
-            view = self._view()
+            view = self._view(request.model)
             try:
                 chosen = assignment.plan(request, view, progress, self._rules,
                                          prefix=prefix, turn=self._turn)
@@ -252,9 +252,10 @@ class ConductorService(Service):
             lost_worker_id=message.failed_decode_worker_id, error=message.reason)
         return self.accept()
 
-    def _view(self) -> assignment.ClusterView:
+    def _view(self, model: str) -> assignment.ClusterView:
         return assignment.ClusterView(
-            prefill=self.workers.healthy("prefill"), decode=self.workers.healthy("decode"),
+            prefill=assignment.serving(self.workers.healthy("prefill"), model),
+            decode=assignment.serving(self.workers.healthy("decode"), model),
             pending=self._pending, known=self.workers.get)
 
     def _subject(self, send: assignment.Send) -> str:
@@ -263,7 +264,8 @@ class ConductorService(Service):
             else self.subjects.decode_reserve(worker_id)
 
     def _prefix_view(self, request: GenerateRequest) -> PrefixView | None:
-        return prefix_view(request.prompt_token_ids, self.workers.healthy("prefill"),
+        return prefix_view(request.prompt_token_ids,
+                           assignment.serving(self.workers.healthy("prefill"), request.model),
                            self.prefix_index, policy=self.config.policy,
                            is_fetch_enabled=self.config.prefix_fetch)
 

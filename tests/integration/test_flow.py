@@ -10,6 +10,9 @@ import openai
 import pytest
 
 from services.conductor.service import ConductorService
+from services.decode.service import DecodeService
+from services.prefill.service import PrefillService
+from shared.config import WorkerConfig, load_config
 from shared.messages import GenerateRequest, PrefillTask, SamplingParams, TokenBatch
 from shared.nats_client import encode
 from tests.stack import Stack, eventually
@@ -70,6 +73,38 @@ async def test_two_conductor_replicas_never_schedule_a_request_twice(nats_url: s
             assert len(seen) == 40 == len(set(seen))
         finally:
             await second.stop()
+
+
+async def test_a_request_never_reaches_a_worker_of_another_model(nats_url: str) -> None:
+    """Workers of a second model share the cluster (and are the least loaded): every
+    request goes to the workers of its own model, and none to theirs."""
+    async with Stack(nats_url) as stack:
+        flags = {"nats_url": nats_url, "cluster": stack.cluster, "log_level": "warning",
+                 "heartbeat_interval_s": 0.2, "engine": "fake", "model": "other-model",
+                 "transfer_secret": "stack-secret"}
+        others = [PrefillService(load_config(WorkerConfig, flags=flags)),
+                  DecodeService(load_config(WorkerConfig, flags=flags))]
+        reached: list[str] = []
+
+        async def observe(msg) -> None:  # type: ignore[no-untyped-def]
+            reached.append(msg.subject)
+
+        for other in others:
+            await other.start()
+            for subject in (other.subjects.prefill_task(other.worker_id),
+                            other.subjects.decode_reserve(other.worker_id)):
+                await stack.gateway.nc.subscribe(subject, cb=observe)
+        try:
+            await eventually(lambda: len(stack.conductor.workers.healthy("decode")) == 2
+                             and len(stack.conductor.workers.healthy("prefill")) == 2)
+            async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x",
+                                          max_retries=0) as sdk:
+                await asyncio.gather(*(sdk.completions.create(
+                    model=MODEL, prompt=f"p{i}", max_tokens=3) for i in range(20)))
+            assert reached == []
+        finally:
+            for other in others:
+                await other.stop()
 
 
 async def test_work_spreads_over_workers_and_skips_a_silent_one(nats_url: str) -> None:
