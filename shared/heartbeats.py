@@ -95,14 +95,16 @@ class WorkerDirectory:
             not entry.heartbeat.is_draining
         )
 
-    def healthy(self, role: WorkerRole, now_s: float | None = None) -> list[WorkerHeartbeat]:
-        """Healthy workers of `role`, ordered by worker id (a stable order for placement)."""
+    def healthy(self, role: WorkerRole, now_s: float | None = None, *,
+                model: str | None = None) -> list[WorkerHeartbeat]:
+        """Healthy workers of `role` (serving `model`, if given), ordered by worker id (a
+        stable order for placement)."""
         now_s = self._now(now_s)
         self._expire(now_s)
         return sorted(
             (e.heartbeat for e in self._entries.values()
              if e.heartbeat.role == role and not e.heartbeat.is_draining
-             and self._is_fresh(e, now_s)),
+             and (model is None or e.heartbeat.model == model) and self._is_fresh(e, now_s)),
             key=lambda hb: hb.worker_id,
         )
 

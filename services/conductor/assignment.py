@@ -85,13 +85,6 @@ class ClusterView:
     known: Callable[[str | None], WorkerHeartbeat | None]
 
 
-def serving(workers: Sequence[WorkerHeartbeat], model: str) -> list[WorkerHeartbeat]:
-    """The workers whose heartbeat says they serve `model`: a request is only ever placed,
-    and its prefix only ever looked for, on workers of its own model (prefix hashes of
-    different models may collide; their KV never matches)."""
-    return [worker for worker in workers if worker.model == model]
-
-
 @dataclass(frozen=True)
 class Send:
     """One command of an attempt; `num_tokens`/`num_prefill_tokens` are what it adds to the

@@ -253,9 +253,11 @@ class ConductorService(Service):
         return self.accept()
 
     def _view(self, model: str) -> assignment.ClusterView:
+        """The workers of the request's model only: a request is never placed, and its
+        prefix never looked for, on another model's worker (their KV never matches)."""
         return assignment.ClusterView(
-            prefill=assignment.serving(self.workers.healthy("prefill"), model),
-            decode=assignment.serving(self.workers.healthy("decode"), model),
+            prefill=self.workers.healthy("prefill", model=model),
+            decode=self.workers.healthy("decode", model=model),
             pending=self._pending, known=self.workers.get)
 
     def _subject(self, send: assignment.Send) -> str:
@@ -265,7 +267,7 @@ class ConductorService(Service):
 
     def _prefix_view(self, request: GenerateRequest) -> PrefixView | None:
         return prefix_view(request.prompt_token_ids,
-                           assignment.serving(self.workers.healthy("prefill"), request.model),
+                           self.workers.healthy("prefill", model=request.model),
                            self.prefix_index, policy=self.config.policy,
                            is_fetch_enabled=self.config.prefix_fetch)
 

@@ -228,8 +228,10 @@ class GatewayService(Service):
                          output=output, default_max_tokens=None)]
 
     def health(self) -> dict[str, Any]:
-        num_prefill = len(self.workers.healthy("prefill"))
-        decodes = self.workers.healthy("decode")
+        """Ready when workers of this gateway's model can serve a request."""
+        model = self.config.model
+        num_prefill = len(self.workers.healthy("prefill", model=model))
+        decodes = self.workers.healthy("decode", model=model)
         num_decode = len(decodes)
         # Colocated decode workers prefill for themselves: no prefill worker is needed then.
         can_prefill = num_prefill > 0 or any(d.local_prefill_max_tokens > 0 for d in decodes)

@@ -102,6 +102,8 @@ async def test_a_request_never_reaches_a_worker_of_another_model(nats_url: str) 
                 await asyncio.gather(*(sdk.completions.create(
                     model=MODEL, prompt=f"p{i}", max_tokens=3) for i in range(20)))
             assert reached == []
+            health = stack.gateway.health()  # the gateway counts its own model's workers
+            assert (health["num_prefill_workers"], health["num_decode_workers"]) == (1, 1)
         finally:
             for other in others:
                 await other.stop()

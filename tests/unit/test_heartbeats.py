@@ -32,6 +32,15 @@ def test_roles_are_kept_apart() -> None:
     assert [w.worker_id for w in directory.healthy("decode", now_s=0.0)] == ["d"]
 
 
+def test_models_are_kept_apart_when_asked() -> None:
+    directory = WorkerDirectory(timeout_s=2.0)
+    directory.observe(worker("m-worker"), now_s=0.0)  # serves model "m"
+    directory.observe(msgspec.structs.replace(worker("other"), model="other"), now_s=0.0)
+    assert [w.worker_id for w in directory.healthy("prefill", now_s=0.0, model="m")] == [
+        "m-worker"]
+    assert len(directory.healthy("prefill", now_s=0.0)) == 2
+
+
 def test_a_reader_whose_own_loop_stalled_excuses_the_silence() -> None:
     directory = WorkerDirectory(timeout_s=2.0)
     directory.observe(worker("a"), now_s=100.0)
