@@ -195,10 +195,15 @@ class TransferEngine:
             raise InvalidTransfer("the transfer engine is not running")
         started = time.perf_counter()
         groups = group(batch)
-        routes = [await self._route(peer, pieces) for pieces in groups]
+        routes = [self._cached_route(peer, pieces) or await self._route(peer, pieces)
+                  for pieces in groups]
         runs = [run for route, pieces in zip(routes, groups, strict=True)
                 if (run := route.plan(pieces, is_read=not is_write)) is not None]
-        endpoint, candidates = await self._reach(peer, routes)
+        if routes:
+            endpoint, candidates = self._reach(routes)
+        else:  # no pieces (a notification alone, say): any transport to the peer
+            endpoint = await self._resolve(peer, set())
+            candidates = self._reaching(endpoint, [])
         staged = [run for run in runs if run.local.staging is not None]
         if staged and is_write:
             await asyncio.to_thread(_stage, staged, to_device=False)
@@ -239,31 +244,29 @@ class TransferEngine:
         return Plan(endpoint, runs, notifications, compression,
                     timeout_s or self.config.timeout_s)
 
+    def _cached_route(self, peer: Peer, pieces: PieceArrays) -> Route | None:
+        if not isinstance(peer, str):
+            return None
+        return self._routes.get((peer, pieces.local_segment, pieces.remote_segment))
+
     async def _route(self, peer: Peer, pieces: PieceArrays) -> Route:
-        """How to reach `pieces.remote_segment` of `peer` from `pieces.local_segment`: cached
-        per (peer, segments) until the peer's descriptor or our segments change."""
-        key = (peer, pieces.local_segment, pieces.remote_segment) if isinstance(
-            peer, str) else None
-        route = self._routes.get(key) if key is not None else None
-        if route is None:
-            endpoint = await self._resolve(peer, {pieces.remote_segment})
-            remote = next((info for info in endpoint.segments
-                           if info.name == pieces.remote_segment), None)
-            if remote is None:
-                raise InvalidTransfer(f"{endpoint.engine_id!r} has no segment "
-                                      f"{pieces.remote_segment!r}")
-            route = Route(endpoint, self._memory.get(pieces.local_segment), remote,
-                          self._reaching(endpoint, [remote]))
-            if key is not None:
-                self._routes[key] = route
+        """How to reach `pieces.remote_segment` of `peer` from `pieces.local_segment`; kept
+        (`_cached_route`) per (peer, segments) until the peer's descriptor or our segments
+        change."""
+        endpoint = await self._resolve(peer, {pieces.remote_segment})
+        remote = next((info for info in endpoint.segments
+                       if info.name == pieces.remote_segment), None)
+        if remote is None:
+            raise InvalidTransfer(f"{endpoint.engine_id!r} has no segment "
+                                  f"{pieces.remote_segment!r}")
+        route = Route(endpoint, self._memory.get(pieces.local_segment), remote,
+                      self._reaching(endpoint, [remote]))
+        if isinstance(peer, str):
+            self._routes[(peer, pieces.local_segment, pieces.remote_segment)] = route
         return route
 
-    async def _reach(self, peer: Peer, routes: list[Route]
-                     ) -> tuple[TransferEndpoint, list[Transport]]:
+    def _reach(self, routes: list[Route]) -> tuple[TransferEndpoint, list[Transport]]:
         """The peer's descriptor and the transports that reach every segment of a batch."""
-        if not routes:  # no pieces (a notification alone, say): any transport to the peer
-            endpoint = await self._resolve(peer, set())
-            return endpoint, self._reaching(endpoint, [])
         if len(routes) == 1:
             return routes[0].endpoint, routes[0].candidates
         candidates = [transport for transport in routes[0].candidates

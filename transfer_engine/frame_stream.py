@@ -70,9 +70,13 @@ class FrameStream:
     def expect(self, views: list[memoryview], then: Callable[[], None]) -> None:
         """The next bytes fill `views` in order; then `then()` runs (at once if there are
         none). Every step ends by calling `expect` again, `pause`, or `abort`."""
-        self._views = [view for view in views if view.nbytes]
+        if len(views) == 1:  # a header, a body: the common step
+            self._views = [views[0]] if views[0].nbytes else []
+            self._left = views[0].nbytes
+        else:
+            self._views = [view for view in views if view.nbytes]
+            self._left = sum(view.nbytes for view in self._views)
         self._index = 0
-        self._left = sum(view.nbytes for view in self._views)
         self._then = then
         if not self._views and not self._is_paused:
             self._finish()

@@ -183,7 +183,7 @@ class Link(FrameStream):
 
     def _take_frame(self) -> list[_Job]:
         jobs = [self._queue.popleft()]
-        if not jobs[0].is_mergeable:
+        if not self._queue or not jobs[0].is_mergeable:
             return jobs
         num_bytes = jobs[0].num_bytes
         while (self._queue and self._queue[0].is_mergeable
@@ -266,9 +266,10 @@ def _error_from(body: wire.ErrorBody, peer_id: str) -> TransferFailed:
 
 def _frame(request_id: int, jobs: list[_Job]) -> list[memoryview | bytes]:
     first = jobs[0]
-    runs = [run for job in jobs for run in job.runs]
+    runs = first.runs if len(jobs) == 1 else [run for job in jobs for run in job.runs]
     table = wire.table_of(runs)
-    notifications = [note for job in jobs for note in job.notifications]
+    notifications = first.notifications if len(jobs) == 1 else [
+        note for job in jobs for note in job.notifications]
     meta = (wire.encode(wire.FrameMeta(notifications, first.compression))
             if notifications or first.compression else b"")
     if first.op == wire.Op.READ:
@@ -361,7 +362,8 @@ class TcpTransport:
         for job in jobs:
             job.timeout_s, job.deadline = timeout_s, deadline
         try:
-            links = await self._links_to(peer, len(jobs), timeout_s)
+            links = self._live_link(peer, len(jobs)) or await self._links_to(
+                peer, len(jobs), timeout_s)
         except TimeoutError:
             raise TransferTimeout(f"transfer to {peer.engine_id!r} did not finish within "
                                   f"{timeout_s:g} s (no connection)") from None
@@ -370,15 +372,19 @@ class TcpTransport:
         for job in jobs:
             await job.future
 
+    def _live_link(self, peer: TransferEndpoint, count: int) -> list[Link] | None:
+        """The common case, at once: one transfer, and a live link to take it (the least
+        loaded, if there are several)."""
+        if count != 1:
+            return None
+        live = [link for link in self._links.get(peer.engine_id, ()) if link.is_alive]
+        if len(live) > 1:
+            return [min(live, key=lambda link: link.num_queued_bytes)]
+        return live or None
+
     async def _links_to(self, peer: TransferEndpoint, count: int,
                         timeout_s: float) -> list[Link]:
         """`count` live links to `peer`, least loaded first, opening new ones as needed."""
-        if count == 1:  # the common case, without the lock: any live link will do
-            live = [link for link in self._links.get(peer.engine_id, ()) if link.is_alive]
-            if len(live) > 1:
-                return [min(live, key=lambda link: link.num_queued_bytes)]
-            if live:
-                return live
         lock = self._connecting.setdefault(peer.engine_id, asyncio.Lock())
         async with lock:
             links = [link for link in self._links.get(peer.engine_id, []) if link.is_alive]
