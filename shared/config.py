@@ -96,6 +96,10 @@ class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):
     # enough for a worker whose NATS node was cut off to notice (3 s of unanswered pings),
     # reconnect to another node and heartbeat again.
     no_worker_hold_s: float = 5.0
+    # A request that finds no decode worker with KV room for it (running requests' growth
+    # filled the pools) waits up to this long (at most the TTFT SLO, when one is set) for
+    # blocks to free before its 429; 0: refuse at once.
+    kv_short_hold_s: float = 5.0
     policy: PrefillPolicy = "cache-aware"
     ttft_slo_ms: float | None = None  # reject when the best predicted TTFT exceeds it
     tbt_slo_ms: float | None = None  # reject when the best predicted decode step exceeds it

@@ -81,6 +81,11 @@ class CapacityExhausted(HalfmoonError):
     error_type = "rate_limit_error"
 
 
+class KvShortage(CapacityExhausted):
+    """No decode worker has KV room for the request now, though one would with its running
+    requests finished: the conductor holds the request a little before its 429."""
+
+
 class SloViolation(CapacityExhausted):
     """Admission predicted that the request would break a TTFT or TBT SLO."""
 

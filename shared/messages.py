@@ -211,11 +211,14 @@ class DecodeReplacement(Message, frozen=True, kw_only=True):
 
 
 class DispatchReply(Message, frozen=True, kw_only=True):
-    """A worker's immediate answer to `PrefillTask`, `DecodeReservation` or `KvCommitted`."""
+    """A worker's immediate answer to `PrefillTask`, `DecodeReservation` or `KvCommitted`.
+    A refusal's `code` is the `ErrorCode` behind it, when one is (`capacity_exhausted`: no
+    KV room now); empty from peers that predate it."""
 
     is_accepted: bool
     worker_id: str
     reason: str = ""
+    code: str = ""
 
 
 class KvTarget(Message, frozen=True, kw_only=True):

@@ -248,7 +248,7 @@ class Service(abc.ABC):
                 self.log.warning("message.invalid", subject=msg.subject, error=str(exc))
                 reply = self._refusal(f"invalid message on {msg.subject}: {exc}")
             except HalfmoonError as exc:
-                reply = self._refusal(exc.message)
+                reply = self._refusal(exc.message, code=exc.code)
             except Exception as exc:
                 self.log.error("message.handler_failed", subject=msg.subject, exc_info=exc)
                 reply = self._refusal(f"internal error: {exc!r}")
@@ -311,8 +311,9 @@ class Service(abc.ABC):
         self.metrics_url = f"http://{host}:{port}/metrics"
         self.log.info("metrics.serving", url=self.metrics_url)
 
-    def _refusal(self, reason: str) -> DispatchReply:
-        return DispatchReply(is_accepted=False, worker_id=self.instance_id, reason=reason)
+    def _refusal(self, reason: str, *, code: str = "") -> DispatchReply:
+        return DispatchReply(is_accepted=False, worker_id=self.instance_id, reason=reason,
+                             code=code)
 
     def accept(self) -> DispatchReply:
         return DispatchReply(is_accepted=True, worker_id=self.instance_id)

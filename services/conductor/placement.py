@@ -33,7 +33,7 @@ from services.conductor.cost_model import (
 from services.conductor.prefix_index import PrefixIndex
 from shared.block_hash import block_hashes
 from shared.config import PrefillPolicy
-from shared.errors import CapacityExhausted, NoHealthyWorker
+from shared.errors import CapacityExhausted, KvShortage, NoHealthyWorker
 from shared.messages import PrefixSource, WorkerHeartbeat
 
 
@@ -211,5 +211,10 @@ def pick_decode(
         if room >= 0 and (best is None or key < best):
             best, chosen = key, worker
     if chosen is None:
-        raise CapacityExhausted(f"no decode worker has KV room for {num_tokens} tokens")
+        if any(blocks_needed(num_tokens, w.block_size)
+               + math.ceil(FREE_WATERMARK * w.num_total_blocks) <= w.num_total_blocks
+               for w in candidates):
+            raise KvShortage(f"no decode worker has KV room for {num_tokens} tokens now")
+        raise CapacityExhausted(f"{num_tokens} tokens need more KV than any decode worker's "
+                                "whole pool")
     return chosen

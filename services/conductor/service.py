@@ -26,14 +26,21 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 from opentelemetry import trace
 
-from services.conductor import assignment
+from services.conductor import assignment, holding
 from services.conductor.assignment import Plan
 from services.conductor.placement import PendingWork, PrefixView, prefix_view
 from services.conductor.prefix_follower import PrefixIndexFollower
 from services.conductor.prefix_index import PrefixIndex
 from shared import tracing
 from shared.config import ConductorConfig
-from shared.errors import HalfmoonError, NoHealthyWorker, SloViolation, WorkerUnavailable
+from shared.errors import (
+    ErrorCode,
+    HalfmoonError,
+    KvShortage,
+    NoHealthyWorker,
+    SloViolation,
+    WorkerUnavailable,
+)
 from shared.heartbeats import WorkerDirectory
 from shared.messages import (
     AbortRequest,
@@ -57,8 +64,6 @@ from shared.nats_client import (
 from shared.service import Service
 
 FETCH_RETRY_S = 0.25
-HOLD_RETRY_S = 0.5  # a held request is delivered again at least this much later
-MAX_DELIVER = 8  # deliveries of one request message before JetStream drops it
 
 
 _request_decoder = msgspec.json.Decoder(GenerateRequest)
@@ -107,7 +112,7 @@ class ConductorService(Service):
                        "prefix-snapshots")
         consumer = ConsumerConfig(
             durable_name=self.subjects.conductor_consumer, ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=10.0, max_deliver=MAX_DELIVER, max_ack_pending=4096,
+            ack_wait=10.0, max_deliver=holding.MAX_DELIVER, max_ack_pending=4096,
         )
         self._is_fetching = True
         for i in range(self.config.num_fetchers):
@@ -175,9 +180,12 @@ class ConductorService(Service):
                 decode_worker_id=decode_id, placement_s=placement_s, path=chosen.path)
         except HalfmoonError as exc:
             await self._abort(request.request_id, exc.message)  # any side that accepted
-            if isinstance(exc, NoHealthyWorker) and self._may_hold(request, msg):
+            delay_s = holding.retry_delay_s(exc, self.config, self._rules.slo.ttft_s,
+                                            age_s=time.time() - request.created_at_s,
+                                            num_delivered=msg.metadata.num_delivered)
+            if delay_s is not None:
                 self.log.info("request.held", reason=exc.message)
-                await msg.nak(delay=self._hold_delay_s())  # JetStream delivers it again then
+                await msg.nak(delay=delay_s)  # JetStream delivers it again then
                 return
             await self._reject(request, exc)
         except Exception as exc:
@@ -185,18 +193,6 @@ class ConductorService(Service):
             await msg.nak(delay=0.5)
             return
         await msg.ack()
-
-    def _may_hold(self, request: GenerateRequest, msg: Msg) -> bool:
-        """Whether a request no worker can take now may wait for one: young enough, and
-        with deliveries left before the consumer's `MAX_DELIVER` drops it."""
-        age_s = time.time() - request.created_at_s
-        return (age_s + self._hold_delay_s() <= self.config.no_worker_hold_s
-                and msg.metadata.num_delivered < MAX_DELIVER - 1)
-
-    def _hold_delay_s(self) -> float:
-        """The hold spread over the deliveries the consumer allows (the first try and one
-        spare aside), so a longer `no_worker_hold_s` is not cut short by `MAX_DELIVER`."""
-        return max(HOLD_RETRY_S, self.config.no_worker_hold_s / (MAX_DELIVER - 2))
 
     async def _place(self, request: GenerateRequest,
                      progress: assignment.Progress | None = None) -> Plan:
@@ -214,7 +210,9 @@ class ConductorService(Service):
                 if progress.num_attempts == 1:
                     assignment.admit(request, chosen, self._pending, prefix, self._rules)
             except HalfmoonError as exc:
-                error = exc
+                # Every worker left refused: a KV refusal says more than "none healthy".
+                if not (isinstance(exc, NoHealthyWorker) and isinstance(error, KvShortage)):
+                    error = exc
                 break
             replies = await asyncio.gather(*(
                 self._dispatch(self._subject(send), send.message) for send in chosen.sends))
@@ -280,6 +278,8 @@ class ConductorService(Service):
     def _refusal_error(self, worker_id: str, reply: DispatchReply | HalfmoonError) -> HalfmoonError:
         reason = reply.message if isinstance(reply, HalfmoonError) else reply.reason
         self.log.info("placement.refused", worker_id=worker_id, reason=reason)
+        if isinstance(reply, DispatchReply) and reply.code == ErrorCode.CAPACITY_EXHAUSTED:
+            return KvShortage(f"{worker_id} refused: {reason}")  # its blocks will free
         return WorkerUnavailable(f"{worker_id} refused: {reason}")
 
     def _count_placement(self, chosen: Plan, prefix: PrefixView | None, *,

@@ -231,6 +231,50 @@ async def test_missing_api_key_through_the_sdk_is_401(nats_url: str) -> None:
             await sdk.chat.completions.create(**CHAT)  # type: ignore[call-overload]
 
 
+async def test_a_request_waits_for_kv_that_running_requests_will_free(nats_url: str) -> None:
+    """Decode's pool is full of running requests (placement saw no KV room): the conductor
+    holds the newcomer until they finish and free their blocks, instead of a 429."""
+    async with Stack(nats_url, worker={"fake_token_delay_s": 0.02},
+                     decode_options={"num_blocks": 12},
+                     conductor_options={"kv_short_hold_s": 6.0,
+                                        "no_worker_hold_s": 0.0}) as stack:
+        # Each takes 7 of the 12 blocks at placement (prompt + a block of output; one block
+        # is the growth watermark): one fits at a time, and the others find no room.
+        body = {**GOOD, "prompt": "x" * 85, "max_tokens": 20}
+        replies = await asyncio.gather(*(stack.post("/v1/completions", body)
+                                         for _ in range(3)))
+        assert [status for status, _ in replies] == [200] * 3, replies
+        assert all(reply["usage"]["completion_tokens"] == 20 for _, reply in replies)
+        await stack.wait_blocks_free()
+
+
+async def test_kv_that_does_not_free_within_the_hold_ends_in_a_429(nats_url: str) -> None:
+    async with Stack(nats_url, worker={"fake_token_delay_s": 0.05},
+                     decode_options={"num_blocks": 12},
+                     conductor_options={"kv_short_hold_s": 1.5}) as stack:
+        body = {**GOOD, "prompt": "x" * 85, "max_tokens": 100}  # runs ~5 s, holds 7 blocks
+        running = asyncio.create_task(stack.post("/v1/completions", body))
+        await eventually(lambda: stack.decodes[0].engine.stats().num_running == 1)
+        started = asyncio.get_running_loop().time()
+        status, reply = await stack.post("/v1/completions", {**body, "max_tokens": 2})
+        assert status == 429, reply
+        assert reply["error"]["code"] == "capacity_exhausted"
+        assert "KV" in reply["error"]["message"]
+        assert 1.0 <= asyncio.get_running_loop().time() - started < 4  # held, then refused
+        running.cancel()
+
+
+async def test_a_request_larger_than_the_whole_kv_pool_is_refused_at_once(
+        nats_url: str) -> None:
+    async with Stack(nats_url, decode_options={"num_blocks": 12}) as stack:
+        started = asyncio.get_running_loop().time()
+        status, reply = await stack.post("/v1/completions",
+                                         {**GOOD, "prompt": "x" * 300, "max_tokens": 2})
+        assert status == 429, reply
+        assert "whole pool" in reply["error"]["message"]
+        assert asyncio.get_running_loop().time() - started < 2  # not held
+
+
 async def test_a_request_waits_for_a_decode_worker_that_comes_back(nats_url: str) -> None:
     """No decode worker for a moment (a restart, a partition healing): the conductor holds
     the request instead of answering 503 at once."""

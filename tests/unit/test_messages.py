@@ -66,7 +66,9 @@ SAMPLES: dict[str, Message] = {
     "prefix_fetched": PrefixFetched(worker_id="prefill-b", num_blocks=1, num_bytes=8192,
                                     transport="tcp"),
     "decode_reservation": DecodeReservation(request=REQUEST, prefill_worker_id="prefill-a"),
-    "dispatch_reply": DispatchReply(is_accepted=False, worker_id="decode-b", reason="full"),
+    "dispatch_reply": DispatchReply(is_accepted=False, worker_id="decode-b",
+                                    reason="need 7 KV blocks, 5 free",
+                                    code="capacity_exhausted"),
     "kv_target": KvTarget(request_id="cmpl-1", decode_worker_id="decode-b", block_ids=[3, 4],
                           kv_num_blocks=4096, kv_block_bytes=8192, kv_layout=LAYOUT),
     "handoff_notice": HandoffNotice(request_id="cmpl-1", trace_context={
@@ -134,6 +136,11 @@ def test_old_payload_without_newer_defaulted_fields_still_decodes() -> None:
     del payload["num_kv_bytes"], payload["transport"]
     decoded = msgspec.json.decode(json.dumps(payload), type=KvCommitted)
     assert (decoded.num_kv_bytes, decoded.transport) == (0, "none")
+
+
+def test_a_refusal_from_before_refusal_codes_still_decodes() -> None:
+    old = b'{"type": "DispatchReply", "is_accepted": false, "worker_id": "d", "reason": "full"}'
+    assert msgspec.json.decode(old, type=DispatchReply).code == ""
 
 
 def test_a_reservation_from_before_local_prefill_still_decodes() -> None:

@@ -10,7 +10,7 @@ from services.conductor.placement import (
     pick_decode,
     pick_prefill,
 )
-from shared.errors import CapacityExhausted, WorkerUnavailable
+from shared.errors import CapacityExhausted, KvShortage, WorkerUnavailable
 from shared.messages import WorkerHeartbeat
 
 
@@ -58,9 +58,16 @@ def test_decode_counts_blocks_promised_since_the_last_heartbeat() -> None:
         pick_decode(workers, (), {"a": PendingWork(1, 5)}, num_tokens=16 * 6)
 
 
-def test_decode_without_room_anywhere_is_capacity_exhausted() -> None:
-    with pytest.raises(CapacityExhausted):
+def test_decode_without_room_now_is_a_kv_shortage_that_clears_up() -> None:
+    with pytest.raises(KvShortage, match="KV room for 1000 tokens now"):
         pick_decode([worker("a", "decode", free=1)], (), {}, num_tokens=1000)
+
+
+def test_a_request_larger_than_any_whole_pool_is_refused_outright() -> None:
+    with pytest.raises(CapacityExhausted, match="more KV than any decode worker's whole pool"
+                       ) as info:
+        pick_decode([worker("a", "decode", free=100)], (), {}, num_tokens=16 * 100)
+    assert not isinstance(info.value, KvShortage)
 
 
 def test_blocks_needed_rounds_up() -> None:

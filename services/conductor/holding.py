@@ -1,0 +1,45 @@
+"""Holding a request that cannot be placed yet: pure decisions, tested without NATS.
+
+Some placement failures clear up on their own: no healthy worker of a role (a restart, a
+healed partition, a NATS node lost) or no decode worker with KV room (running requests'
+growth filled the pools; they finish and free it). Such a request is not refused at once:
+the conductor naks its JetStream delivery with a delay, and the queue delivers it again,
+until its hold is spent; then the error goes to the client (503, or 429). Anything else
+(a refusal by every worker, an SLO the best choice breaks) is answered at once.
+"""
+
+from __future__ import annotations
+
+from shared.config import ConductorConfig
+from shared.errors import HalfmoonError, KvShortage, NoHealthyWorker
+
+RETRY_S = 0.5  # a held request is delivered again at least this much later
+MAX_DELIVER = 8  # deliveries of one request message before JetStream drops it
+
+
+def hold_s(error: HalfmoonError, config: ConductorConfig, ttft_slo_s: float | None) -> float:
+    """How long, from its creation, a request that failed this way may wait in the queue;
+    a KV shortage never past the TTFT SLO (the answer would come too late anyway)."""
+    if isinstance(error, NoHealthyWorker):
+        return config.no_worker_hold_s
+    if isinstance(error, KvShortage):
+        return min(config.kv_short_hold_s, ttft_slo_s if ttft_slo_s is not None else
+                   config.kv_short_hold_s)
+    return 0.0
+
+
+def delay_s(hold: float) -> float:
+    """The hold spread over the deliveries the consumer allows (the first try and one spare
+    aside), so a long hold is not cut short by `MAX_DELIVER`."""
+    return max(RETRY_S, hold / (MAX_DELIVER - 2))
+
+
+def retry_delay_s(error: HalfmoonError, config: ConductorConfig, ttft_slo_s: float | None, *,
+                  age_s: float, num_delivered: int) -> float | None:
+    """The delay before the request's next delivery, or None: answer `error` now (not a
+    failure that clears up, its hold spent, or no delivery left)."""
+    hold = hold_s(error, config, ttft_slo_s)
+    delay = delay_s(hold)
+    if hold <= 0 or age_s + delay > hold or num_delivered >= MAX_DELIVER - 1:
+        return None
+    return delay

@@ -1,0 +1,40 @@
+"""Which placement failures hold a request in the queue, for how long, and how often it is
+delivered again (pure decisions; the conductor naks with the delay)."""
+
+from __future__ import annotations
+
+from services.conductor import holding
+from shared.config import ConductorConfig
+from shared.errors import CapacityExhausted, KvShortage, NoHealthyWorker, SloViolation
+
+CONFIG = ConductorConfig(no_worker_hold_s=5.0, kv_short_hold_s=3.0)
+
+
+def test_a_missing_worker_and_a_kv_shortage_hold_each_for_its_own_time() -> None:
+    assert holding.hold_s(NoHealthyWorker("x"), CONFIG, None) == 5.0
+    assert holding.hold_s(KvShortage("x"), CONFIG, None) == 3.0
+
+
+def test_a_kv_shortage_is_never_held_past_the_ttft_slo() -> None:
+    assert holding.hold_s(KvShortage("x"), CONFIG, 0.8) == 0.8
+
+
+def test_refusals_that_do_not_clear_up_are_answered_at_once() -> None:
+    for error in (CapacityExhausted("too big"), SloViolation("late")):
+        assert holding.retry_delay_s(error, CONFIG, None, age_s=0.0, num_delivered=1) is None
+
+
+def test_the_hold_is_spread_over_the_deliveries_the_queue_allows() -> None:
+    delay = holding.retry_delay_s(NoHealthyWorker("x"), CONFIG, None, age_s=0.0,
+                                  num_delivered=1)
+    assert delay == 5.0 / (holding.MAX_DELIVER - 2)
+    assert holding.retry_delay_s(KvShortage("x"), CONFIG, 0.1, age_s=0.0,
+                                 num_delivered=1) is None  # under the minimum retry delay
+
+
+def test_a_spent_hold_or_the_last_delivery_ends_it() -> None:
+    shortage = KvShortage("x")
+    assert holding.retry_delay_s(shortage, CONFIG, None, age_s=2.9, num_delivered=1) is None
+    assert holding.retry_delay_s(shortage, CONFIG, None, age_s=0.0,
+                                 num_delivered=holding.MAX_DELIVER - 1) is None
+    assert holding.retry_delay_s(shortage, CONFIG, None, age_s=1.0, num_delivered=3) == 0.5
