@@ -22,6 +22,7 @@ from services.gateway.merge import merged
 from services.gateway.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
+    Limits,
     ParsedRequest,
     decode_body,
 )
@@ -49,6 +50,7 @@ class GatewayBackend(Protocol):
     """What the routes need from the gateway service."""
 
     model: str
+    limits: Limits
     api_key: str | None
     generator: Generator
     metrics: GatewayMetrics
@@ -182,7 +184,7 @@ class _Routes:
     async def models(self, request: web.Request) -> web.StreamResponse:
         return json_response({"object": "list", "data": [
             {"id": self.backend.model, "object": "model", "created": int(time.time()),
-             "owned_by": "halfmoon"},
+             "owned_by": "halfmoon", "max_model_len": self.backend.limits.max_model_len},
         ]})
 
     async def health(self, request: web.Request) -> web.StreamResponse:

@@ -121,9 +121,11 @@ async def test_stop_string_cuts_the_output_and_frees_the_request(
     await stack.wait_blocks_free()
 
 
-async def test_models_lists_the_served_model(client: openai.AsyncOpenAI) -> None:
+async def test_models_lists_the_served_model_with_its_context_length(
+        client: openai.AsyncOpenAI) -> None:
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].max_model_len == 2048  # type: ignore[attr-defined]  # vLLM's field
 
 
 async def test_concurrent_requests_each_get_their_own_output(client: openai.AsyncOpenAI) -> None:
