@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections import deque
 from collections.abc import Callable
 
 from transfer_engine import sock_io
@@ -55,7 +54,7 @@ class FrameStream:
         self._is_paused = False
         self._backlog = memoryview(b"")  # read before a pause, fed on resume
         self._lowat = 1
-        self._out: deque[memoryview | bytes] = deque()
+        self._out: list[memoryview | bytes] = []  # queued output, in order
         self._num_out_bytes = 0
         self._is_write_paused = False
         self._is_closing = False  # close once the output is sent
@@ -241,10 +240,10 @@ class FrameStream:
         return pending[index:]
 
     def _on_writable(self) -> None:
-        left = self._send_now(list(self._out))
+        left = self._send_now(self._out)
         if self.is_closed:
             return
-        self._out = deque(left)
+        self._out = left
         self._num_out_bytes = sum(len(part) for part in left)
         if left:
             return

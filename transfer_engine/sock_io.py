@@ -16,7 +16,7 @@ import socket
 _BATCH_BYTES = 512 << 10
 
 # Linux caps one sendmsg/recvmsg at IOV_MAX (1024) buffers.
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 class ConnectionClosed(ConnectionError):
@@ -71,7 +71,7 @@ def next_batch(pending: list, index: int) -> list:
     """The buffers for one syscall: at most IOV_MAX, and no more than about _BATCH_BYTES.
     Python acquires every buffer it passes, on every call; passing a thousand small pieces
     when the socket holds a few of them would cost more than the copy."""
-    stop = min(len(pending), index + IOV_MAX)
+    stop = min(len(pending), index + _IOV_MAX)
     num_bytes = 0
     for position in range(index, stop):
         num_bytes += len(pending[position])

@@ -280,14 +280,17 @@ class _Inbound(FrameStream):
             return
         self._answer(wire.Header(wire.Op.ACK, header.request_id, meta_len=len(reply)), reply)
 
-    def _discard(self, num_bytes: int, request_id: int, message: str) -> None:
-        """Drain a refused payload a chunk at a time, then refuse it with an ERROR frame."""
+    def _discard(self, num_bytes: int, request_id: int, message: str,
+                 scratch: memoryview | None = None) -> None:
+        """Drain a refused payload a chunk at a time (one scratch buffer), then refuse it
+        with an ERROR frame."""
         if num_bytes == 0:
             self._answer(*_error_frame(request_id, wire.ErrorKind.INVALID, message))
             return
-        chunk = memoryview(bytearray(min(num_bytes, _DISCARD_CHUNK_BYTES)))
+        scratch = scratch or memoryview(bytearray(min(num_bytes, _DISCARD_CHUNK_BYTES)))
+        chunk = scratch[:min(num_bytes, scratch.nbytes)]
         self.expect([chunk], lambda: self._discard(num_bytes - chunk.nbytes, request_id,
-                                                   message))
+                                                   message, scratch))
 
     def _answer(self, header: wire.Header, *parts: bytes | memoryview) -> None:
         """Send a frame back, then read the next one."""
