@@ -14,8 +14,10 @@ the standard `OTEL_*` variables:
     otlp_endpoint         else OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT
     trace_sample_ratio    else OTEL_TRACES_SAMPLER(_ARG); parent-based, so a trace is kept or
                           dropped whole
-With tracing off nothing is created: `span()` returns a shared no-op context manager and
-`inject()` returns None (no headers), so the cost is one attribute read per call site.
+Spans are made by `lean_tracer` (the API's spans in a few lines, fed to the SDK's processors
+and exporters) and exported with `span_encoding`. With tracing off nothing is created:
+`span()` returns a shared no-op context manager and `inject()` returns None (no headers), so
+the cost is one attribute read per call site.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from shared import span_encoding
 from shared.errors import ConfigError
+from shared.lean_tracer import LeanTracerProvider
 
 # Export in large batches: the OTLP encoding runs in the exporter's thread and holds the GIL,
 # so fewer, larger exports leave more of each process to serving.
@@ -173,7 +176,7 @@ def configure_tracing(service_name: str, instance_id: str, *, mode: str,
         "service.name": env.get("OTEL_SERVICE_NAME") or f"halfmoon-{service_name}",
         "service.namespace": "halfmoon", "service.instance.id": instance_id})
     root = ALWAYS_ON if ratio >= 1.0 else TraceIdRatioBased(ratio)  # the cheaper, at 100 %
-    provider = TracerProvider(resource=resource, sampler=ParentBased(root))
+    provider = LeanTracerProvider(resource=resource, sampler=ParentBased(root))
     provider.add_span_processor(processor or BatchSpanProcessor(
         _exporter(protocol, endpoint), max_queue_size=EXPORT_QUEUE_SPANS,
         max_export_batch_size=EXPORT_BATCH_SPANS))

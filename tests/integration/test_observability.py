@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 import rotel
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from oteltap import OtelTapHttpProtobufReceiver, OtelTapHttpProtobufReceiverSettings
@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.control_path import free_port, launch
 from shared import tracing
+from shared.lean_tracer import LeanTracerProvider
 from tests.stack import Stack, eventually
 
 pytestmark = pytest.mark.e2e
@@ -35,7 +36,7 @@ ROTEL_AGENT = Path(rotel.__file__).parent / "rotel-agent"  # the collector's bin
 @pytest.fixture
 def spans() -> Iterator[InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
+    provider = LeanTracerProvider()  # what `configure_tracing` installs
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracing.install(provider)
     yield exporter

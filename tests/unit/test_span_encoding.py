@@ -1,4 +1,5 @@
-"""halfmoon's OTLP span encoder against the SDK's own, and the span scope of `tracing`."""
+"""halfmoon's OTLP span encoder and lean tracer against the SDK's own, and the span scope of
+`tracing`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import (
     Link,
     NonRecordingSpan,
@@ -24,6 +27,7 @@ from opentelemetry.trace import (
 )
 
 from shared import tracing
+from shared.lean_tracer import LeanTracerProvider
 from shared.span_encoding import encode_spans
 
 REMOTE_PARENT = SpanContext(trace_id=0x0123456789ABCDEF0123456789ABCDEF,
@@ -32,40 +36,104 @@ REMOTE_PARENT = SpanContext(trace_id=0x0123456789ABCDEF0123456789ABCDEF,
                             trace_state=TraceState([("vendor", "v1"), ("other", "x")]))
 
 
+class CountingIds(IdGenerator):
+    """Ids 1, 2, 3...: two providers given the same calls make the same ids."""
+
+    def __init__(self) -> None:
+        self._last = 0
+
+    def generate_span_id(self) -> int:
+        self._last += 1
+        return self._last
+
+    def generate_trace_id(self) -> int:
+        self._last += 1
+        return self._last << 64 | self._last
+
+
+PROVIDERS = [TracerProvider, LeanTracerProvider]
+
+
 def _provider(resource: Resource, exporter: InMemorySpanExporter,
-              limits: SpanLimits | None = None) -> TracerProvider:
-    provider = TracerProvider(resource=resource, span_limits=limits)
+              limits: SpanLimits | None = None, kind: type[TracerProvider] = TracerProvider,
+              ids: IdGenerator | None = None) -> TracerProvider:
+    provider = kind(resource=resource, span_limits=limits, id_generator=ids)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     return provider
 
 
-def _varied_spans() -> list[ReadableSpan]:
+def _varied_spans(kind: type[TracerProvider] = TracerProvider) -> list[ReadableSpan]:
+    """Spans of every shape (attribute types, events, links, limits, status, kinds, scopes,
+    remote parents), made through providers of `kind`, with fixed ids and timestamps."""
     exporter = InMemorySpanExporter()
-    gateway = _provider(Resource.create({"service.name": "gateway", "n": 3}), exporter)
+    ids = CountingIds()
+    gateway = _provider(Resource.create({"service.name": "gateway", "n": 3}), exporter,
+                        kind=kind, ids=ids)
     worker = _provider(Resource.create({"service.name": "prefill"}, schema_url="https://s/1"),
-                       exporter, SpanLimits(max_span_attributes=4, max_events=2, max_links=1))
+                       exporter, SpanLimits(max_span_attributes=4, max_events=2, max_links=1),
+                       kind=kind, ids=ids)
+    at = iter(range(1_700_000_000_000_000_000, 1_800_000_000_000_000_000, 1000))
     tracer = gateway.get_tracer("gateway", "1.2.3", schema_url="https://scope/1")
-    with tracer.start_as_current_span("gateway.request", kind=SpanKind.SERVER, attributes={
+    root = tracer.start_span("gateway.request", kind=SpanKind.SERVER, start_time=next(at),
+                             attributes={
             "s": "text", "empty": "", "t": True, "f": False, "zero": 0, "small": 7,
             "big": 2**40, "negative": -5, "min": -(2**63), "pi": 3.25, "nothing": 0.0,
             "strings": ("a", ""), "ints": (1, -1, 300), "floats": (0.5,), "bools": (True,),
-            "bytes": b"\x00\xff", "unicode": "ünï ✓"}) as root:
-        root.add_event("first_token", {"halfmoon.cached_tokens": 0})
-        root.add_event("")
+            "bytes": b"\x00\xff", "unicode": "ünï ✓"})
+    with trace.use_span(root, end_on_exit=False):
+        root.add_event("first_token", {"halfmoon.cached_tokens": 0}, timestamp=next(at))
+        root.add_event("", timestamp=next(at))
         root.set_status(Status(StatusCode.ERROR, "boom"))
-        with tracer.start_as_current_span("inner", kind=SpanKind.CLIENT) as inner:
-            inner.set_status(Status(StatusCode.OK))
-        tracer.start_span("unscoped-consumer", kind=SpanKind.CONSUMER).end()
+        inner = tracer.start_span("inner", kind=SpanKind.CLIENT, start_time=next(at))
+        inner.set_status(Status(StatusCode.OK))
+        inner.set_status(StatusCode.ERROR, "too late: OK is final")
+        inner.set_attribute("late", [1, 2])
+        inner.update_name("inner.renamed")
+        inner.end(end_time=next(at))
+        inner.set_attribute("after.end", 1)  # ignored
+        tracer.start_span("unscoped-consumer", kind=SpanKind.CONSUMER,
+                          start_time=next(at)).end(end_time=next(at))
+    root.end(end_time=next(at))
     remote = trace.set_span_in_context(NonRecordingSpan(REMOTE_PARENT))
     other = worker.get_tracer("prefill")
     span = other.start_span("prefill.request", context=remote, kind=SpanKind.PRODUCER,
                             links=[Link(REMOTE_PARENT, {"why": "retry"}),
                                    Link(REMOTE_PARENT)],
-                            attributes={f"a{i}": i for i in range(6)})  # 2 dropped
+                            attributes={f"a{i}": i for i in range(6)},  # 2 dropped
+                            start_time=next(at))
     for i in range(3):  # one dropped
-        span.add_event("layer", {"layer": i}, timestamp=1_700_000_000_000_000_000 + i)
-    span.end()
+        span.add_event("layer", {"layer": i}, timestamp=next(at))
+    span.end(end_time=next(at))
     return list(exporter.get_finished_spans())
+
+
+def test_the_lean_tracer_exports_what_the_sdk_tracer_exports() -> None:
+    lean, sdk = _varied_spans(LeanTracerProvider), _varied_spans(TracerProvider)
+    assert {type(s).__name__ for s in lean} == {"RecordedSpan"}
+    assert sdk_encode(lean) == sdk_encode(sdk)
+    assert ExportTraceServiceRequest.FromString(encode_spans(lean)) == sdk_encode(sdk)
+
+
+@pytest.mark.parametrize("kind", PROVIDERS)
+def test_a_root_is_sampled_by_the_providers_sampler_and_a_child_follows_its_parent(
+        kind: type[TracerProvider]) -> None:
+    exporter = InMemorySpanExporter()
+    provider = kind(sampler=ParentBased(TraceIdRatioBased(0.5)))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    kept = 0
+    for _ in range(400):
+        root = tracer.start_span("root")
+        with trace.use_span(root, end_on_exit=True):
+            tracer.start_span("child").end()
+        kept += root.get_span_context().trace_flags.sampled
+        assert root.is_recording() is False
+    finished = exporter.get_finished_spans()
+    assert len(finished) == 2 * kept and 120 < kept < 280
+    unsampled_parent = trace.set_span_in_context(NonRecordingSpan(SpanContext(
+        trace_id=7, span_id=8, is_remote=True, trace_flags=TraceFlags(TraceFlags.DEFAULT))))
+    child = tracer.start_span("child", context=unsampled_parent)
+    assert not child.is_recording() and child.get_span_context().trace_id == 7
 
 
 def test_the_encoding_parses_to_the_sdk_encoders_message() -> None:
@@ -99,10 +167,10 @@ def test_the_grpc_exporter_sends_the_encoders_message() -> None:
         exporter.shutdown()
 
 
-@pytest.fixture
-def recorded() -> Iterator[InMemorySpanExporter]:
+@pytest.fixture(params=PROVIDERS)
+def recorded(request: pytest.FixtureRequest) -> Iterator[InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
-    tracing.install(_provider(Resource.create({}), exporter))
+    tracing.install(_provider(Resource.create({}), exporter, kind=request.param))
     yield exporter
     tracing.uninstall()
 
