@@ -9,20 +9,26 @@ Prints requests/s and TTFT per mode, the traced/untraced ratios of the means and
 of the per-round throughput ratios (robust to one slow spell). This machine is shared and
 noisy, and a stack that runs slower also coalesces fewer tokens per message, so one window
 can be 10-20 % off the next: `--control` runs tracing off against tracing off, the same
-way, to show the noise floor of the ratio.
+way, to show the noise floor of the ratio. `--live` starts each stack once and keeps both
+up, measuring them in turn in short windows (drift then falls on both within seconds, and
+no window pays for a stack's start): use many rounds.
 
     python -m bench.tracing_overhead --rounds 6 --duration-s 6 [--control]
+    python -m bench.tracing_overhead --live --rounds 30 --duration-s 2 [--control]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import rotel
@@ -46,24 +52,50 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def measure(up_args: list[str], args: argparse.Namespace) -> LevelResult:
+@contextlib.contextmanager
+def stack(up_args: list[str], args: argparse.Namespace) -> Iterator[str]:
+    """`halfmoon up --engine fake` with these flags, warmed up; its URL."""
     process, url = launch("--engine", "fake", "--log-level", "warning", *up_args)
     try:
         asyncio.run(run_level(url, args.concurrency, 1.0, args.max_tokens))  # warm-up
-        return asyncio.run(run_level(url, args.concurrency, args.duration_s, args.max_tokens))
+        yield url
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
 
 
+def window(url: str, args: argparse.Namespace) -> LevelResult:
+    return asyncio.run(run_level(url, args.concurrency, args.duration_s, args.max_tokens))
+
+
+def measure(up_args: list[str], args: argparse.Namespace) -> LevelResult:
+    with stack(up_args, args) as url:
+        return window(url, args)
+
+
 def run_rounds(modes: dict[str, list[str]], args: argparse.Namespace
                ) -> dict[str, list[LevelResult]]:
-    """`args.rounds` rounds, a fresh stack per mode each, alternating which goes first."""
-    results: dict[str, list[LevelResult]] = {mode: [] for mode in modes}
-    for round_number in range(args.rounds):
-        order = list(modes) if round_number % 2 == 0 else list(reversed(modes))
+    """`args.rounds` rounds, alternating which mode goes first: a fresh stack per mode
+    and round, or (`--live`) one stack per mode, up throughout."""
+    with contextlib.ExitStack() as stacks:
+        take: dict[str, Callable[[], LevelResult]]
+        if args.live:
+            urls = {mode: stacks.enter_context(stack(flags, args))
+                    for mode, flags in modes.items()}
+            take = {mode: functools.partial(window, url, args) for mode, url in urls.items()}
+        else:
+            take = {mode: functools.partial(measure, flags, args)
+                    for mode, flags in modes.items()}
+        return _alternate(take, args.rounds)
+
+
+def _alternate(take: dict[str, Callable[[], LevelResult]], rounds: int
+               ) -> dict[str, list[LevelResult]]:
+    results: dict[str, list[LevelResult]] = {mode: [] for mode in take}
+    for round_number in range(rounds):
+        order = list(take) if round_number % 2 == 0 else list(reversed(take))
         for mode in order:
-            result = measure(modes[mode], args)
+            result = take[mode]()
             results[mode].append(result)
             print(f"round {round_number + 1} tracing {mode}: {result.requests_per_s:.1f} "
                   f"req/s, TTFT p50 {result.ttft_p50_ms:.2f} ms", file=sys.stderr)
@@ -100,6 +132,8 @@ def main() -> None:
     parser.add_argument("--sample-ratio", type=float, default=1.0)
     parser.add_argument("--control", action="store_true",
                         help="tracing off against tracing off: the ratio's noise floor")
+    parser.add_argument("--live", action="store_true",
+                        help="both stacks up throughout, measured in turn")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         collector, grpc_port = start_collector(Path(workdir))
