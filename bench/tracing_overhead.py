@@ -9,12 +9,13 @@ Prints requests/s and TTFT per mode, the traced/untraced ratios of the means and
 of the per-round throughput ratios (robust to one slow spell). This machine is shared and
 noisy, and a stack that runs slower also coalesces fewer tokens per message, so one window
 can be 10-20 % off the next: `--control` runs tracing off against tracing off, the same
-way, to show the noise floor of the ratio. `--live` starts each stack once and keeps both
-up, measuring them in turn in short windows (drift then falls on both within seconds, and
-no window pays for a stack's start): use many rounds.
+way, to show the noise floor of the ratio; `--against-sdk` runs both stacks traced, the
+SDK's tracer (`--tracer sdk`, the baseline) against the lean one. `--live` starts each
+stack once and keeps both up, measuring them in turn in short windows (drift then falls on
+both within seconds, and no window pays for a stack's start): use many rounds.
 
     python -m bench.tracing_overhead --rounds 6 --duration-s 6 [--control]
-    python -m bench.tracing_overhead --live --rounds 30 --duration-s 2 [--control]
+    python -m bench.tracing_overhead --live --rounds 30 --duration-s 2 [--control | --against-sdk]
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def print_summary(results: dict[str, list[LevelResult]]) -> None:
     pair_median = statistics.median(
         on.requests_per_s / off.requests_per_s for off, on in zip(off_rounds, on_rounds,
                                                                    strict=True))
-    print(f"traced / untraced: throughput {on_rps / off_rps:.3f}x (median of pairs "
+    baseline, measured = results
+    print(f"{measured} / {baseline}: throughput {on_rps / off_rps:.3f}x (median of pairs "
           f"{pair_median:.3f}x), TTFT p50 {on_p50 / off_p50:.3f}x, TTFT p99 "
           f"{on_p99 / off_p99:.3f}x (throughput cost {100 * (1 - on_rps / off_rps):.1f} %)")
 
@@ -134,6 +136,8 @@ def main() -> None:
                         help="tracing off against tracing off: the ratio's noise floor")
     parser.add_argument("--live", action="store_true",
                         help="both stacks up throughout, measured in turn")
+    parser.add_argument("--against-sdk", action="store_true",
+                        help="both traced: the SDK's tracer (the baseline) against the lean one")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         collector, grpc_port = start_collector(Path(workdir))
@@ -142,6 +146,8 @@ def main() -> None:
         modes = {"off": ["--tracing", "off"],
                  "off again" if args.control else f"on ({100 * args.sample_ratio:g} %)":
                      ["--tracing", "off"] if args.control else traced}
+        if args.against_sdk:
+            modes = {"sdk tracer": [*traced, "--tracer", "sdk"], "lean tracer": traced}
         try:
             results = run_rounds(modes, args)
         finally:

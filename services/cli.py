@@ -181,7 +181,7 @@ def run_service(name: str, flags: dict[str, object]) -> int:
     service = build(config)
     tracing.configure_tracing(name, service.instance_id, mode=config.tracing,
                               endpoint=config.otlp_endpoint,
-                              sample_ratio=config.trace_sample_ratio)
+                              sample_ratio=config.trace_sample_ratio, tracer=config.tracer)
     try:
         uvloop.run(service.run())
     finally:

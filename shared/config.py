@@ -63,6 +63,7 @@ class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     tracing: Literal["auto", "off", "otlp-grpc", "otlp-http"] = "auto"
     otlp_endpoint: str | None = None
     trace_sample_ratio: float | None = None
+    tracer: Literal["lean", "sdk"] = "lean"  # sdk: the OpenTelemetry SDK's own span objects
     # Prometheus /metrics of services other than the gateway (0: a free port, logged).
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from opentelemetry import trace
+from opentelemetry import baggage, propagate, trace
+from opentelemetry import context as otel_context
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as sdk_encode
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
@@ -27,6 +28,7 @@ from opentelemetry.trace import (
 )
 
 from shared import tracing
+from shared.errors import ConfigError
 from shared.lean_tracer import LeanTracerProvider
 from shared.span_encoding import encode_spans
 
@@ -196,3 +198,43 @@ def test_an_exception_leaving_a_span_is_recorded_as_its_error(
     assert span.status.status_code is StatusCode.ERROR
     assert span.status.description == "ValueError: bad"
     assert [e.name for e in span.events] == ["exception"]
+
+
+@pytest.fixture
+def configured() -> Iterator[None]:
+    """`configure_tracing` may be called in the test; what it set is undone after."""
+    default = propagate.get_global_textmap()
+    yield
+    tracing.uninstall()
+    propagate.set_global_textmap(default)
+
+
+def _configure(env: dict[str, str], tracer: str = "lean") -> bool:
+    return tracing.configure_tracing("test", "t-1", mode="otlp-grpc", endpoint=None,
+                                     sample_ratio=1.0, env=env, tracer=tracer,
+                                     processor=SimpleSpanProcessor(InMemorySpanExporter()))
+
+
+@pytest.mark.parametrize(("env", "headers"), [
+    ({}, {"traceparent"}),  # no baggage: nothing in halfmoon sets it
+    ({"OTEL_PROPAGATORS": "tracecontext,baggage"}, {"traceparent", "baggage"}),
+])
+def test_trace_context_alone_is_propagated_unless_otel_propagators_says_more(
+        env: dict[str, str], headers: set[str], configured: None) -> None:
+    token = otel_context.attach(baggage.set_baggage("tenant", "a"))
+    try:
+        assert _configure(env)
+        with tracing.span("test", "outer"):
+            assert set(tracing.inject() or {}) == headers
+    finally:
+        otel_context.detach(token)
+
+
+@pytest.mark.parametrize(("tracer", "span_type"), [("lean", "RecordedSpan"), ("sdk", "_Span")])
+def test_the_tracer_setting_picks_whose_spans_are_made(tracer: str, span_type: str,
+                                                       configured: None) -> None:
+    assert _configure({}, tracer)
+    with tracing.span("test", "s") as span:
+        assert type(span).__name__ == span_type
+    with pytest.raises(ConfigError, match="tracer must be lean or sdk"):
+        _configure({}, "fast")
