@@ -9,8 +9,9 @@ result objects, bounded attribute maps behind locks, a `ReadableSpan` copy at th
 tracer does what the spans of this system need in a few lines: ~95 us cold, ~5 us hot.
 
 What stays the SDK's: the `TracerProvider` (resource, sampler, id generator, span processors,
-shutdown and flush), so the `BatchSpanProcessor` and every exporter (OTLP gRPC and HTTP,
-console, in-memory) work unchanged; the root sampling decision (the provider's sampler); the
+shutdown and flush), so the `BatchSpanProcessor` and the OTLP (gRPC, HTTP) and in-memory
+exporters work unchanged (not the console exporter, which calls `to_json`: halfmoon exports
+OTLP only; `--tracer sdk` has it); the root sampling decision (the provider's sampler); the
 limits (the provider's `SpanLimits`, from the `OTEL_*_LIMIT` variables by default; as in the
 SDK, the oldest attribute, event or link gives way to a new one). What differs: a child's
 sampling follows its parent's flag (parent-based, as halfmoon's provider is configured: a
