@@ -227,13 +227,8 @@ class FrameStream:
     def _send_now(self, parts: list[memoryview | bytes]) -> list[memoryview | bytes]:
         """Send what the kernel takes now; return what is left."""
         pending = [part for part in parts if len(part)]
-        index = 0
         try:
-            while index < len(pending):
-                batch = sock_io.next_batch(pending, index)
-                index = sock_io.advance(pending, index, batch, self._sock.sendmsg(batch))
-        except (BlockingIOError, InterruptedError):
-            pass
+            index = sock_io.send_available(self._sock, pending)
         except OSError as error:
             self.abort(error)
             return []

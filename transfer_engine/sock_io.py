@@ -49,15 +49,22 @@ async def recv_bytes(sock: socket.socket, num_bytes: int) -> bytes:
 async def send(sock: socket.socket, views: list[memoryview | bytes]) -> None:
     """Send every buffer (bytes or byte-format memoryviews), in order, on `sock`."""
     pending = [view for view in views if len(view)]
-    index = 0
+    index = send_available(sock, pending)
     while index < len(pending):
-        batch = next_batch(pending, index)
-        try:
-            sent = sock.sendmsg(batch)
-        except (BlockingIOError, InterruptedError):
-            await _ready(sock, is_write=True)
-            continue
-        index = advance(pending, index, batch, sent)
+        await _ready(sock, is_write=True)
+        index = send_available(sock, pending, index)
+
+
+def send_available(sock: socket.socket, pending: list, index: int = 0) -> int:
+    """Send from `pending[index:]` what the kernel takes now, without waiting; return the
+    index of the first buffer still to go (the one it stopped inside is trimmed)."""
+    try:
+        while index < len(pending):
+            batch = next_batch(pending, index)
+            index = advance(pending, index, batch, sock.sendmsg(batch))
+    except (BlockingIOError, InterruptedError):
+        pass
+    return index
 
 
 def abort(sock: socket.socket) -> None:

@@ -137,7 +137,7 @@ class Link(FrameStream):
         if self._timer is not None:
             self._timer.cancel()
         self.abort()
-        jobs = [*self._queue, *itertools.chain(*self._pending.values())]
+        jobs = self._jobs()
         self._queue.clear()
         self._pending.clear()
         _settle(jobs, error)
@@ -147,7 +147,7 @@ class Link(FrameStream):
         mid-frame; no later transfer can use it). One timer per link, not one per transfer:
         it re-arms for the earliest deadline still pending."""
         self._timer = None
-        jobs = [*self._queue, *itertools.chain(*self._pending.values())]
+        jobs = self._jobs()
         now = self._loop.time()
         late = next((job for job in jobs if job.deadline <= now), None)
         if late is not None:
@@ -155,6 +155,10 @@ class Link(FrameStream):
                                        f"{late.timeout_s:g} s"))
         elif jobs:
             self._timer = self._loop.call_at(min(job.deadline for job in jobs), self._expire)
+
+    def _jobs(self) -> list[_Job]:
+        """Every transfer on this link: queued, then in flight."""
+        return [*self._queue, *itertools.chain(*self._pending.values())]
 
     # --- FrameStream -----------------------------------------------------------------------
 
@@ -239,6 +243,10 @@ class Link(FrameStream):
         jobs[0].reply = reply
         _settle(jobs, None)
         self._next_frame()
+
+
+def _least_loaded(links: list[Link]) -> Link:
+    return min(links, key=lambda link: link.num_queued_bytes)
 
 
 def _settle(jobs: list[_Job], error: Exception | None) -> None:
@@ -377,24 +385,25 @@ class TcpTransport:
         loaded, if there are several)."""
         if count != 1:
             return None
-        live = [link for link in self._links.get(peer.engine_id, ()) if link.is_alive]
-        if len(live) > 1:
-            return [min(live, key=lambda link: link.num_queued_bytes)]
-        return live or None
+        live = self._live_links(peer)
+        return [_least_loaded(live)] if live else None
+
+    def _live_links(self, peer: TransferEndpoint) -> list[Link]:
+        return [link for link in self._links.get(peer.engine_id, ()) if link.is_alive]
 
     async def _links_to(self, peer: TransferEndpoint, count: int,
                         timeout_s: float) -> list[Link]:
         """`count` live links to `peer`, least loaded first, opening new ones as needed."""
         lock = self._connecting.setdefault(peer.engine_id, asyncio.Lock())
         async with lock:
-            links = [link for link in self._links.get(peer.engine_id, []) if link.is_alive]
+            links = self._live_links(peer)
             want = min(max(count, 1), self._options.num_streams)
             missing = max(want - len(links), 0)
             async with asyncio.timeout(timeout_s):
                 links += await asyncio.gather(*(self._connect(peer) for _ in range(missing)))
             self._links[peer.engine_id] = links
         if count == 1:
-            return [min(links, key=lambda link: link.num_queued_bytes)]
+            return [_least_loaded(links)]
         return links[:count]
 
     async def _connect(self, peer: TransferEndpoint) -> Link:

@@ -331,7 +331,6 @@ async def _recv_header(sock: socket.socket) -> wire.Header:
     return wire.unpack_header(await sock_io.recv_bytes(sock, wire.HEADER.size))
 
 
-
 async def _send_error(sock: socket.socket, request_id: int, kind: wire.ErrorKind,
                       message: str) -> None:
     with contextlib.suppress(OSError):  # the peer may be gone; then there is no one to tell

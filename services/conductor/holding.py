@@ -23,8 +23,8 @@ def hold_s(error: HalfmoonError, config: ConductorConfig, ttft_slo_s: float | No
     if isinstance(error, NoHealthyWorker):
         return config.no_worker_hold_s
     if isinstance(error, KvShortage):
-        return min(config.kv_short_hold_s, ttft_slo_s if ttft_slo_s is not None else
-                   config.kv_short_hold_s)
+        hold = config.kv_short_hold_s
+        return hold if ttft_slo_s is None else min(hold, ttft_slo_s)
     return 0.0
 
 

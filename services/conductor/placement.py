@@ -184,6 +184,12 @@ def _decode_work_s(worker: WorkerHeartbeat, pending: Mapping[str, PendingWork],
     return step_s * (worker.num_running + worker.num_waiting + extra + 1)
 
 
+def _blocks_wanted(worker: WorkerHeartbeat, num_tokens: int) -> int:
+    """Free blocks a decode worker needs for `num_tokens`: theirs, and the growth watermark."""
+    return blocks_needed(num_tokens, worker.block_size) + math.ceil(
+        FREE_WATERMARK * worker.num_total_blocks)
+
+
 def pick_decode(
     workers: Sequence[WorkerHeartbeat],
     excluded: Collection[str],
@@ -202,18 +208,14 @@ def pick_decode(
     best: tuple[float, float, int, str] | None = None
     chosen = None
     for worker in candidates:
-        room = (worker.num_free_blocks
-                - pending.get(worker.worker_id, _NO_PENDING).num_blocks
-                - blocks_needed(num_tokens, worker.block_size)
-                - math.ceil(FREE_WATERMARK * worker.num_total_blocks))
+        room = (worker.num_free_blocks - pending.get(worker.worker_id, _NO_PENDING).num_blocks
+                - _blocks_wanted(worker, num_tokens))
         key = (_decode_work_s(worker, pending, unmeasured_step_s), _load(worker, pending), -room,
                worker.worker_id)
         if room >= 0 and (best is None or key < best):
             best, chosen = key, worker
     if chosen is None:
-        if any(blocks_needed(num_tokens, w.block_size)
-               + math.ceil(FREE_WATERMARK * w.num_total_blocks) <= w.num_total_blocks
-               for w in candidates):
+        if any(_blocks_wanted(w, num_tokens) <= w.num_total_blocks for w in candidates):
             raise KvShortage(f"no decode worker has KV room for {num_tokens} tokens now")
         raise CapacityExhausted(f"{num_tokens} tokens need more KV than any decode worker's "
                                 "whole pool")
