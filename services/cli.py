@@ -1,7 +1,8 @@
 """The `halfmoon` command line.
 
     halfmoon up                      embedded NATS + conductor + prefill + decode + gateway
-    halfmoon gateway|conductor|prefill|decode --nats-url URL ...   one service per process
+    halfmoon gateway|conductor|worker --nats-url URL ...   one service per process
+    halfmoon prefill|decode ...      a worker starting in that role (worker --role ...)
     halfmoon bench serve --url URL ...        load-test an OpenAI-compatible server
     halfmoon bench compare ...                colocated against disaggregated serving
     halfmoon bench transfer [--max-mib N]     transfer-engine benchmark (two processes)
@@ -51,14 +52,20 @@ def _build_conductor(config: ServiceConfig) -> Service:
     return ConductorService(config)  # type: ignore[arg-type]
 
 
+def _build_worker(config: ServiceConfig) -> Service:
+    from services.worker import WorkerService
+
+    return WorkerService(config)  # type: ignore[arg-type]
+
+
 def _build_prefill(config: ServiceConfig) -> Service:
-    from services.prefill.service import PrefillService
+    from services.worker import PrefillService
 
     return PrefillService(config)  # type: ignore[arg-type]
 
 
 def _build_decode(config: ServiceConfig) -> Service:
-    from services.decode.service import DecodeService
+    from services.worker import DecodeService
 
     return DecodeService(config)  # type: ignore[arg-type]
 
@@ -66,7 +73,8 @@ def _build_decode(config: ServiceConfig) -> Service:
 SERVICES: dict[str, tuple[type[ServiceConfig], Callable[[ServiceConfig], Service]]] = {
     "gateway": (GatewayConfig, _build_gateway),
     "conductor": (ConductorConfig, _build_conductor),
-    "prefill": (WorkerConfig, _build_prefill),
+    "worker": (WorkerConfig, _build_worker),
+    "prefill": (WorkerConfig, _build_prefill),  # shorthands: a worker starting in that role
     "decode": (WorkerConfig, _build_decode),
 }
 
@@ -175,6 +183,9 @@ def init_model(directory: str | None, *, is_forced: bool) -> int:
 
 def run_service(name: str, flags: dict[str, object]) -> int:
     config_type, build = SERVICES[name]
+    if name in ("prefill", "decode") and flags.get("role") not in (None, name):
+        raise ConfigError(f"`halfmoon {name}` starts a {name} worker; for another role run "
+                          f"`halfmoon worker --role {flags['role']}`")
     config = load_config(config_type, flags=flags, env=os.environ,
                          toml_path=flags.get("config_path"))  # type: ignore[arg-type]
     configure_logging(config.log_level, config.log_format)

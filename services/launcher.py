@@ -55,7 +55,8 @@ ROLE_CONFIGS: dict[str, type[ServiceConfig]] = {
     "decode": WorkerConfig,
 }
 # Settings `up` sets itself (per process, or from its own flags), never passed through.
-_SET_BY_UP = {"nats_url", "cluster", "host", "port", "worker_id", "gateway_id", "metrics_port",
+_SET_BY_UP = {"nats_url", "cluster", "host", "port", "worker_id", "role", "gateway_id",
+              "metrics_port",
               "transfer_port", "transfer_secret", "model", "model_path",
               "local_prefill_max_tokens"}
 

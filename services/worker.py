@@ -1,69 +1,90 @@
-"""What prefill and decode workers share: an engine, heartbeats, registration, aborts.
+"""A worker process: an engine and its KV pool, serving one role at a time (prefill or
+decode, `services/duty.py`), which a `RoleChange` may switch at runtime without reloading
+weights: the KV pool, the prefix cache and the transfer engine stay.
 
-Lifecycle additions to `Service`: start() starts the engine, registers the worker in the
-registry bucket, subscribes to its work subjects and to aborts, and starts heartbeating.
-stop() first heartbeats `is_draining` (the conductor sends no more work) and unsubscribes
-from work, drains, closes the engine and removes the registry entry.
+Lifecycle additions to `Service`: start() assembles the engine (`worker_parts`), starts it,
+registers the worker in the registry bucket, starts its role's duty, subscribes to aborts
+and role changes, and starts heartbeating. stop() first heartbeats `is_draining` (the
+conductor sends no more work; the duty refuses new work but finishes what it holds), drains,
+fails whatever is still held, closes the engine and removes the registry entry.
+
+A role change (`RoleChange`, request/reply): the duty stops taking work (heartbeat
+`is_draining`), finishes what it holds, stops; the new duty starts and the next heartbeat
+announces the new role. A drain that runs out of time resumes the old role and refuses.
 """
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import contextlib
 import socket
 import time
 import uuid
-from typing import Any
+from collections import Counter
+from typing import ClassVar
 
 import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
 
 from engine.protocol import Engine
+from services.decode.duty import DecodeDuty
+from services.duty import Duty
 from services.kv_handoff import KvHandoff, NoKvHandoff
 from services.kv_leases import LeaseTable
+from services.prefill.duty import PrefillDuty
 from services.prefill.prefix_reuse import PrefixSharing
 from services.worker_parts import assemble, register_device_kv
+from shared import tracing
 from shared.config import WorkerConfig
+from shared.heartbeats import WorkerDirectory
 from shared.messages import (
     AbortRequest,
     DispatchReply,
     KvBlockEvent,
     KvEventBatch,
     KvLeaseEvent,
+    RoleChange,
     WorkerHeartbeat,
     WorkerRole,
 )
-from shared.metrics import CounterAtScrape, WorkerMetrics
+from shared.metrics import CounterAtScrape, ElasticWorkerMetrics
 from shared.nats_client import (
     encode,
     ensure_bucket,
     ensure_kv_event_stream,
     publish_to_stream,
 )
-from shared.service import Service
+from shared.service import Service, ServiceState
 from transfer_engine.batch import Notification
 from transfer_engine.engine import TransferEngine
 
 # Registry entries outlive a few missed heartbeats, then the bucket drops them.
 REGISTRY_TTL_HEARTBEATS = 10
+ROLES: tuple[WorkerRole, ...] = ("prefill", "decode")  # RoleChange's own type checks it
 
 
 class WorkerService(Service):
-    role: WorkerRole
-    metrics_type: type[WorkerMetrics] = WorkerMetrics
-    metrics: WorkerMetrics
+    """`halfmoon worker --role prefill|decode`: one worker, its role switchable at runtime."""
 
-    def __init__(self, config: WorkerConfig, engine: Engine | None = None) -> None:
+    name = "worker"
+    metrics_type = ElasticWorkerMetrics
+    metrics: ElasticWorkerMetrics
+    duty_types: ClassVar[dict[WorkerRole, type[Duty]]] = {
+        "prefill": PrefillDuty, "decode": DecodeDuty}
+
+    def __init__(self, config: WorkerConfig, engine: Engine | None = None, *,
+                 role: WorkerRole | None = None) -> None:
         super().__init__(config)
         self.config: WorkerConfig = config
-        self.worker_id = config.worker_id or f"{self.role}-{uuid.uuid4().hex[:12]}"
+        self._role: WorkerRole = role or config.role
+        self._home_role = self._role  # the planner sends a worker it moved back here
+        self.worker_id = config.worker_id or f"{self._role}-{uuid.uuid4().hex[:12]}"
         self._engine = engine
-        self.is_draining = False
+        self._duty: Duty | None = None  # built once the parts are assembled
         self._registry: KeyValue | None = None
-        self._work_subscriptions: list[Any] = []
         self._is_engine_started = False
+        self.kv_commits: Counter[str] = Counter()  # requests joined (decode), by KV transport
         # Assembled at start (`worker_parts`).
         self.transfer: TransferEngine | None = None  # for engines with a KV pool
         self.handoff: KvHandoff = NoKvHandoff()
@@ -84,6 +105,21 @@ class WorkerService(Service):
             raise RuntimeError(f"{self.name} has no engine before start()")
         return self._engine
 
+    @property
+    def role(self) -> WorkerRole:
+        return self._role
+
+    @property
+    def duty(self) -> Duty:
+        if self._duty is None:
+            raise RuntimeError(f"{self.name} has no duty before start()")
+        return self._duty
+
+    @property
+    def is_draining(self) -> bool:
+        """Taking no new work: stopping, or switching roles."""
+        return self._duty is not None and self._duty.is_draining
+
     async def _setup(self) -> None:
         parts = await assemble(self.config, self.role, self.worker_id, self.nc, self.subjects,
                                self.metrics, self.leases, self._on_kv_notice,
@@ -102,8 +138,12 @@ class WorkerService(Service):
         js = self.nc.jetstream()
         await ensure_kv_event_stream(js, self.subjects, replicas=self.config.js_replicas)
         await self._publish_kv_events(is_reset=True)
-        self._work_subscriptions = await self._subscribe_work()
+        self._duty = self.duty_types[self._role](self)
+        await self._duty.start()
+        self._show_role()
         await self.serve(self.subjects.abort, AbortRequest, self._on_abort)
+        await self.serve(self.subjects.role_change(self.worker_id), RoleChange,
+                         self._on_role_change)
         await self._heartbeat()
         if self._registry_put is not None:  # registered before start() returns
             await self._registry_put
@@ -127,30 +167,66 @@ class WorkerService(Service):
             self.spawn(self.events.lease(event), f"lease.{event.request_id}")
 
     def _on_kv_notice(self, notification: Notification) -> None:
-        """A handoff's last write landed here: continue its trace (decode)."""
-
-    @abc.abstractmethod
-    async def _subscribe_work(self) -> list[Any]:
-        """Subscribe to this role's work subjects; return the subscriptions."""
-
-    @abc.abstractmethod
-    def _abort(self, request_id: str) -> None:
-        """Drop the request wherever it is and free its blocks."""
-
-    def _on_tick(self) -> None:
-        """Called on every heartbeat: expire stale per-request state."""
+        if self._duty is not None:
+            self._duty.on_kv_notice(notification)
 
     def _num_waiting(self) -> int:
-        return self.engine.stats().num_waiting
+        return self.duty.num_waiting()
+
+    def _worker_views(self) -> list[WorkerDirectory]:
+        return self._duty.worker_views() if self._duty is not None else []
 
     async def _on_abort(self, message: AbortRequest) -> DispatchReply | None:
-        self._abort(message.request_id)
+        self.duty.abort(message.request_id)
         return None
+
+    async def _on_role_change(self, command: RoleChange) -> DispatchReply:
+        """One at a time (NATS runs a subscription's callbacks in order): a second change
+        sent meanwhile is judged once the first is done."""
+        if command.role == self._role and not self.is_draining:
+            return self.accept()
+        if self.state is not ServiceState.RUNNING or self.is_draining:
+            return self.refusal(f"cannot change role while {self.state.value}")
+        with tracing.span(__name__, "worker.role_change", attributes={
+                "halfmoon.worker": self.worker_id, "halfmoon.from_role": self._role,
+                "halfmoon.to_role": command.role, "halfmoon.reason": command.reason}):
+            return await self._switch(command)
+
+    async def _switch(self, command: RoleChange) -> DispatchReply:
+        """Drain the old duty, then start the new one; undone if the drain runs out of time."""
+        old, started = self.duty, time.monotonic()
+        self.log.info("role.draining", from_role=old.role, to_role=command.role,
+                      reason=command.reason, requested_by=command.requested_by)
+        old.stop_intake()
+        await self._heartbeat()
+        try:
+            await asyncio.wait_for(self.wait_until(old.is_idle), command.drain_timeout_s)
+        except TimeoutError:
+            old.resume()
+            await self._heartbeat()
+            self.log.warning("role.change_undone", role=old.role, to_role=command.role,
+                             drain_timeout_s=command.drain_timeout_s)
+            return self.refusal(f"the {old.role} work here did not finish within "
+                                f"{command.drain_timeout_s}s; serving on as {old.role}")
+        await old.stop()
+        new = self.duty_types[command.role](self)
+        await new.start()
+        self._duty, self._role = new, command.role
+        self.metrics.role_changes.labels(old.role, new.role).inc()
+        self._show_role()
+        await self._heartbeat()
+        self.log.info("role.changed", from_role=old.role, to_role=new.role,
+                      drain_s=round(time.monotonic() - started, 3))
+        return self.accept()
+
+    def _show_role(self) -> None:
+        for role in ROLES:
+            self.metrics.role.labels(role).set(1 if role == self._role else 0)
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await self._sleep_judging_on_time(self.config.heartbeat_interval_s)
-            self._on_tick()
+            self.duty.on_tick()
             self.publish_kv_events_soon()  # never holds up the heartbeat
             await self._heartbeat()
 
@@ -224,17 +300,21 @@ class WorkerService(Service):
             if self.role == "decode" else 0,
             kv_bytes_per_block=layout.block_bytes
             if (layout := self.engine.kv_layout()) is not None else 0,
-            busy_s=stats.busy_s,
+            busy_s=stats.busy_s, home_role=self._home_role,
         )
 
     async def _stop_intake(self) -> None:
-        self.is_draining = True
-        for subscription in self._work_subscriptions:
-            with contextlib.suppress(Exception):
-                await subscription.unsubscribe()
+        self.duty.stop_intake()
         await self._heartbeat()
 
+    async def _drain(self) -> None:
+        await self.wait_until(self.duty.is_idle)
+
     async def _close(self) -> None:
+        if self._duty is not None:
+            await self._duty.close()
+            await self._duty.stop()
+        await self.handoff.close()
         if self._is_engine_started:
             await self.engine.close()
         if self.transfer is not None:
@@ -242,3 +322,21 @@ class WorkerService(Service):
         if self._registry is not None:
             with contextlib.suppress(Exception):  # briefly: NATS may be gone at shutdown
                 await asyncio.wait_for(self._registry.delete(self.worker_id), 1.0)
+
+
+class PrefillService(WorkerService):
+    """`halfmoon prefill`: a worker that starts as prefill."""
+
+    name = "prefill"
+
+    def __init__(self, config: WorkerConfig, engine: Engine | None = None) -> None:
+        super().__init__(config, engine, role="prefill")
+
+
+class DecodeService(WorkerService):
+    """`halfmoon decode`: a worker that starts as decode."""
+
+    name = "decode"
+
+    def __init__(self, config: WorkerConfig, engine: Engine | None = None) -> None:
+        super().__init__(config, engine, role="decode")

@@ -86,6 +86,22 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     tokenizer: Literal["model", "bytes"] = "model"  # "bytes" pairs with the fake engine
 
 
+class PlannerSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The planner (`services/conductor/planner.py`): `off`, or `slo`: move workers between
+    prefill and decode to keep `ttft_slo_ms` / `tbt_slo_ms` (at least one must be set).
+    Active in one conductor at a time (a lease in NATS KV). `high` and `low` are shares of
+    the SLOs: move a worker when a role's pressure stays above `high` for `hold_s`; send
+    moved workers home once both stay below `low` for `hold_s`."""
+
+    mode: Literal["off", "slo"] = msgspec.field(default="off", name="planner")
+    interval_s: float = msgspec.field(default=1.0, name="planner_interval_s")
+    high: float = msgspec.field(default=0.8, name="planner_high")
+    low: float = msgspec.field(default=0.3, name="planner_low")
+    hold_s: float = msgspec.field(default=3.0, name="planner_hold_s")
+    cooldown_s: float = msgspec.field(default=10.0, name="planner_cooldown_s")
+    drain_timeout_s: float = msgspec.field(default=60.0, name="planner_drain_timeout_s")
+
+
 class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):
     heartbeat_timeout_s: float = 2.0
     dispatch_timeout_s: float = 2.0
@@ -115,6 +131,7 @@ class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):
     # it; a starting conductor waits up to this long for its index to catch up.
     prefix_snapshot_interval_s: float = 30.0  # 0: never save one
     prefix_catch_up_timeout_s: float = 30.0
+    planning: PlannerSettings = msgspec.field(default_factory=PlannerSettings)
 
 
 class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -190,6 +207,8 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     `sim_profile = ...`): each nested field's encoded name is its flat name."""
 
     worker_id: str | None = None
+    # The role the worker starts in (`halfmoon worker --role`); a `RoleChange` switches it.
+    role: Literal["prefill", "decode"] = "prefill"
     model: str = "halfmoon-tiny"
     host_name: str | None = None
     max_queue: int = 256

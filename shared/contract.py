@@ -88,6 +88,9 @@ def channels() -> list[Channel]:
         Channel("streamResume", s.stream_resume(worker), (m.StreamResume,),
                 "Gateway to decode worker: send these stalled streams' tokens again.",
                 "core"),
+        Channel("roleChange", s.role_change(worker), (m.RoleChange,),
+                "Operator or planner to one worker: drain the old role, serve as this one.",
+                "request", reply=m.DispatchReply),
     ]
 
 

@@ -17,6 +17,7 @@ A request's life on the wire:
     workers   --KvEventBatch (JetStream)-->          conductor (global prefix index)
     anyone    --RequestFailed-->                     gateway
     gateway/conductor --AbortRequest-->              every worker
+    operator/planner --RoleChange (request/reply)--> one worker   (replies DispatchReply)
 """
 
 from __future__ import annotations
@@ -368,6 +369,22 @@ class WorkerHeartbeat(Message, frozen=True, kw_only=True):
     local_prefill_max_tokens: int = 0  # decode: prompts up to this long it prefills itself
     kv_bytes_per_block: int = 0  # one block's KV, every layer; 0: no KV to move (fake engine)
     busy_s: float = 0.0  # wall seconds the device spent in model steps since the worker started
+    home_role: WorkerRole | None = None  # the role it started in (`role` may differ: RoleChange)
+
+
+class RoleChange(Message, frozen=True, kw_only=True):
+    """Command to one worker (request/reply, `Subjects.role_change`), from an operator or a
+    conductor's planner: serve as `role` from now on. The worker refuses new work of its old
+    role, finishes what it holds (within `drain_timeout_s`), switches without reloading
+    weights (its KV pool and prefix cache stay) and answers `DispatchReply` once the new
+    role takes work; its next heartbeat carries the new role. A drain that runs out of time
+    is undone (the worker goes on in its old role) and the reply is a refusal: a switch never
+    fails a request."""
+
+    role: WorkerRole
+    reason: str = ""
+    requested_by: str = ""
+    drain_timeout_s: float = 60.0
 
 
 class KvBlockEvent(msgspec.Struct, frozen=True, kw_only=True):

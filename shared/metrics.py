@@ -80,6 +80,14 @@ class ConductorMetrics(ServiceMetrics):
                              registry=r)
         self.prefix_index_blocks = Gauge("halfmoon_prefix_index_blocks",
                                          "block hashes in the global prefix index", registry=r)
+        self.planner_leader = Gauge("halfmoon_planner_leader", "1 while this conductor holds "
+                                    "the planner's lease", registry=r)
+        self.planner_moves = Counter("halfmoon_planner_moves", "role changes the planner "
+                                     "asked for, by new role and outcome (done | refused | "
+                                     "failed)", ["to_role", "outcome"], registry=r)
+        self.planner_pressure = Gauge("halfmoon_planner_pressure", "each role's load as a "
+                                      "share of its SLO, as the planner last saw it",
+                                      ["model", "role"], registry=r)
 
 
 class CounterAtScrape:
@@ -170,3 +178,16 @@ class DecodeMetrics(WorkerMetrics):
         self.kv_commits = Counter("halfmoon_kv_commits", "requests joined, by how their KV "
                                   "came (shm | tcp | rdma | local | none)", ["transport"],
                                   registry=r)
+
+
+class ElasticWorkerMetrics(PrefillMetrics, DecodeMetrics):
+    """A worker's: both roles' metrics, since a worker may change roles (`RoleChange`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        r = self.registry
+        self.role_changes = Counter("halfmoon_role_changes", "role changes of this worker, by "
+                                    "the role left and the role taken", ["from_role", "to_role"],
+                                    registry=r)
+        self.role = Gauge("halfmoon_worker_role", "1 for the role this worker serves now",
+                          ["role"], registry=r)

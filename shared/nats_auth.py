@@ -19,7 +19,8 @@ import nkeys
 
 from shared.subjects import Subjects
 
-ROLES = ("gateway", "conductor", "prefill", "decode")
+# "worker": a worker that may serve either role, switched at runtime (`RoleChange`).
+ROLES = ("gateway", "conductor", "prefill", "decode", "worker")
 
 
 class Permissions(msgspec.Struct, frozen=True):
@@ -46,7 +47,8 @@ def permissions(role: str, subjects: Subjects, gateway_id: str | None = None) ->
         if gateway_id is None:
             raise ValueError("a gateway's permissions name its gateway id")
         return _gateway(subjects, gateway_id)
-    return {"conductor": _conductor, "prefill": _prefill, "decode": _decode}[role](subjects)
+    return {"conductor": _conductor, "prefill": _prefill, "decode": _decode,
+            "worker": _either_role}[role](subjects)
 
 
 def _gateway(s: Subjects, gateway_id: str) -> Permissions:
@@ -60,12 +62,13 @@ def _gateway(s: Subjects, gateway_id: str) -> Permissions:
 def _conductor(s: Subjects) -> Permissions:
     return Permissions(
         publish=(_any(s.prefill_task), _any(s.decode_reserve), s.abort, _any(s.gateway),
-                 s.all_request_events,
+                 s.all_request_events, _any(s.role_change),
                  *_stream_api(s.requests_stream, "INFO", "CREATE", "UPDATE"),
                  *_consumer_api(s.requests_stream), f"$JS.ACK.{s.requests_stream}.>",
                  *_stream_api(s.kv_events_stream, "INFO", "CREATE", "UPDATE"),
                  *_consumer_api(s.kv_events_stream), f"$JS.FC.{s.kv_events_stream}.>",
-                 *_object_store(s.snapshot_bucket), *_bucket_reader(s.workers_bucket)),
+                 *_object_store(s.snapshot_bucket), *_bucket_reader(s.workers_bucket),
+                 *_bucket_writer(s.planner_bucket)),
         subscribe=(_INBOX, s.all_heartbeats, s.decode_replacement))
 
 
@@ -82,14 +85,27 @@ def _prefill(s: Subjects) -> Permissions:
         publish=(*_worker(s, "prefill"), _any(s.kv_commit), _any(s.kv_lease_renewal),
                  _any(s.prefix_fetch), s.decode_replacement),
         subscribe=(_INBOX, _any(s.prefill_task), _any(s.kv_target), _any(s.prefix_fetch),
-                   s.abort))
+                   s.abort, _any(s.role_change)))
 
 
 def _decode(s: Subjects) -> Permissions:
     return Permissions(
         publish=(*_worker(s, "decode"), _any(s.kv_target)),
         subscribe=(_INBOX, _any(s.decode_reserve), _any(s.kv_commit), _any(s.stream_resume),
-                   _any(s.kv_lease_renewal), s.role_heartbeats("prefill"), s.abort))
+                   _any(s.kv_lease_renewal), s.role_heartbeats("prefill"), s.abort,
+                   _any(s.role_change)))
+
+
+def _either_role(s: Subjects) -> Permissions:
+    """A worker that may be switched between the roles: what either does. (A `prefill` or
+    `decode` user hears a `RoleChange` too, but cannot serve the other role.)"""
+    prefill, decode = _prefill(s), _decode(s)
+    return Permissions(publish=_union(prefill.publish, decode.publish),
+                       subscribe=_union(prefill.subscribe, decode.subscribe))
+
+
+def _union(*lists: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(subject for subjects in lists for subject in subjects))
 
 
 _ID = "id-placeholder"

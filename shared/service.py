@@ -246,12 +246,12 @@ class Service(abc.ABC):
                     reply = await handler(decoder.decode(msg.data))
             except msgspec.DecodeError as exc:
                 self.log.warning("message.invalid", subject=msg.subject, error=str(exc))
-                reply = self._refusal(f"invalid message on {msg.subject}: {exc}")
+                reply = self.refusal(f"invalid message on {msg.subject}: {exc}")
             except HalfmoonError as exc:
-                reply = self._refusal(exc.message, code=exc.code)
+                reply = self.refusal(exc.message, code=exc.code)
             except Exception as exc:
                 self.log.error("message.handler_failed", subject=msg.subject, exc_info=exc)
-                reply = self._refusal(f"internal error: {exc!r}")
+                reply = self.refusal(f"internal error: {exc!r}")
             if msg.reply and reply is not None:
                 with contextlib.suppress(Exception):
                     await msg.respond(encode(reply))
@@ -311,7 +311,7 @@ class Service(abc.ABC):
         self.metrics_url = f"http://{host}:{port}/metrics"
         self.log.info("metrics.serving", url=self.metrics_url)
 
-    def _refusal(self, reason: str, *, code: str = "") -> DispatchReply:
+    def refusal(self, reason: str, *, code: str = "") -> DispatchReply:
         return DispatchReply(is_accepted=False, worker_id=self.instance_id, reason=reason,
                              code=code)
 

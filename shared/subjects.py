@@ -86,6 +86,9 @@ class Subjects:
     def kv_lease_renewal(self, worker_id: str) -> str:
         return self._worker(worker_id, "lease_renewal")
 
+    def role_change(self, worker_id: str) -> str:
+        return self._worker(worker_id, "role")
+
     def _worker(self, worker_id: str, verb: str) -> str:
         return f"{self._root}.worker.{check_token(worker_id, 'worker id')}.{verb}"
 
@@ -136,6 +139,15 @@ class Subjects:
     @property
     def prefix_snapshot(self) -> str:
         return "prefix_index"
+
+    # NATS KV bucket: the planner's lease (one conductor plans at a time).
+    @property
+    def planner_bucket(self) -> str:
+        return f"halfmoon_{self.cluster.replace('-', '_')}_planner"
+
+    @property
+    def planner_lease(self) -> str:
+        return "leader"
 
     # NATS KV bucket: transfer-engine descriptors (`TransferEndpoint`), one per engine.
     @property

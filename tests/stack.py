@@ -11,9 +11,8 @@ from typing import Any
 import aiohttp
 
 from services.conductor.service import ConductorService
-from services.decode.service import DecodeService
 from services.gateway.service import GatewayService
-from services.prefill.service import PrefillService
+from services.worker import DecodeService, PrefillService
 from shared.config import ConductorConfig, GatewayConfig, WorkerConfig, load_config
 from shared.service import Service
 

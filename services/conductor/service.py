@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections import Counter
 from typing import Any
 
@@ -29,6 +30,7 @@ from opentelemetry import trace
 from services.conductor import assignment, holding
 from services.conductor.assignment import Plan
 from services.conductor.placement import PendingWork, PrefixView, prefix_view
+from services.conductor.planning import PlanningLoop
 from services.conductor.prefix_follower import PrefixIndexFollower
 from services.conductor.prefix_index import PrefixIndex
 from shared import tracing
@@ -88,6 +90,7 @@ class ConductorService(Service):
         self._is_fetching = False
         self._js_subscriptions: list[Any] = []
         self.prefix_follower: PrefixIndexFollower | None = None
+        self.planning: PlanningLoop | None = None  # --planner slo
         # Gauges read at scrape time, not kept up to date on every heartbeat.
         for role in ("prefill", "decode"):
             self.metrics.workers.labels(role).set_function(
@@ -110,6 +113,11 @@ class ConductorService(Service):
         if self.config.prefix_snapshot_interval_s > 0:
             self.spawn(self.prefix_follower.save_every(self.config.prefix_snapshot_interval_s),
                        "prefix-snapshots")
+        if self.config.planning.mode == "slo":
+            self.planning = PlanningLoop(self.config, self.nc, self.subjects, self.workers,
+                                         self.metrics, f"conductor-{uuid.uuid4().hex[:8]}",
+                                         self.spawn)
+            self.spawn(self.planning.run(), "planner")
         consumer = ConsumerConfig(
             durable_name=self.subjects.conductor_consumer, ack_policy=AckPolicy.EXPLICIT,
             ack_wait=10.0, max_deliver=holding.MAX_DELIVER, max_ack_pending=4096,
@@ -236,7 +244,7 @@ class ConductorService(Service):
         try:
             chosen = await self._place(request, progress)
         except HalfmoonError as exc:
-            return self._refusal(f"no decode worker for {request.request_id}: {exc.message}")
+            return self.refusal(f"no decode worker for {request.request_id}: {exc.message}")
         decode_id = chosen.decode.worker_id
         self.log.info("placement.decode_replaced", request_id=request.request_id,
                       failed=message.failed_decode_worker_id, decode_worker_id=decode_id,

@@ -10,8 +10,7 @@ import openai
 import pytest
 
 from services.conductor.service import ConductorService
-from services.decode.service import DecodeService
-from services.prefill.service import PrefillService
+from services.worker import DecodeService, PrefillService
 from shared.config import WorkerConfig, load_config
 from shared.messages import GenerateRequest, PrefillTask, SamplingParams, TokenBatch
 from shared.nats_client import encode

@@ -9,7 +9,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from services.decode.service import DecodeService
+from services.decode.duty import DecodeDuty
+from services.worker import DecodeService
 from shared.messages import DispatchReply, KvCommitted
 from tests.integration.test_events import subscriber
 from tests.stack import Stack
@@ -19,13 +20,17 @@ pytestmark = pytest.mark.e2e
 MODEL = "halfmoon-tiny"
 
 
-class RefusingDecode(DecodeService):
-    """Implements the decode worker, but loses every request just before its commit (as a
+class RefusingDecodeDuty(DecodeDuty):
+    """Implements the decode role, but loses every request just before its commit (as a
     worker that restarted or expired the reservation would)."""
 
     async def _on_commit(self, message: KvCommitted) -> DispatchReply:
-        self._abort(message.request_id)
-        return self._refusal("simulated: the reservation is gone")
+        self.abort(message.request_id)
+        return self.worker.refusal("simulated: the reservation is gone")
+
+
+class RefusingDecode(DecodeService):
+    duty_types = {**DecodeService.duty_types, "decode": RefusingDecodeDuty}
 
 
 def prefill_count(stack: Stack) -> float:

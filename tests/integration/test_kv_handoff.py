@@ -20,7 +20,7 @@ from engine.protocol import PrefillRequest, PrefillResult
 from engine.torch_engine import EngineOptions, TorchEngine
 from services.gateway.tokenizer import HfTokenizer
 from services.kv_handoff import HandoffReport, KvHandoff, KvStream
-from services.prefill.service import PrefillService
+from services.worker import PrefillService
 from shared.block_hash import block_hashes
 from shared.errors import TransferFailed
 from shared.messages import KvTarget, PrefixFetch, RequestEvent, SamplingParams

@@ -19,8 +19,9 @@ from nats.aio.client import Client as NatsClient
 from services.cli import main as cli_main
 from shared.config import NatsAuth
 from shared.errors import ConfigError
+from shared.messages import RoleChange
 from shared.nats_auth import NatsUser, authorization_conf, new_nkey_seed, role_users
-from shared.nats_client import auth_options, connect
+from shared.nats_client import auth_options, connect, dispatch
 from shared.nats_server import EmbeddedNatsServer
 from shared.subjects import Subjects
 from tests.certs import CertFiles, TestCA
@@ -127,6 +128,31 @@ async def test_the_stack_serves_with_one_least_privilege_user_per_role(
         moved = sum(counter(w.metrics, "halfmoon_kv_transfer_bytes_total")
                     for w in [*stack.prefills, *stack.decodes])
         assert moved > 0  # the KV crossed from prefill to decode
+    assert secure_nats.violations()[violations_before:] == []
+
+
+async def test_a_worker_user_serves_either_role_and_the_conductor_may_switch_it(
+        secure_nats: SecureNats) -> None:
+    violations_before = len(secure_nats.violations())
+    async with Stack(
+            secure_nats.server.url, cluster=CLUSTER, num_decode=2,
+            prefill_options=secure_nats.flags("prefill"),
+            decode_options=secure_nats.flags("worker"),
+            conductor_options={"nats": secure_nats.auth("conductor")},
+            gateway_options={"nats": secure_nats.auth("gateway-0"),
+                             "gateway_id": "gateway-0"}) as stack:
+        switching = stack.decodes[1]
+        reply = await dispatch(stack.conductor.nc, SUBJECTS.role_change(switching.worker_id),
+                               RoleChange(role="prefill", requested_by="conductor"), 10)
+        assert reply.is_accepted, reply
+        await eventually(lambda: switching.worker_id in {
+            hb.worker_id for hb in stack.conductor.workers.healthy("prefill")})
+        async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x",
+                                      max_retries=0) as sdk:
+            done = await asyncio.gather(*(sdk.completions.create(
+                model="halfmoon-tiny", prompt=f"p{i}", max_tokens=4) for i in range(8)))
+        assert all(c.usage is not None and c.usage.completion_tokens == 4 for c in done)
+        assert switching.metrics.registry.get_sample_value("halfmoon_prefill_seconds_count")
     assert secure_nats.violations()[violations_before:] == []
 
 

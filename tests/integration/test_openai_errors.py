@@ -9,7 +9,7 @@ import aiohttp
 import openai
 import pytest
 
-from services.decode.service import DecodeService
+from services.worker import DecodeService
 from tests.stack import Stack, eventually
 
 pytestmark = pytest.mark.e2e

@@ -65,6 +65,10 @@ def test_roles_get_disjoint_duties_on_the_bus() -> None:
     assert "halfmoon.prod.v1.gateway.*" not in gateway.subscribe
     assert "halfmoon.prod.v1.worker.*.reserve" in decode.subscribe
     assert [name for name, _ in role_users(subjects, ["gateway-0", "gateway-1"])] == [
-        "gateway-0", "gateway-1", "conductor", "prefill", "decode"]
+        "gateway-0", "gateway-1", "conductor", "prefill", "decode", "worker"]
+    worker = permissions("worker", subjects)
+    prefill = permissions("prefill", subjects)
+    assert set(decode.publish) | set(prefill.publish) == set(worker.publish)
+    assert subjects.requests not in worker.publish
     with pytest.raises(ValueError, match="gateway id"):
         permissions("gateway", subjects)

@@ -1,4 +1,4 @@
-"""The decode worker: reserves KV blocks, joins committed requests, streams tokens.
+"""The decode role of a worker: reserves KV blocks, joins committed requests, streams tokens.
 
 A request's life here:
   1. `DecodeReservation` (request/reply): reserve blocks (the torch engine takes the
@@ -22,19 +22,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from opentelemetry.trace import Span, StatusCode
 
 from engine.protocol import DecodeRequest, PrefillRequest, TokenOutput
 from services.decode.sent_tokens import SentTokens
+from services.duty import Duty
 from services.kv_handoff import decode_notice
 from services.kv_leases import Lease
-from services.worker import WorkerService
 from shared import tracing
 from shared.errors import HalfmoonError, InvalidRequest, RequestAborted, TransferTimeout
 from shared.heartbeats import WorkerDirectory
@@ -53,9 +53,11 @@ from shared.messages import (
     WorkerHeartbeat,
     choice_id,
 )
-from shared.metrics import DecodeMetrics
 from shared.nats_client import encode
 from transfer_engine.batch import Notification
+
+if TYPE_CHECKING:
+    from services.worker import WorkerService
 
 # How long a finished request's tokens stay, to be sent again if its last batch was lost.
 RESEND_KEEP_S = 30.0
@@ -115,57 +117,55 @@ class DecodeSpans:
         stream.end()
 
 
-class DecodeService(WorkerService):
-    name = "decode"
-    role = "decode"
-    metrics_type = DecodeMetrics
-    metrics: DecodeMetrics
+class DecodeDuty(Duty):
+    """The decode role: reservations from conductors, commits from prefill, the step loop."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    role = "decode"
+
+    def __init__(self, worker: WorkerService) -> None:
+        super().__init__(worker)
         self._reservations: dict[str, Reservation] = {}
         self._local: dict[str, GenerateRequest] = {}  # colocated, until readied
         self._active: dict[str, GenerateRequest] = {}  # by choice id (`choice_id`)
         self._choices: dict[str, list[str]] = {}  # n > 1: a request's open choices
-        self.kv_commits: Counter[str] = Counter()  # committed requests by KV transport
         self._spans = DecodeSpans()
         self._sent = SentTokens(keep_s=RESEND_KEEP_S)
         # Prefill workers' liveness: a reservation held for a dead one is freed at once.
         self._prefills = WorkerDirectory(timeout_s=4 * self.config.heartbeat_interval_s)
         self._last_step_at: float | None = None
 
-    async def _subscribe_work(self) -> list[Any]:
+    async def _subscribe(self) -> list[Any]:
         subscriptions = [
-            await self.serve(self.subjects.decode_reserve(self.worker_id), DecodeReservation,
+            await self.worker.serve(self.subjects.decode_reserve(self.worker_id), DecodeReservation,
                              self._on_reserve),
-            await self.serve(self.subjects.kv_commit(self.worker_id), KvCommitted,
+            await self.worker.serve(self.subjects.kv_commit(self.worker_id), KvCommitted,
                              self._on_commit),
-            await self.serve(self.subjects.stream_resume(self.worker_id), StreamResume,
+            await self.worker.serve(self.subjects.stream_resume(self.worker_id), StreamResume,
                              self._on_resume),
-            await self.serve(self.subjects.kv_lease_renewal(self.worker_id), KvLeaseRenewal,
+            await self.worker.serve(self.subjects.kv_lease_renewal(self.worker_id), KvLeaseRenewal,
                              self._on_lease_renewal),
-            await self.serve(self.subjects.role_heartbeats("prefill"), WorkerHeartbeat,
+            await self.worker.serve(self.subjects.role_heartbeats("prefill"), WorkerHeartbeat,
                              self._on_prefill_heartbeat),
         ]
-        self.spawn(self._step_loop(), "steps")
+        self.run_loop(self._step_loop(), "steps")
         return subscriptions
 
     @property
     def num_open_requests(self) -> int:
         return len(self._reservations) + len(self._local) + len(self._active)
 
-    def _num_waiting(self) -> int:
+    def num_waiting(self) -> int:
         return len(self._reservations) + len(self._local)
 
     async def _on_reserve(self, message: DecodeReservation) -> DispatchReply:
         request = message.request
         if self.is_draining:
-            return self._refusal("worker is draining")
+            return self.worker.refusal("worker is draining")
         try:
             self.engine.check(request.sampling)
         except InvalidRequest as exc:  # the client's to fix: a 400, not a retry elsewhere
             await self._fail(request, exc)
-            return self._refusal(exc.message)
+            return self.worker.refusal(exc.message)
         if message.is_local_prefill:
             return self._prefill_here(request)
         reservation = self._reservations.get(request.request_id)
@@ -187,10 +187,10 @@ class DecodeService(WorkerService):
                           kv_block_bytes=layout.layer_block_bytes if layout else 0,
                           kv_layout=layout)
         await self.nc.publish(self.subjects.kv_target(message.prefill_worker_id), encode(target))
-        return self.accept()
+        return self.worker.accept()
 
     def _readying(self, request: GenerateRequest) -> asyncio.Task[InvalidRequest | None]:
-        return self.spawn(self._ready(request), f"ready.{request.request_id}")
+        return self.worker.spawn(self._ready(request), f"ready.{request.request_id}")
 
     async def _ready(self, request: GenerateRequest) -> InvalidRequest | None:
         """Ready what the request needs beyond blocks; why it cannot be, if so."""
@@ -213,14 +213,14 @@ class DecodeService(WorkerService):
                 raise error
             then()
         except HalfmoonError as exc:
-            self._abort(request.request_id)
+            self.abort(request.request_id)
             await self._fail(request, exc)
 
     def _prefill_here(self, request: GenerateRequest) -> DispatchReply:
         """Colocated: the engine prefills and decodes; every token comes from the step loop."""
         request_id = request.request_id
         if request_id in self._active or request_id in self._choices or request_id in self._local:
-            return self.accept()
+            return self.worker.accept()
         self._local[request_id] = request
 
         def generate() -> None:
@@ -231,10 +231,10 @@ class DecodeService(WorkerService):
             self._open_choices(request, [], [], [])
             self._count_commit("local")
 
-        self.spawn(self._when_ready(request, self._ready(request),
+        self.worker.spawn(self._when_ready(request, self._ready(request),
                                     lambda: self._local.get(request_id) is request, generate),
                    f"local.{request_id}")
-        return self.accept()
+        return self.worker.accept()
 
     def _open_choices(self, request: GenerateRequest, first_tokens: list[int],
                       first_logprobs: list[TokenLogprob | None], finished: list[int],
@@ -257,15 +257,15 @@ class DecodeService(WorkerService):
             self._choices[request.request_id] = choices
 
     def _count_commit(self, transport: str) -> None:
-        self.kv_commits[transport] += 1
+        self.worker.kv_commits[transport] += 1
         self.metrics.kv_commits.labels(transport).inc()
 
     async def _on_commit(self, message: KvCommitted) -> DispatchReply:
         reservation = self._reservations.get(message.request_id)
         if reservation is None:
-            return self._refusal(f"no reservation for {message.request_id}")
+            return self.worker.refusal(f"no reservation for {message.request_id}")
         if reservation.commit is not None:
-            return self.accept()  # a repeated commit (its first reply was lost)
+            return self.worker.accept()  # a repeated commit (its first reply was lost)
         reservation.commit = message
         lease = self.leases.release("decode_reservation", message.request_id)
         self._count_commit(message.transport)
@@ -275,11 +275,11 @@ class DecodeService(WorkerService):
         if reservation.readied.done() and reservation.readied.result() is None:
             self._join(reservation, message, lease)
         else:  # the grammar still compiles (or cannot be): join when it is done
-            self.spawn(self._when_ready(
+            self.worker.spawn(self._when_ready(
                 reservation.request, reservation.readied,
                 lambda: self._reservations.get(message.request_id) is reservation,
                 lambda: self._join(reservation, message, lease)), f"join.{message.request_id}")
-        return self.accept()
+        return self.worker.accept()
 
     def _join(self, reservation: Reservation, message: KvCommitted, lease: Lease | None) -> None:
         request = reservation.request
@@ -309,7 +309,7 @@ class DecodeService(WorkerService):
             self.metrics.generated_tokens.inc(len(outputs))
             await self._publish_step(outputs)
 
-    def _on_kv_notice(self, notification: Notification) -> None:
+    def on_kv_notice(self, notification: Notification) -> None:
         """The KV of a request landed: a `kv.received` span, child of the prefill side's
         `kv.transfer`, whose context came with the transfer engine's notification."""
         notice = decode_notice(notification.payload)
@@ -375,7 +375,7 @@ class DecodeService(WorkerService):
             self.leases.renew("decode_reservation", request_id, message.prefill_worker_id,
                               self.config.transfer.kv_wait_timeout_s)
 
-    def _abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> None:
         for choice in self._choices.pop(request_id, []):
             self._sent.drop(choice)
             self._active.pop(choice, None)
@@ -388,7 +388,7 @@ class DecodeService(WorkerService):
         self._spans.end(request_id, error="aborted")
         self.engine.abort(request_id)
 
-    def _on_tick(self) -> None:
+    def on_tick(self) -> None:
         self._sent.expire()
         for lease in self.leases.expired(is_party_lost=self._prefills.is_lost):
             reservation = self._reservations.get(lease.request_id)
@@ -398,26 +398,25 @@ class DecodeService(WorkerService):
             self.log.warning("kv_lease.expired", kind=lease.kind, request_id=lease.request_id,
                              prefill_worker_id=lease.party, blocks_freed=lease.num_blocks,
                              reason="prefill worker lost" if is_lost else "not renewed")
-            self._abort(lease.request_id)
+            self.abort(lease.request_id)
             if is_lost:
                 continue  # the gateway places the request again itself (it saw the loss too)
             # The client may hold a first token already: tell it the rest is not coming.
             error = TransferTimeout(f"the KV from prefill worker {lease.party} never arrived "
                                     "and it stopped renewing the reservation")
-            self.spawn(self._fail(reservation.request, error), f"expire.{lease.request_id}")
+            self.worker.spawn(self._fail(reservation.request, error), f"expire.{lease.request_id}")
 
-    def _worker_views(self) -> list[WorkerDirectory]:
+    def worker_views(self) -> list[WorkerDirectory]:
         return [self._prefills]
 
-    async def _drain(self) -> None:
-        await self.wait_until(lambda: self.num_open_requests == 0)
+    def is_idle(self) -> bool:
+        return self.num_open_requests == 0
 
-    async def _close(self) -> None:
+    async def close(self) -> None:
         # Whatever is still open after the drain is failed loudly, never left hanging.
         requests = [*self._active.values(), *self._local.values(),
                     *(r.request for r in self._reservations.values())]
         for request in requests:
-            self._abort(request.request_id)
-            if self._nc is not None and not self._nc.is_closed:
+            self.abort(request.request_id)
+            if not self.nc.is_closed:
                 await self._fail(request, RequestAborted("decode worker stopped"))
-        await super()._close()

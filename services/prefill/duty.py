@@ -1,4 +1,4 @@
-"""The prefill worker: computes prompts, sends first tokens, hands KV to decode.
+"""The prefill role of a worker: computes prompts, sends first tokens, hands KV to decode.
 
 A request's life here:
   1. `PrefillTask` arrives (request/reply): accepted at once unless the queue is full. When
@@ -21,17 +21,16 @@ import asyncio
 import contextlib
 import time
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats.errors
 import structlog
 from opentelemetry import trace
 
-from engine.protocol import Engine, FirstToken, PrefillRequest, PrefillResult
+from engine.protocol import FirstToken, PrefillRequest, PrefillResult
+from services.duty import Duty
 from services.kv_handoff import KvStream
-from services.worker import WorkerService
 from shared import tracing
-from shared.config import WorkerConfig
 from shared.errors import (
     EngineFailure,
     HalfmoonError,
@@ -59,54 +58,59 @@ from shared.messages import (
     TokenLogprob,
     choice_id,
 )
-from shared.metrics import PrefillMetrics
 from shared.nats_client import dispatch, encode
+
+if TYPE_CHECKING:
+    from services.worker import WorkerService
 
 COMMIT_TIMEOUT_S = 5.0
 MAX_HANDOFF_RETRIES = 2  # decode workers tried again with the KV prefill holds
 
 
-class PrefillService(WorkerService):
-    name = "prefill"
-    role = "prefill"
-    metrics_type = PrefillMetrics
-    metrics: PrefillMetrics
+class PrefillDuty(Duty):
+    """The prefill role: tasks from conductors, KV targets from decode, prefix fetches from
+    other prefill workers."""
 
-    def __init__(self, config: WorkerConfig, engine: Engine | None = None) -> None:
-        super().__init__(config, engine)
+    role = "prefill"
+
+    def __init__(self, worker: WorkerService) -> None:
+        super().__init__(worker)
+        self.prefix_sharing = worker.prefix_sharing
         self._in_flight: dict[str, asyncio.Task[None]] = {}
         # request id -> (the decode side's KvTarget, when this worker first heard of it)
         self._targets: dict[str, tuple[asyncio.Future[KvTarget], float]] = {}
 
-    async def _subscribe_work(self) -> list[Any]:
+    async def _subscribe(self) -> list[Any]:
         return [
-            await self.serve(self.subjects.prefill_task(self.worker_id), PrefillTask,
+            await self.worker.serve(self.subjects.prefill_task(self.worker_id), PrefillTask,
                              self._on_task),
-            await self.serve(self.subjects.kv_target(self.worker_id), KvTarget,
+            await self.worker.serve(self.subjects.kv_target(self.worker_id), KvTarget,
                              self._on_target),
-            await self.serve(self.subjects.prefix_fetch(self.worker_id), PrefixFetch,
+            await self.worker.serve(self.subjects.prefix_fetch(self.worker_id), PrefixFetch,
                              self._on_prefix_fetch),
         ]
 
-    def _num_waiting(self) -> int:
+    def num_waiting(self) -> int:
         return len(self._in_flight)
 
     async def _on_task(self, task: PrefillTask) -> DispatchReply:
         request = task.request
         if self.is_draining:
-            return self._refusal("worker is draining")
+            return self.worker.refusal("worker is draining")
         if request.request_id in self._in_flight:
-            return self.accept()  # a redelivery of a task we already run
+            return self.worker.accept()  # a redelivery of a task we already run
         if len(self._in_flight) >= self.config.max_queue:
-            return self._refusal(f"prefill queue full ({self.config.max_queue})")
-        self._in_flight[request.request_id] = self.spawn(
+            return self.worker.refusal(f"prefill queue full ({self.config.max_queue})")
+        self._in_flight[request.request_id] = self.worker.spawn(
             self._run(request, task.prefix_source), f"request.{request.request_id}"
         )
-        return self.accept()
+        return self.worker.accept()
 
     async def _on_prefix_fetch(self, fetch: PrefixFetch) -> PrefixFetched:
         if self.prefix_sharing is None:
             raise InvalidRequest("this worker keeps no KV to share")
+        if self.is_draining:  # the fetcher computes the prefix itself
+            raise WorkerUnavailable("worker is draining")
         return await self.prefix_sharing.serve(fetch)
 
     async def _on_target(self, target: KvTarget) -> DispatchReply | None:
@@ -123,7 +127,7 @@ class PrefillService(WorkerService):
             self._targets[request_id] = (future, time.monotonic())
         return self._targets[request_id][0]
 
-    def _abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> None:
         task = self._in_flight.pop(request_id, None)
         if task is not None:
             task.cancel()
@@ -133,7 +137,7 @@ class PrefillService(WorkerService):
         self._targets.pop(request_id, None)
         self.engine.release(request_id)
 
-    def _on_tick(self) -> None:
+    def on_tick(self) -> None:
         # Targets for requests that never came here (the conductor placed them elsewhere).
         cutoff = time.monotonic() - self.config.transfer.kv_wait_timeout_s
         for request_id, (_, seen_at) in list(self._targets.items()):
@@ -144,7 +148,7 @@ class PrefillService(WorkerService):
                              party=lease.party, blocks_freed=len(lease.block_ids))
             self.engine.prefix_cache.release_blocks(lease.block_ids)
         if renewals := self._renewals():
-            self.spawn(self._renew_reservations(renewals), "lease-renewals")
+            self.worker.spawn(self._renew_reservations(renewals), "lease-renewals")
 
     def _renewals(self) -> dict[str, list[str]]:
         """The requests queued or computing here, by the decode worker holding their KV."""
@@ -211,7 +215,7 @@ class PrefillService(WorkerService):
             output_offset=request.output_offset,
         ))
         self._observe_prefill(request, result, started, layers)
-        self.publish_kv_events_soon()
+        self.worker.publish_kv_events_soon()
         await self._send_first_token(request, result)
         if all(first.finish_reason is not None for first in _first_tokens(result)):
             # Done already: free decode's reservation. Leave the in-flight table first so
@@ -287,7 +291,7 @@ class PrefillService(WorkerService):
             raise WorkerUnavailable(f"decode worker refused the commit: {reply.reason}")
         if report.num_bytes:
             self.metrics.observe_transfer(report.transport, report.num_bytes, report.seconds)
-        await self.events.request(
+        await self.worker.events.request(
             "kv_committed", request.request_id, model=request.model,
             num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=result.num_cached_tokens, prefill_worker_id=self.worker_id,
@@ -354,12 +358,14 @@ class PrefillService(WorkerService):
         await self.nc.publish(self.subjects.abort,
                               encode(AbortRequest(request_id=request_id, reason=reason)))
 
-    async def _drain(self) -> None:
-        await self.wait_until(lambda: not self._in_flight)
+    def is_idle(self) -> bool:
+        # Leases too: a peer may be reading cached blocks of ours (a prefix fetch).
+        return not self._in_flight and len(self.leases) == 0
 
-    async def _close(self) -> None:
-        await self.handoff.close()
-        await super()._close()
+    async def stop(self) -> None:
+        await super().stop()
+        for request_id in list(self._targets):  # targets of requests placed elsewhere
+            self._forget(request_id)
 
 
 def _asked_logprob(request: GenerateRequest, result: PrefillResult) -> TokenLogprob | None:

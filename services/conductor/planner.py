@@ -1,0 +1,158 @@
+"""The planner's policy: which worker should change roles, from the cluster's measured load
+against the SLOs. Pure (heartbeats and a clock in, at most one move out); `planning.py` runs
+it in the conductor that holds the planner's lease.
+
+Pressure of a role, 1.0 = at its SLO, each worker's from its heartbeat, averaged per role:
+    prefill  the predicted TTFT of a new request there (its queued prompt tokens on its
+             fitted prefill cost, as placement predicts it) over `--ttft-slo-ms`
+    decode   the larger of its measured decode step over `--tbt-slo-ms` and the used share
+             of its KV pool (a pool filling up is the other way decode runs out)
+A worker moves from the role with room to the role under pressure when that pressure stayed
+above `high` for `hold_s` and the giving role would stay below `high` with one worker fewer
+(else the move would only move the problem, and flip back). `high` is a share of the SLO
+below 1: the planner acts before admission starts rejecting. A worker serving outside its
+home role (the one it started in, in its heartbeat) goes home once both pressures stayed
+below `low` for `hold_s`. Never the last worker of a role; one move at a time, at least
+`cooldown_s` apart (the moved worker's next heartbeats show the new split). Workers of each
+model are planned on their own.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from services.conductor.cost_model import predicted_ttft_s
+from shared.messages import WorkerHeartbeat, WorkerRole
+
+
+@dataclass(frozen=True)
+class PlannerRules:
+    ttft_slo_s: float | None
+    tbt_slo_s: float | None
+    high: float = 0.8
+    low: float = 0.3
+    hold_s: float = 2.0
+    cooldown_s: float = 5.0
+    default_tokens_per_s: float = 2000.0
+
+
+@dataclass(frozen=True)
+class Split:
+    """One model's workers by role, and each role's pressure (1.0: at its SLO)."""
+
+    model: str
+    prefill: list[WorkerHeartbeat]
+    decode: list[WorkerHeartbeat]
+    prefill_pressure: float
+    decode_pressure: float
+
+
+@dataclass(frozen=True)
+class Move:
+    worker_id: str
+    to_role: WorkerRole
+    reason: str
+    split: Split  # what the decision was made on
+
+    @property
+    def from_role(self) -> WorkerRole:
+        return "decode" if self.to_role == "prefill" else "prefill"
+
+
+def prefill_pressure(worker: WorkerHeartbeat, rules: PlannerRules) -> float:
+    if rules.ttft_slo_s is None:
+        return 0.0
+    return predicted_ttft_s(worker, 0, rules.default_tokens_per_s) / rules.ttft_slo_s
+
+
+def decode_pressure(worker: WorkerHeartbeat, rules: PlannerRules) -> float:
+    step = worker.decode_step_s / rules.tbt_slo_s if rules.tbt_slo_s else 0.0
+    return max(step, kv_used_share(worker))
+
+
+def kv_used_share(worker: WorkerHeartbeat) -> float:
+    if not worker.num_total_blocks:
+        return 0.0
+    return 1.0 - worker.num_free_blocks / worker.num_total_blocks
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def splits(workers: list[WorkerHeartbeat], rules: PlannerRules) -> list[Split]:
+    """Healthy workers by model, in model order."""
+    by_model: dict[str, list[WorkerHeartbeat]] = defaultdict(list)
+    for worker in workers:
+        by_model[worker.model].append(worker)
+    found = []
+    for model in sorted(by_model):
+        prefill = [w for w in by_model[model] if w.role == "prefill"]
+        decode = [w for w in by_model[model] if w.role == "decode"]
+        found.append(Split(
+            model, prefill, decode,
+            prefill_pressure=_mean([prefill_pressure(w, rules) for w in prefill]),
+            decode_pressure=_mean([decode_pressure(w, rules) for w in decode])))
+    return found
+
+
+class Planner:
+    """The policy with its memory of time: since when each pressure held, when the last
+    move was. Losing it (a new lease holder) only restarts those clocks."""
+
+    def __init__(self, rules: PlannerRules) -> None:
+        self.rules = rules
+        self._since: dict[tuple[str, str], float] = {}  # (model, condition) -> first seen
+        self._last_move_s = float("-inf")
+
+    def decide(self, workers: list[WorkerHeartbeat], now_s: float) -> Move | None:
+        """At most one move over every model, or None."""
+        moves = [self._decide(split, now_s) for split in splits(workers, self.rules)]
+        move = next((m for m in moves if m is not None), None)
+        if move is None or now_s - self._last_move_s < self.rules.cooldown_s:
+            return None
+        self._last_move_s = now_s
+        self._since.clear()  # the next move waits for the new split's own evidence
+        return move
+
+    def _decide(self, split: Split, now_s: float) -> Move | None:
+        rules, p, d = self.rules, split.prefill_pressure, split.decode_pressure
+        n_p, n_d = len(split.prefill), len(split.decode)
+        if not n_p or not n_d:
+            return None  # a role without workers: nothing to balance against
+        if self._held(split.model, "prefill over", p > rules.high, now_s) \
+                and n_d > 1 and d * n_d / (n_d - 1) < rules.high:
+            # The one holding least drains soonest (reservations wait for their prefill).
+            worker = min(split.decode, key=lambda w: (w.num_running + w.num_waiting,
+                                                      w.worker_id))
+            return Move(worker.worker_id, "prefill", f"prefill pressure {p:.2f} of its SLO",
+                        split)
+        if self._held(split.model, "decode over", d > rules.high, now_s) \
+                and n_p > 1 and p * n_p / (n_p - 1) < rules.high:
+            worker = min(split.prefill, key=lambda w: (w.num_waiting_tokens, w.worker_id))
+            return Move(worker.worker_id, "decode", f"decode pressure {d:.2f} of its SLO",
+                        split)
+        if self._held(split.model, "calm", p < rules.low and d < rules.low, now_s):
+            return _homecoming(split)
+        return None
+
+    def _held(self, model: str, condition: str, is_true: bool, now_s: float) -> bool:
+        """`is_true` has held for `hold_s` (a condition that lapses starts over)."""
+        key = (model, condition)
+        if not is_true:
+            self._since.pop(key, None)
+            return False
+        return now_s - self._since.setdefault(key, now_s) >= self.rules.hold_s
+
+
+def _homecoming(split: Split) -> Move | None:
+    """A worker serving away from its home role goes back, unless it is its role's last."""
+    for role_workers in (split.prefill, split.decode):
+        if len(role_workers) < 2:
+            continue
+        for worker in sorted(role_workers, key=lambda w: w.worker_id):
+            if worker.home_role is not None and worker.home_role != worker.role:
+                return Move(worker.worker_id, worker.home_role, "load back under the low mark",
+                            split)
+    return None

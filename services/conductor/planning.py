@@ -1,0 +1,161 @@
+"""The planner at work in a conductor: one replica at a time holds the planner's lease (a key
+in a NATS KV bucket whose entries expire), reads the cluster's heartbeats every interval,
+asks the policy (`planner.py`) for a move and sends it as a `RoleChange` to the worker.
+
+The lease: the holder rewrites the key every interval (compare-and-set on its revision);
+the bucket's entries expire after three intervals, so when the holder dies or is cut off
+another conductor's `create` succeeds within that time. A move runs as its own task (a
+worker's drain may take long) while the loop goes on renewing; no new move is decided until
+it is answered. Every move is logged, counted (`halfmoon_planner_moves_total`) and traced
+(`planner.move`, with the pressures and the split it was decided on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.js.kv import KeyValue
+
+from services.conductor.planner import Move, Planner, PlannerRules, splits
+from shared import tracing
+from shared.config import ConductorConfig
+from shared.errors import ConfigError, WorkerUnavailable
+from shared.heartbeats import WorkerDirectory
+from shared.logs import get_logger
+from shared.messages import RoleChange, WorkerHeartbeat
+from shared.metrics import ConductorMetrics
+from shared.nats_client import dispatch, ensure_bucket
+from shared.subjects import Subjects
+
+log = get_logger(__name__)
+
+LEASE_INTERVALS = 3  # the lease outlives this many missed renewals
+
+
+class KvLease:
+    """Leadership as one key of a KV bucket with expiring entries."""
+
+    def __init__(self, kv: KeyValue, key: str, holder: str) -> None:
+        self._kv, self._key, self._holder = kv, key, holder.encode()
+        self._revision: int | None = None
+
+    @property
+    def is_held(self) -> bool:
+        return self._revision is not None
+
+    async def hold(self) -> bool:
+        """Take the lease or renew it; whether this holder has it now."""
+        try:
+            if self._revision is None:
+                self._revision = await self._kv.create(self._key, self._holder)
+            else:
+                self._revision = await self._kv.update(self._key, self._holder,
+                                                       last=self._revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            self._revision = None  # another holder has it
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            log.warning("planner.lease_unreachable", error=repr(exc))
+            self._revision = None  # cannot prove it is still ours: act as if lost
+        return self._revision is not None
+
+
+def planner_rules(config: ConductorConfig) -> PlannerRules:
+    planning = config.planning
+    if config.ttft_slo_ms is None and config.tbt_slo_ms is None:
+        raise ConfigError("--planner slo plans against the SLOs: set --ttft-slo-ms and/or "
+                          "--tbt-slo-ms")
+    if not 0 < planning.low < planning.high:
+        raise ConfigError(f"planner_low ({planning.low}) must be above 0 and below "
+                          f"planner_high ({planning.high})")
+    return PlannerRules(
+        ttft_slo_s=config.ttft_slo_ms / 1000 if config.ttft_slo_ms is not None else None,
+        tbt_slo_s=config.tbt_slo_ms / 1000 if config.tbt_slo_ms is not None else None,
+        high=planning.high, low=planning.low, hold_s=planning.hold_s,
+        cooldown_s=planning.cooldown_s,
+        default_tokens_per_s=config.default_prefill_tokens_per_s)
+
+
+class PlanningLoop:
+    """Runs the planner while this conductor holds the lease."""
+
+    def __init__(self, config: ConductorConfig, nc: NatsClient, subjects: Subjects,
+                 workers: WorkerDirectory, metrics: ConductorMetrics, holder_id: str,
+                 spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task[Any]]) -> None:
+        self.config, self.nc, self.subjects = config, nc, subjects
+        self.workers, self.metrics, self.holder_id = workers, metrics, holder_id
+        self.planner = Planner(planner_rules(config))
+        self._spawn = spawn
+        self._move: asyncio.Task[None] | None = None
+        self.moves: list[tuple[Move, str]] = []  # (move, outcome), for tests and logs
+
+    async def run(self) -> None:
+        interval_s = self.config.planning.interval_s
+        kv = await ensure_bucket(self.nc.jetstream(), self.subjects.planner_bucket,
+                                 ttl_s=LEASE_INTERVALS * interval_s,
+                                 replicas=self.config.js_replicas)
+        lease = KvLease(kv, self.subjects.planner_lease, self.holder_id)
+        while True:
+            was_held = lease.is_held
+            is_held = await lease.hold()
+            if is_held != was_held:
+                log.info("planner.lease", holder=self.holder_id, is_held=is_held)
+                self.metrics.planner_leader.set(1 if is_held else 0)
+            if is_held:
+                self.plan()
+            await asyncio.sleep(interval_s)
+
+    def plan(self) -> None:
+        """Decide once; a move goes out as its own task."""
+        workers = self._view()
+        for split in splits(workers, self.planner.rules):
+            self.metrics.planner_pressure.labels(split.model, "prefill").set(
+                split.prefill_pressure)
+            self.metrics.planner_pressure.labels(split.model, "decode").set(
+                split.decode_pressure)
+        if self._move is not None:
+            return  # one move at a time
+        move = self.planner.decide(workers, time.monotonic())
+        if move is not None:
+            self._move = self._spawn(self._apply(move), f"planner.move.{move.worker_id}")
+
+    def _view(self) -> list[WorkerHeartbeat]:
+        return [*self.workers.healthy("prefill"), *self.workers.healthy("decode")]
+
+    async def _apply(self, move: Move) -> None:
+        split = move.split
+        inputs = {"halfmoon.worker": move.worker_id, "halfmoon.model": split.model,
+                  "halfmoon.from_role": move.from_role, "halfmoon.to_role": move.to_role,
+                  "halfmoon.reason": move.reason,
+                  "halfmoon.prefill_pressure": round(split.prefill_pressure, 4),
+                  "halfmoon.decode_pressure": round(split.decode_pressure, 4),
+                  "halfmoon.num_prefill": len(split.prefill),
+                  "halfmoon.num_decode": len(split.decode)}
+        log.info("planner.move", **{k.removeprefix("halfmoon."): v for k, v in inputs.items()})
+        drain_s = self.config.planning.drain_timeout_s
+        outcome = "failed"
+        try:
+            with tracing.span(__name__, "planner.move", attributes=inputs) as span:
+                try:
+                    reply = await dispatch(
+                        self.nc, self.subjects.role_change(move.worker_id),
+                        RoleChange(role=move.to_role, reason=move.reason,
+                                   requested_by=self.holder_id, drain_timeout_s=drain_s),
+                        drain_s + 5.0)
+                    outcome = "done" if reply.is_accepted else "refused"
+                    if not reply.is_accepted:
+                        log.warning("planner.move_refused", worker=move.worker_id,
+                                    reason=reply.reason)
+                except WorkerUnavailable as exc:
+                    log.warning("planner.move_failed", worker=move.worker_id, error=exc.message)
+                if span is not None:
+                    span.set_attribute("halfmoon.outcome", outcome)
+        finally:
+            self.metrics.planner_moves.labels(move.to_role, outcome).inc()
+            self.moves.append((move, outcome))
+            self._move = None

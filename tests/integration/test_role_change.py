@@ -1,0 +1,196 @@
+"""Workers switching between prefill and decode at runtime (`RoleChange`): under load no
+request is lost, failed or changed; the engine, its KV pool and prefix cache stay."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from engine.fake_engine import fake_completion
+from services.gateway.tokenizer import ByteTokenizer
+from services.worker import WorkerService
+from shared.config import PlannerSettings
+from shared.messages import DispatchReply, RoleChange, WorkerRole
+from shared.nats_client import dispatch
+from tests.stack import Stack, eventually
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "halfmoon-tiny"
+TOKENIZER = ByteTokenizer()
+
+
+async def change_role(stack: Stack, worker: WorkerService, role: WorkerRole,
+                      drain_timeout_s: float = 30.0) -> DispatchReply:
+    return await dispatch(stack.gateway.nc, worker.subjects.role_change(worker.worker_id),
+                          RoleChange(role=role, reason="test", drain_timeout_s=drain_timeout_s),
+                          drain_timeout_s + 5)
+
+
+def serves(stack: Stack, worker: WorkerService, role: WorkerRole) -> bool:
+    """The conductor places `role` work on `worker` (it heard the new role's heartbeat)."""
+    return worker.worker_id in {hb.worker_id for hb in stack.conductor.workers.healthy(role)}
+
+
+async def stream_one(sdk: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> str:
+    stream = await sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                          stream=True, extra_body={"ignore_eos": True})
+    return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+
+async def test_switching_roles_under_streaming_load_loses_no_request(nats_url: str) -> None:
+    stack = Stack(nats_url, num_prefill=1, num_decode=2,
+                  worker={"fake_token_delay_s": 0.01, "fake_prefill_delay_s": 0.005})
+    async with stack, openai.AsyncOpenAI(base_url=stack.base_url, api_key="x",
+                                         max_retries=0) as sdk:
+        prompts = [f"request {i}: tell me a story" for i in range(48)]
+        load = [asyncio.create_task(stream_one(sdk, prompt, 40)) for prompt in prompts]
+        await asyncio.sleep(0.3)  # the switching worker holds streams now
+        switching = stack.decodes[1]
+        assert switching.duty.role == "decode" and not switching.duty.is_idle()
+        engine = switching.engine
+        assert (await change_role(stack, switching, "prefill")).is_accepted
+        assert switching.role == "prefill" and switching.engine is engine
+        await eventually(lambda: serves(stack, switching, "prefill"), timeout_s=5)
+        assert not serves(stack, switching, "decode")
+        # More load while it prefills: it takes prefill tasks now.
+        load += [asyncio.create_task(stream_one(sdk, f"later {i}", 20)) for i in range(24)]
+        texts = await asyncio.gather(*load)
+        assert (await change_role(stack, switching, "decode")).is_accepted
+        await eventually(lambda: serves(stack, switching, "decode"), timeout_s=5)
+    wanted = [(p, 40) for p in prompts] + [(f"later {i}", 20) for i in range(24)]
+    assert texts == [TOKENIZER.decode(fake_completion(TOKENIZER.encode(p), None, n))
+                     for p, n in wanted]
+    tasks_taken = switching.metrics.registry.get_sample_value("halfmoon_prefill_seconds_count")
+    assert tasks_taken and tasks_taken > 0  # it did prefill work between the switches
+    changes = {(s.labels["from_role"], s.labels["to_role"]): s.value
+               for family in switching.metrics.registry.collect()
+               if family.name == "halfmoon_role_changes" for s in family.samples
+               if s.name.endswith("_total")}
+    assert changes == {("decode", "prefill"): 1.0, ("prefill", "decode"): 1.0}
+
+
+async def test_a_drain_that_runs_out_of_time_keeps_the_old_role(nats_url: str) -> None:
+    stack = Stack(nats_url, worker={"fake_token_delay_s": 0.05})
+    async with stack, openai.AsyncOpenAI(base_url=stack.base_url, api_key="x",
+                                         max_retries=0) as sdk:
+        long = asyncio.create_task(stream_one(sdk, "a long one", 60))  # ~3 s of decode
+        decode = stack.decodes[0]
+        await eventually(lambda: not decode.duty.is_idle(), timeout_s=5)
+        reply = await change_role(stack, decode, "prefill", drain_timeout_s=0.3)
+        assert not reply.is_accepted and "serving on as decode" in reply.reason
+        assert decode.role == "decode" and not decode.is_draining
+        text = await long
+        assert text == TOKENIZER.decode(fake_completion(TOKENIZER.encode("a long one"), None, 60))
+        await eventually(lambda: serves(stack, decode, "decode"))
+        again = await stream_one(sdk, "after the refusal", 5)
+        assert len(again) == 5
+
+
+async def test_role_changes_sent_together_apply_in_order(nats_url: str) -> None:
+    stack = Stack(nats_url, num_decode=2, worker={"fake_token_delay_s": 0.05})
+    async with stack, openai.AsyncOpenAI(base_url=stack.base_url, api_key="x",
+                                         max_retries=0) as sdk:
+        streams = [asyncio.create_task(stream_one(sdk, f"s{i}", 20)) for i in range(4)]
+        await eventually(lambda: any(not d.duty.is_idle() for d in stack.decodes), timeout_s=5)
+        decode = next(d for d in stack.decodes if not d.duty.is_idle())
+        replies = await asyncio.gather(change_role(stack, decode, "prefill"),
+                                       change_role(stack, decode, "decode"))
+        assert all(reply.is_accepted for reply in replies), replies
+        assert decode.role == "decode"
+        assert [len(text) for text in await asyncio.gather(*streams)] == [20] * 4
+        await eventually(lambda: serves(stack, decode, "decode"))
+
+
+async def test_a_role_change_to_no_role_is_refused(nats_url: str) -> None:
+    async with Stack(nats_url) as stack:
+        decode = stack.decodes[0]
+        reply = await stack.gateway.nc.request(
+            decode.subjects.role_change(decode.worker_id),
+            b'{"type": "RoleChange", "role": "conductor"}', timeout=5)
+        assert b"invalid message" in reply.data and b"conductor" in reply.data
+        assert decode.role == "decode"
+
+
+async def test_a_switched_torch_worker_keeps_its_prefix_cache_and_outputs(
+        nats_url: str, tiny_dir: Path) -> None:
+    """Prefill moves to the worker that was decode, then back: greedy outputs never change,
+    and the original prefill worker's prefix cache survives its stint as decode."""
+    stack = Stack(nats_url, num_decode=2, worker={
+        "engine": "torch", "model_path": str(tiny_dir), "num_blocks": 256},
+        gateway_options={"model_path": str(tiny_dir)})
+    body: dict[str, Any] = {"model": MODEL, "prompt": "Once upon a time in a land far away, "
+                            "there lived a", "max_tokens": 12, "temperature": 0,
+                            "ignore_eos": True}
+    async with stack:
+        prefill, (_, second_decode) = stack.prefills[0], stack.decodes
+        status, reference = await stack.post("/v1/completions", body)
+        assert status == 200, reference
+        assert (await change_role(stack, second_decode, "prefill")).is_accepted
+        assert (await change_role(stack, prefill, "decode")).is_accepted
+        await eventually(lambda: serves(stack, second_decode, "prefill")
+                         and serves(stack, prefill, "decode"), timeout_s=5)
+        # Only the switched worker prefills now; either decode worker may decode.
+        status, moved = await stack.post("/v1/completions", body)
+        assert status == 200, moved
+        assert moved["choices"][0]["text"] == reference["choices"][0]["text"]
+        assert second_decode.metrics.registry.get_sample_value(
+            "halfmoon_prefill_seconds_count") == 1
+        assert (await change_role(stack, prefill, "prefill")).is_accepted
+        assert (await change_role(stack, second_decode, "decode")).is_accepted
+        await eventually(lambda: serves(stack, prefill, "prefill")
+                         and serves(stack, second_decode, "decode"), timeout_s=5)
+        status, back = await stack.post("/v1/completions", body)
+        assert status == 200, back
+        assert back["choices"][0]["text"] == reference["choices"][0]["text"]
+        cached = back["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= 16  # the prompt's full blocks, cached before it served as decode
+        commits = sum((w.kv_commits for w in stack.services if isinstance(w, WorkerService)),
+                      Counter[str]())
+        assert commits == {"shm": 3}  # every KV crossed, switched workers' included
+        await stack.wait_blocks_free(timeout_s=10)
+
+
+async def test_the_planner_lends_a_decode_worker_to_prefill_for_a_burst_and_takes_it_back(
+        nats_url: str) -> None:
+    """A prefill-heavy phase (7 requests a second of 100-token prompts; one prefill worker
+    computes 5 a second) moves a decode worker to prefill; once the phase is over it goes
+    back to decode. No request fails."""
+    planning = PlannerSettings(mode="slo", interval_s=0.2, high=0.1, low=0.03, hold_s=0.5,
+                               cooldown_s=1.0, drain_timeout_s=20)
+    stack = Stack(nats_url, num_prefill=1, num_decode=2,
+                  worker={"fake_prefill_s_per_token": 0.002, "fake_prefill_delay_s": 0.001,
+                          "fake_token_delay_s": 0.01},
+                  conductor_options={"ttft_slo_ms": 10_000, "planning": planning})
+    roles_seen: set[tuple[str, str]] = set()
+
+    async def watch() -> None:
+        while True:
+            roles_seen.update((w.worker_id, w.role) for w in stack.decodes)
+            await asyncio.sleep(0.05)
+
+    async with stack, openai.AsyncOpenAI(base_url=stack.base_url, api_key="x",
+                                         max_retries=0) as sdk:
+        watcher = asyncio.create_task(watch())
+        requests = []
+        for i in range(56):
+            requests.append(asyncio.create_task(sdk.completions.create(
+                model=MODEL, prompt=f"{i:03d} " + "x" * 96, max_tokens=4)))
+            await asyncio.sleep(1 / 7)
+        done = await asyncio.gather(*requests)
+        await eventually(lambda: all(w.role == "decode" for w in stack.decodes)
+                         and not any(w.is_draining for w in stack.decodes), timeout_s=20)
+        watcher.cancel()
+        planning_loop = stack.conductor.planning
+        assert planning_loop is not None
+        moves = [(move.to_role, outcome) for move, outcome in planning_loop.moves]
+    assert all(c.usage is not None and c.usage.completion_tokens == 4 for c in done)
+    assert any(role == "prefill" for _, role in roles_seen), roles_seen
+    assert moves[:2] == [("prefill", "done"), ("decode", "done")], moves
+    assert stack.conductor.metrics.registry.get_sample_value(
+        "halfmoon_planner_moves_total", {"to_role": "prefill", "outcome": "done"}) >= 1

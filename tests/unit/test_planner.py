@@ -1,0 +1,114 @@
+"""The planner's policy, without a cluster: heartbeats and a clock in, moves out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from services.conductor.planner import Planner, PlannerRules, splits
+from shared.messages import WorkerHeartbeat, WorkerRole
+
+RULES = PlannerRules(ttft_slo_s=1.0, tbt_slo_s=0.1, high=0.8, low=0.3, hold_s=2.0,
+                     cooldown_s=5.0)
+
+
+def worker(worker_id: str, role: WorkerRole, *, queued_tokens: int = 0, used_blocks: int = 0,
+           num_running: int = 0, home: WorkerRole | None = None, **changes: Any
+           ) -> WorkerHeartbeat:
+    """A worker whose prefill costs 1 ms a token (so 800 queued tokens: 0.8 of a 1 s SLO)
+    and whose pool holds 100 blocks."""
+    fields: dict[str, Any] = {
+        "worker_id": worker_id, "role": role, "model": "m", "host": "h",
+        "num_running": num_running, "num_waiting": 0, "max_batch_size": 64,
+        "num_free_blocks": 100 - used_blocks, "num_total_blocks": 100, "block_size": 16,
+        "heartbeat_interval_s": 0.5, "sent_at_s": 0.0, "num_waiting_tokens": queued_tokens,
+        "prefill_s_per_token": 0.001, "decode_step_s": 0.02, "home_role": home or role,
+        **changes}
+    return WorkerHeartbeat(**fields)
+
+
+def decide_over(planner: Planner, workers: list[WorkerHeartbeat], seconds: float,
+                start_s: float = 100.0) -> Any:
+    """Decisions every half second over `seconds`; the first move, if any."""
+    for tick in range(int(seconds * 2) + 1):
+        move = planner.decide(workers, start_s + tick / 2)
+        if move is not None:
+            return move
+    return None
+
+
+def test_pressures_are_shares_of_the_slos() -> None:
+    (split,) = splits([worker("p", "prefill", queued_tokens=500),
+                       worker("d", "decode", used_blocks=40)], RULES)
+    assert split.prefill_pressure == pytest.approx(0.5)
+    assert split.decode_pressure == pytest.approx(0.4)  # KV share over step 0.02 / 0.1
+
+
+def test_a_sustained_prefill_queue_moves_the_idlest_decode_worker_to_prefill() -> None:
+    workers = [worker("p", "prefill", queued_tokens=2000),
+               worker("d1", "decode", num_running=5), worker("d2", "decode", num_running=1)]
+    planner = Planner(RULES)
+    assert planner.decide(workers, 100.0) is None
+    assert planner.decide(workers, 101.5) is None  # not held for 2 s yet
+    move = planner.decide(workers, 102.0)
+    assert (move.worker_id, move.from_role, move.to_role) == ("d2", "decode", "prefill")
+    assert "prefill pressure 2.00" in move.reason
+
+
+def test_a_pressure_that_lapses_starts_its_clock_over() -> None:
+    busy = [worker("p", "prefill", queued_tokens=2000), worker("d1", "decode"),
+            worker("d2", "decode")]
+    calm = [worker("p", "prefill", queued_tokens=400), *busy[1:]]
+    planner = Planner(RULES)
+    planner.decide(busy, 100.0)
+    planner.decide(calm, 101.0)
+    assert planner.decide(busy, 102.0) is None
+    assert planner.decide(busy, 104.0) is not None
+
+
+def test_no_move_that_would_push_the_giving_role_over_its_mark() -> None:
+    workers = [worker("p", "prefill", queued_tokens=2000),
+               worker("d1", "decode", used_blocks=50), worker("d2", "decode", used_blocks=50)]
+    # Decode at 0.5 now; with one worker fewer its load would be 1.0, over the 0.8 mark.
+    assert decide_over(Planner(RULES), workers, 10) is None
+
+
+def test_never_the_last_worker_of_a_role() -> None:
+    workers = [worker("p", "prefill", queued_tokens=5000), worker("d", "decode")]
+    assert decide_over(Planner(RULES), workers, 10) is None
+
+
+def test_a_full_kv_pool_moves_the_least_queued_prefill_worker_to_decode() -> None:
+    workers = [worker("p1", "prefill", queued_tokens=50), worker("p2", "prefill"),
+               worker("d", "decode", used_blocks=95)]
+    move = decide_over(Planner(RULES), workers, 3)
+    assert (move.worker_id, move.to_role) == ("p2", "decode")
+
+
+def test_moves_are_a_cooldown_apart() -> None:
+    workers = [worker("p", "prefill", queued_tokens=3000), worker("d1", "decode"),
+               worker("d2", "decode"), worker("d3", "decode")]
+    planner = Planner(RULES)
+    first = decide_over(planner, workers, 3)
+    assert first is not None
+    assert decide_over(planner, workers, 4, start_s=102.5) is None  # within 5 s of it
+    assert decide_over(planner, workers, 4, start_s=107.5) is not None
+
+
+def test_a_moved_worker_goes_home_once_both_roles_are_calm() -> None:
+    borrowed = worker("d2", "prefill", home="decode")
+    workers = [worker("p", "prefill"), borrowed, worker("d1", "decode")]
+    move = decide_over(Planner(RULES), workers, 3)
+    assert (move.worker_id, move.to_role, move.reason) == (
+        "d2", "decode", "load back under the low mark")
+    at_home = [worker("p", "prefill"), worker("d1", "decode"), worker("d2", "decode")]
+    assert decide_over(Planner(RULES), at_home, 10) is None
+
+
+def test_each_model_is_planned_on_its_own() -> None:
+    workers = [worker("a-p", "prefill", queued_tokens=3000), worker("a-d", "decode"),
+               worker("b-p", "prefill", model="b"), worker("b-d1", "decode", model="b"),
+               worker("b-d2", "decode", model="b")]
+    # Model a is busy but has one decode worker only; b's spare decode worker is not a's.
+    assert decide_over(Planner(RULES), workers, 10) is None
