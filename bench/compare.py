@@ -29,10 +29,12 @@ import asyncio
 import json
 import signal
 import sys
+import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from bench import planner_compare
 from bench.client import RequestRecord
 from bench.control_path import free_port, launch
 from bench.results import Slo, Summary, summarize
@@ -51,6 +53,8 @@ class Run:
     summary: Summary
     records: list[RequestRecord]
     utilization: list[WorkerUtilization]
+    # (device seconds from the start, worker id, role) whenever a worker took a role.
+    roles: list[tuple[float, str, str]] = field(default_factory=list)
 
     @property
     def mean_utilization(self) -> float:
@@ -59,14 +63,19 @@ class Run:
 
 
 def cluster_args(args: argparse.Namespace, setup: str) -> list[str]:
+    """`halfmoon up` flags of a setup: `colocated`, `disaggregated` (the `--prefill`
+    split), a static split `P+D`, or `planner` (`planner_compare.py`)."""
     flags = ["--engine", args.engine, "--log-level", "warning",
              "--max-model-len", str(args.max_model_len)]
     if args.engine == "sim":
         flags += ["--sim-profile", args.sim_profile, "--sim-time-scale", str(args.time_scale)]
+    if args.planner:
+        flags += planner_compare.conductor_flags(args, setup)
     if setup == "colocated":
         return [*flags, "--mode", "colocated", "--workers", str(args.workers)]
-    return [*flags, "--prefill", str(args.prefill), "--decode",
-            str(args.workers - args.prefill)]
+    num_prefill = int(setup.split("+")[0]) if "+" in setup else args.prefill
+    return [*flags, "--prefill", str(num_prefill), "--decode",
+            str(args.workers - num_prefill)]
 
 
 # Wall-clock timeouts of the services, at their defaults: a slowed-down simulation stretches
@@ -91,19 +100,22 @@ def in_device_time(record: RequestRecord, time_scale: float) -> RequestRecord:
 
 
 async def measure(url: str, nats_url: str, requests: list[BenchRequest], slo: Slo,
-                  time_scale: float, num_workers: int) -> tuple[Summary, list[RequestRecord],
-                                                             list[WorkerUtilization]]:
+                  time_scale: float, num_workers: int) -> Run:
+    """One run (its setup and load filled in by the caller)."""
     probe = UtilizationProbe(nats_url)
     await probe.start()
     try:
         await probe.wait_for_workers(num_workers)
-        start = probe.snapshot()
+        start, started_at = probe.snapshot(), time.monotonic()
         summary, records = await benchmark(url, requests, slo, progress=True)
         utilization = await probe.since(start)
     finally:
         await probe.close()
     scaled = [in_device_time(r, time_scale) for r in records]
-    return summarize(scaled, summary.duration_s / time_scale, slo), scaled, utilization
+    roles = [(max(0.0, at - started_at) / time_scale, worker_id, role)
+             for at, worker_id, role in probe.roles]
+    return Run("", 0.0, summarize(scaled, summary.duration_s / time_scale, slo), scaled,
+               utilization, roles)
 
 
 def run_one(args: argparse.Namespace, setup: str, load: float,
@@ -113,13 +125,13 @@ def run_one(args: argparse.Namespace, setup: str, load: float,
     process, url = launch(*cluster_args(args, setup), "--nats-port", str(nats_port),
                           env=scaled_timeouts(time_scale))
     try:
-        summary, records, utilization = asyncio.run(measure(
+        run = asyncio.run(measure(
             url, f"nats://127.0.0.1:{nats_port}", at_load(requests, load, time_scale), slo,
             time_scale, args.workers))
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
-    return Run(setup, load, summary, records, utilization)
+    return replace(run, setup=setup, load=load)
 
 
 def run_row(run: Run) -> str:
@@ -212,6 +224,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--slo-ttft-ms", type=float, default=None)
     parser.add_argument("--slo-itl-ms", type=float, default=None)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--planner", action="store_true",
+                        help="also run the planner (--planner slo, starting at the --prefill "
+                             "split) against every static split (see --splits)")
+    parser.add_argument("--splits", default=None,
+                        help="with --planner: the static splits' prefill counts, e.g. 2,4,6 "
+                             "(default: every one, 1 .. workers - 1)")
+    parser.add_argument("--planner-hold-s", type=float, default=0.25,
+                        help="with --planner: planner_hold_s in the device's time")
+    parser.add_argument("--planner-cooldown-s", type=float, default=0.5,
+                        help="with --planner: planner_cooldown_s in the device's time")
     return parser
 
 
@@ -224,9 +246,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("give --rate (requests/s at load 1) or --trace")
     requests = build_workload(args)
     slo = Slo(args.slo_ttft_ms, args.slo_itl_ms)
+    setups = planner_compare.planner_setups(args) if args.planner else args.setups.split(",")
     runs = []
     for load in (float(x) for x in args.loads.split(",")):
-        for setup in args.setups.split(","):
+        for setup in setups:
             runs.append(run_one(args, setup, load, requests, slo))
             print(f"{RUN_HEADER}\n{run_row(runs[-1])}", file=sys.stderr, flush=True)
     print(RUN_HEADER)
@@ -235,8 +258,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if {r.setup for r in runs} == set(SETUPS):
         print()
         print(ratio_table(runs))
+    if args.planner:
+        print()
+        print(planner_compare.goodput_table(runs))
     if args.out is not None:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        for path in write_outputs(args.out, runs, settings):
+        paths = (planner_compare.write_outputs(args.out, runs, args, requests) if args.planner
+                 else write_outputs(args.out, runs, settings))
+        for path in paths:
             print(f"wrote {path}")
     return 0

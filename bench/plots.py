@@ -96,3 +96,23 @@ def goodput_and_utilization(series: Sequence[tuple[str, list[tuple[float, float,
         axes.set_xlabel("load factor")
         _decorate(axes)
     return _save(plt, figure, path, title)
+
+
+def split_over_time(points: Sequence[tuple[float, int]], num_workers: int, path: Path, *,
+                    phase_starts: Sequence[float] = (), title: str = "") -> Path:
+    """Prefill and decode workers over time (a step plot), with the workload's phase
+    changes marked."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(11, 4))
+    times = [at for at, _ in points]
+    prefill = [n for _, n in points]
+    axes.step(times, prefill, where="post", label="prefill workers")
+    axes.step(times, [num_workers - n for n in prefill], where="post", label="decode workers")
+    for index, start in enumerate(phase_starts):
+        axes.axvline(start, color="grey", linestyle="--",
+                     label="phase change" if index == 0 else None)
+    axes.set_xlabel("time from start (device s)")
+    axes.set_ylabel("workers")
+    axes.set_ylim(0, num_workers)
+    _decorate(axes)
+    return _save(plt, figure, path, title)

@@ -27,7 +27,7 @@ from pathlib import Path
 from bench.client import CompletionClient, RequestRecord
 from bench.results import Slo, Summary, format_summary, summarize
 from bench.trace import DEFAULT_TRACE, TraceScaling
-from bench.workload import BenchRequest, SyntheticSpec, from_trace, synthetic
+from bench.workload import BenchRequest, Phase, SyntheticSpec, from_trace, phased, synthetic
 
 
 async def run_requests(client: CompletionClient, requests: Sequence[BenchRequest], *,
@@ -126,6 +126,11 @@ def add_workload_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--burstiness", type=float, default=1.0,
                        help="gamma shape of inter-arrival gaps (1: Poisson, < 1: bursty)")
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--phase", dest="phases", action="append", type=Phase.parse,
+                       default=[], metavar="INPUT:OUTPUT:NUM",
+                       help="a stretch of NUM requests of these mean lengths; several run "
+                            "one after another (replaces --input-len, --output-len, "
+                            "--num-requests)")
     group.add_argument("--trace", type=Path, nargs="?", const=DEFAULT_TRACE, default=None,
                        help="replay a Mooncake jsonl trace (default file: the synthetic one)")
     group.add_argument("--trace-limit", type=int, default=None, help="its first N requests")
@@ -150,10 +155,11 @@ def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
         raise SystemExit("--rate (open loop) and --concurrency (closed loop) exclude each other")
     if args.rate is None and args.concurrency is None:
         args.concurrency = 1
-    return synthetic(SyntheticSpec(
+    spec = SyntheticSpec(
         num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, rate=args.rate, burstiness=args.burstiness,
-        seed=args.seed))
+        seed=args.seed)
+    return phased(args.phases, spec) if args.phases else synthetic(spec)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ steps since it started. Between two snapshots a worker's utilization is the grow
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -31,6 +32,9 @@ class UtilizationProbe:
         self.nats_url = nats_url
         self.subjects = Subjects(cluster)
         self.latest: dict[str, WorkerHeartbeat] = {}
+        # (monotonic seconds, worker id, role) each time a worker is first heard in a role:
+        # the split over time, role changes included.
+        self.roles: list[tuple[float, str, str]] = []
         self._nc: nats.NATS | None = None
         self._decoder = msgspec.json.Decoder(WorkerHeartbeat)
         self._num_expected = 0
@@ -50,6 +54,9 @@ class UtilizationProbe:
             heartbeat = self._decoder.decode(message.data)
         except msgspec.DecodeError:
             return
+        before = self.latest.get(heartbeat.worker_id)
+        if before is None or before.role != heartbeat.role:
+            self.roles.append((time.monotonic(), heartbeat.worker_id, heartbeat.role))
         self.latest[heartbeat.worker_id] = heartbeat
         if len(self.latest) >= self._num_expected:
             self._has_all.set()

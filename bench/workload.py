@@ -1,11 +1,13 @@
 """What `halfmoon bench serve` sends: a list of requests, with arrival times for open loop.
 
-Three sources:
+Four sources:
   - synthetic (open loop): arrivals at `rate` per second, inter-arrival gaps drawn from a
     gamma distribution of shape `burstiness` (1: Poisson; below 1: burstier, above: more
     even); prompt and output lengths uniform within `range_ratio` of their means;
   - synthetic (closed loop): the same prompts, no arrival times; `concurrency` clients each
     send the next request when their last one ends;
+  - phases (open or closed loop): synthetic stretches of other lengths one after another
+    (`--phase 2048:32:200 --phase 256:512:200`), the mix changing mid-run;
   - a Mooncake trace (`bench/trace.py`): its arrivals and lengths, scaled; prompts made from
     its hash ids, so requests sharing blocks in the trace share tokens here.
 Prompts are token ids (every OpenAI-compatible `/v1/completions` accepts them), drawn from
@@ -74,6 +76,43 @@ def synthetic(spec: SyntheticSpec) -> list[BenchRequest]:
         requests.append(BenchRequest(
             prompt_token_ids=[rng.randint(1, 255) for _ in range(num_prompt)],
             max_tokens=_length(rng, spec.output_len, spec.range_ratio), arrival_s=arrival_s))
+    return requests
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One stretch of a phased workload: `num_requests` of these mean lengths."""
+
+    input_len: int
+    output_len: int
+    num_requests: int
+
+    @classmethod
+    def parse(cls, text: str) -> Phase:
+        """`INPUT:OUTPUT:NUM`, e.g. `2048:32:200`."""
+        try:
+            input_len, output_len, num = (int(part) for part in text.split(":"))
+        except ValueError as exc:
+            raise ValueError(f"a phase is INPUT:OUTPUT:NUM (e.g. 2048:32:200), not {text!r}"
+                             ) from exc
+        return cls(input_len, output_len, num)
+
+
+def phased(phases: list[Phase], spec: SyntheticSpec) -> list[BenchRequest]:
+    """Synthetic phases one after another at `spec`'s rate (its lengths replaced by each
+    phase's): the mix changes mid-run, as a day's load does."""
+    requests: list[BenchRequest] = []
+    start_s = 0.0
+    for index, phase in enumerate(phases):
+        part = synthetic(SyntheticSpec(
+            num_requests=phase.num_requests, input_len=phase.input_len,
+            output_len=phase.output_len, range_ratio=spec.range_ratio, rate=spec.rate,
+            burstiness=spec.burstiness, seed=spec.seed + index))
+        requests += [BenchRequest(r.prompt_token_ids, r.max_tokens,
+                                  None if r.arrival_s is None else start_s + r.arrival_s)
+                     for r in part]
+        if spec.rate is not None:
+            start_s += phase.num_requests / spec.rate
     return requests
 
 

@@ -7,11 +7,12 @@ Lifecycle of a duty:
     stop_intake()  refuse new work; the subscriptions stay, so what is held still completes
                    (a prefill still hears its KV target, a decode worker its commits).
     is_idle()      nothing is held any more.
-    resume()       take work again (a role change whose drain ran out of time).
+    resume()       take work again (the worker switched back before this finished).
     stop()         unsubscribe and cancel the role's loops; called once idle.
     close()        at shutdown, after the drain: fail whatever is still held, loudly.
-A role change is stop_intake -> is_idle -> stop, then the new duty's start(); a shutdown is
-stop_intake -> is_idle (bounded) -> close.
+A role change is the new duty's start() (or resume()) and the old one's stop_intake, then,
+once it is idle, its stop(): for a while one worker serves the new role and finishes the
+old. A shutdown is stop_intake -> is_idle (bounded) -> close.
 """
 
 from __future__ import annotations

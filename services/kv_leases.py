@@ -47,6 +47,9 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
+    def count(self, kinds: tuple[KvLeaseKind, ...]) -> int:
+        return sum(lease.kind in kinds for lease in self._leases.values())
+
     def get(self, kind: KvLeaseKind, request_id: str) -> Lease | None:
         return self._leases.get((kind, request_id))
 
@@ -79,13 +82,13 @@ class LeaseTable:
             self._event("released", lease)
         return lease
 
-    def expired(self, now: float | None = None,
+    def expired(self, kinds: tuple[KvLeaseKind, ...], now: float | None = None,
                 is_party_lost: Callable[[str], bool] | None = None) -> list[Lease]:
-        """Leases past their expiry, or whose party is known to be gone, removed: the
-        caller frees their blocks."""
+        """Leases of `kinds` past their expiry, or whose party is known to be gone,
+        removed: the caller frees their blocks."""
         now = time.monotonic() if now is None else now
-        gone = [lease for lease in self._leases.values() if lease.expires_at <= now
-                or (is_party_lost is not None and is_party_lost(lease.party))]
+        gone = [lease for lease in self._leases.values() if lease.kind in kinds and (
+            lease.expires_at <= now or (is_party_lost is not None and is_party_lost(lease.party)))]
         for lease in gone:
             del self._leases[(lease.kind, lease.request_id)]
             self._metrics.kv_lease_expirations.labels(lease.kind).inc()

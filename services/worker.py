@@ -8,9 +8,12 @@ and role changes, and starts heartbeating. stop() first heartbeats `is_draining`
 conductor sends no more work; the duty refuses new work but finishes what it holds), drains,
 fails whatever is still held, closes the engine and removes the registry entry.
 
-A role change (`RoleChange`, request/reply): the duty stops taking work (heartbeat
-`is_draining`), finishes what it holds, stops; the new duty starts and the next heartbeat
-announces the new role. A drain that runs out of time resumes the old role and refuses.
+A role change (`RoleChange`, request/reply): the new role's duty starts (or, when its work
+is still finishing there, takes work again) and the next heartbeat announces the new role;
+the old duty stops taking work and finishes what it holds meanwhile (decode streams run to
+their end, prefills hand their KV off), then stops. A switch never fails a request, and it
+never waits for the old role's work: under a long prefill queue a decode worker's
+reservations wait for that queue, and the switch is wanted exactly then.
 """
 
 from __future__ import annotations
@@ -81,7 +84,10 @@ class WorkerService(Service):
         self._home_role = self._role  # the planner sends a worker it moved back here
         self.worker_id = config.worker_id or f"{self._role}-{uuid.uuid4().hex[:12]}"
         self._engine = engine
-        self._duty: Duty | None = None  # built once the parts are assembled
+        # Built once the parts are assembled: the role's duty, and a duty of the role left
+        # last while it finishes its work.
+        self._duties: dict[WorkerRole, Duty] = {}
+        self._switching = asyncio.Lock()  # role changes and duties' retirements in turn
         self._registry: KeyValue | None = None
         self._is_engine_started = False
         self.kv_commits: Counter[str] = Counter()  # requests joined (decode), by KV transport
@@ -111,14 +117,20 @@ class WorkerService(Service):
 
     @property
     def duty(self) -> Duty:
-        if self._duty is None:
+        """The duty of the role served now."""
+        if self._role not in self._duties:
             raise RuntimeError(f"{self.name} has no duty before start()")
-        return self._duty
+        return self._duties[self._role]
+
+    @property
+    def duties(self) -> list[Duty]:
+        """The role's duty, and the last role's while its work finishes."""
+        return list(self._duties.values())
 
     @property
     def is_draining(self) -> bool:
-        """Taking no new work: stopping, or switching roles."""
-        return self._duty is not None and self._duty.is_draining
+        """Taking no new work (stopping)."""
+        return self._role in self._duties and self.duty.is_draining
 
     async def _setup(self) -> None:
         parts = await assemble(self.config, self.role, self.worker_id, self.nc, self.subjects,
@@ -138,8 +150,8 @@ class WorkerService(Service):
         js = self.nc.jetstream()
         await ensure_kv_event_stream(js, self.subjects, replicas=self.config.js_replicas)
         await self._publish_kv_events(is_reset=True)
-        self._duty = self.duty_types[self._role](self)
-        await self._duty.start()
+        self._duties[self._role] = self.duty_types[self._role](self)
+        await self.duty.start()
         self._show_role()
         await self.serve(self.subjects.abort, AbortRequest, self._on_abort)
         await self.serve(self.subjects.role_change(self.worker_id), RoleChange,
@@ -167,57 +179,61 @@ class WorkerService(Service):
             self.spawn(self.events.lease(event), f"lease.{event.request_id}")
 
     def _on_kv_notice(self, notification: Notification) -> None:
-        if self._duty is not None:
-            self._duty.on_kv_notice(notification)
+        for duty in list(self._duties.values()):
+            duty.on_kv_notice(notification)
 
     def _num_waiting(self) -> int:
-        return self.duty.num_waiting()
+        return sum(duty.num_waiting() for duty in self._duties.values())
 
     def _worker_views(self) -> list[WorkerDirectory]:
-        return self._duty.worker_views() if self._duty is not None else []
+        return [view for duty in self._duties.values() for view in duty.worker_views()]
 
     async def _on_abort(self, message: AbortRequest) -> DispatchReply | None:
-        self.duty.abort(message.request_id)
+        for duty in list(self._duties.values()):
+            duty.abort(message.request_id)
         return None
 
     async def _on_role_change(self, command: RoleChange) -> DispatchReply:
         """One at a time (NATS runs a subscription's callbacks in order): a second change
         sent meanwhile is judged once the first is done."""
-        if command.role == self._role and not self.is_draining:
+        if command.role == self._role:
             return self.accept()
         if self.state is not ServiceState.RUNNING or self.is_draining:
             return self.refusal(f"cannot change role while {self.state.value}")
         with tracing.span(__name__, "worker.role_change", attributes={
                 "halfmoon.worker": self.worker_id, "halfmoon.from_role": self._role,
                 "halfmoon.to_role": command.role, "halfmoon.reason": command.reason}):
-            return await self._switch(command)
-
-    async def _switch(self, command: RoleChange) -> DispatchReply:
-        """Drain the old duty, then start the new one; undone if the drain runs out of time."""
-        old, started = self.duty, time.monotonic()
-        self.log.info("role.draining", from_role=old.role, to_role=command.role,
-                      reason=command.reason, requested_by=command.requested_by)
-        old.stop_intake()
-        await self._heartbeat()
-        try:
-            await asyncio.wait_for(self.wait_until(old.is_idle), command.drain_timeout_s)
-        except TimeoutError:
-            old.resume()
+            async with self._switching:
+                old = self.duty
+                new = self._duties.get(command.role)
+                if new is None:
+                    new = self.duty_types[command.role](self)
+                    await new.start()
+                    self._duties[command.role] = new
+                else:  # its work was still finishing here: it takes work again
+                    new.resume()
+                old.stop_intake()
+                self._role = command.role
+            self.metrics.role_changes.labels(old.role, new.role).inc()
+            self._show_role()
             await self._heartbeat()
-            self.log.warning("role.change_undone", role=old.role, to_role=command.role,
-                             drain_timeout_s=command.drain_timeout_s)
-            return self.refusal(f"the {old.role} work here did not finish within "
-                                f"{command.drain_timeout_s}s; serving on as {old.role}")
-        await old.stop()
-        new = self.duty_types[command.role](self)
-        await new.start()
-        self._duty, self._role = new, command.role
-        self.metrics.role_changes.labels(old.role, new.role).inc()
-        self._show_role()
-        await self._heartbeat()
-        self.log.info("role.changed", from_role=old.role, to_role=new.role,
-                      drain_s=round(time.monotonic() - started, 3))
+            self.log.info("role.changed", from_role=old.role, to_role=new.role,
+                          reason=command.reason, requested_by=command.requested_by,
+                          is_old_role_idle=old.is_idle())
+            self.spawn(self._retire(old), f"retire.{old.role}")
         return self.accept()
+
+    async def _retire(self, duty: Duty) -> None:
+        """Stop `duty` once it holds nothing, unless its role was taken up again."""
+        started = time.monotonic()
+        await self.wait_until(lambda: duty.is_idle() or not duty.is_draining, interval_s=0.05)
+        async with self._switching:
+            if not duty.is_draining or self._duties.get(duty.role) is not duty:
+                return
+            del self._duties[duty.role]
+            await duty.stop()
+        self.log.info("role.retired", role=duty.role,
+                      finished_s=round(time.monotonic() - started, 3))
 
     def _show_role(self) -> None:
         for role in ROLES:
@@ -226,7 +242,8 @@ class WorkerService(Service):
     async def _heartbeat_loop(self) -> None:
         while True:
             await self._sleep_judging_on_time(self.config.heartbeat_interval_s)
-            self.duty.on_tick()
+            for duty in list(self._duties.values()):
+                duty.on_tick()
             self.publish_kv_events_soon()  # never holds up the heartbeat
             await self._heartbeat()
 
@@ -304,16 +321,17 @@ class WorkerService(Service):
         )
 
     async def _stop_intake(self) -> None:
-        self.duty.stop_intake()
+        for duty in self._duties.values():
+            duty.stop_intake()
         await self._heartbeat()
 
     async def _drain(self) -> None:
-        await self.wait_until(self.duty.is_idle)
+        await self.wait_until(lambda: all(d.is_idle() for d in self._duties.values()))
 
     async def _close(self) -> None:
-        if self._duty is not None:
-            await self._duty.close()
-            await self._duty.stop()
+        for duty in list(self._duties.values()):
+            await duty.close()
+            await duty.stop()
         await self.handoff.close()
         if self._is_engine_started:
             await self.engine.close()

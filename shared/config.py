@@ -99,7 +99,6 @@ class PlannerSettings(msgspec.Struct, frozen=True, kw_only=True):
     low: float = msgspec.field(default=0.3, name="planner_low")
     hold_s: float = msgspec.field(default=3.0, name="planner_hold_s")
     cooldown_s: float = msgspec.field(default=10.0, name="planner_cooldown_s")
-    drain_timeout_s: float = msgspec.field(default=60.0, name="planner_drain_timeout_s")
 
 
 class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):

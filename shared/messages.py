@@ -374,17 +374,14 @@ class WorkerHeartbeat(Message, frozen=True, kw_only=True):
 
 class RoleChange(Message, frozen=True, kw_only=True):
     """Command to one worker (request/reply, `Subjects.role_change`), from an operator or a
-    conductor's planner: serve as `role` from now on. The worker refuses new work of its old
-    role, finishes what it holds (within `drain_timeout_s`), switches without reloading
-    weights (its KV pool and prefix cache stay) and answers `DispatchReply` once the new
-    role takes work; its next heartbeat carries the new role. A drain that runs out of time
-    is undone (the worker goes on in its old role) and the reply is a refusal: a switch never
-    fails a request."""
+    conductor's planner: serve as `role` from now on. The worker takes the new role's work
+    at once, without reloading weights (its KV pool and prefix cache stay), and answers
+    `DispatchReply`; its next heartbeat carries the new role. What it holds of the old role
+    finishes meanwhile (it takes no new work of that role): a switch never fails a request."""
 
     role: WorkerRole
     reason: str = ""
     requested_by: str = ""
-    drain_timeout_s: float = 60.0
 
 
 class KvBlockEvent(msgspec.Struct, frozen=True, kw_only=True):

@@ -4,15 +4,16 @@ asks the policy (`planner.py`) for a move and sends it as a `RoleChange` to the 
 
 The lease: the holder rewrites the key every interval (compare-and-set on its revision);
 the bucket's entries expire after three intervals, so when the holder dies or is cut off
-another conductor's `create` succeeds within that time. A move runs as its own task (a
-worker's drain may take long) while the loop goes on renewing; no new move is decided until
-it is answered. Every move is logged, counted (`halfmoon_planner_moves_total`) and traced
-(`planner.move`, with the pressures and the split it was decided on).
+another conductor's `create` succeeds within that time. A move runs as its own task while
+the loop goes on renewing; no new move is decided until it is answered. Every move is
+logged, counted (`halfmoon_planner_moves_total`) and traced (`planner.move`, with the
+pressures and the split it was decided on).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -36,6 +37,7 @@ from shared.subjects import Subjects
 log = get_logger(__name__)
 
 LEASE_INTERVALS = 3  # the lease outlives this many missed renewals
+ROLE_CHANGE_TIMEOUT_S = 10.0  # a worker answers once the new role takes work
 
 
 class KvLease:
@@ -63,6 +65,13 @@ class KvLease:
             log.warning("planner.lease_unreachable", error=repr(exc))
             self._revision = None  # cannot prove it is still ours: act as if lost
         return self._revision is not None
+
+    async def release(self) -> None:
+        if self._revision is None:
+            return
+        revision, self._revision = self._revision, None
+        with contextlib.suppress(Exception):  # expiring is the fallback
+            await asyncio.wait_for(self._kv.delete(self._key, last=revision), 1.0)
 
 
 def planner_rules(config: ConductorConfig) -> PlannerRules:
@@ -100,15 +109,18 @@ class PlanningLoop:
                                  ttl_s=LEASE_INTERVALS * interval_s,
                                  replicas=self.config.js_replicas)
         lease = KvLease(kv, self.subjects.planner_lease, self.holder_id)
-        while True:
-            was_held = lease.is_held
-            is_held = await lease.hold()
-            if is_held != was_held:
-                log.info("planner.lease", holder=self.holder_id, is_held=is_held)
-                self.metrics.planner_leader.set(1 if is_held else 0)
-            if is_held:
-                self.plan()
-            await asyncio.sleep(interval_s)
+        try:
+            while True:
+                was_held = lease.is_held
+                is_held = await lease.hold()
+                if is_held != was_held:
+                    log.info("planner.lease", holder=self.holder_id, is_held=is_held)
+                    self.metrics.planner_leader.set(1 if is_held else 0)
+                if is_held:
+                    self.plan()
+                await asyncio.sleep(interval_s)
+        finally:  # stopping: hand the lease over now rather than when it expires
+            await lease.release()
 
     def plan(self) -> None:
         """Decide once; a move goes out as its own task."""
@@ -137,7 +149,6 @@ class PlanningLoop:
                   "halfmoon.num_prefill": len(split.prefill),
                   "halfmoon.num_decode": len(split.decode)}
         log.info("planner.move", **{k.removeprefix("halfmoon."): v for k, v in inputs.items()})
-        drain_s = self.config.planning.drain_timeout_s
         outcome = "failed"
         try:
             with tracing.span(__name__, "planner.move", attributes=inputs) as span:
@@ -145,8 +156,7 @@ class PlanningLoop:
                     reply = await dispatch(
                         self.nc, self.subjects.role_change(move.worker_id),
                         RoleChange(role=move.to_role, reason=move.reason,
-                                   requested_by=self.holder_id, drain_timeout_s=drain_s),
-                        drain_s + 5.0)
+                                   requested_by=self.holder_id), ROLE_CHANGE_TIMEOUT_S)
                     outcome = "done" if reply.is_accepted else "refused"
                     if not reply.is_accepted:
                         log.warning("planner.move_refused", worker=move.worker_id,

@@ -390,7 +390,8 @@ class DecodeDuty(Duty):
 
     def on_tick(self) -> None:
         self._sent.expire()
-        for lease in self.leases.expired(is_party_lost=self._prefills.is_lost):
+        for lease in self.leases.expired(("decode_reservation",),
+                                         is_party_lost=self._prefills.is_lost):
             reservation = self._reservations.get(lease.request_id)
             if reservation is None:
                 continue

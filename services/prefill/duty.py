@@ -46,6 +46,7 @@ from shared.messages import (
     DispatchReply,
     GenerateRequest,
     KvCommitted,
+    KvLeaseKind,
     KvLeaseRenewal,
     KvTarget,
     PrefillTask,
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
 
 COMMIT_TIMEOUT_S = 5.0
 MAX_HANDOFF_RETRIES = 2  # decode workers tried again with the KV prefill holds
+LEASE_KINDS: tuple[KvLeaseKind, ...] = ("prefix_fetch", "prefill_hold")  # this role's holds
 
 
 class PrefillDuty(Duty):
@@ -143,7 +145,8 @@ class PrefillDuty(Duty):
         for request_id, (_, seen_at) in list(self._targets.items()):
             if seen_at < cutoff and request_id not in self._in_flight:
                 self._forget(request_id)
-        for lease in self.leases.expired():  # blocks a peer's transfer may have been writing
+        # Blocks a peer's transfer may have been writing, or was reading.
+        for lease in self.leases.expired(LEASE_KINDS):
             self.log.warning("kv_lease.expired", kind=lease.kind, request_id=lease.request_id,
                              party=lease.party, blocks_freed=len(lease.block_ids))
             self.engine.prefix_cache.release_blocks(lease.block_ids)
@@ -360,7 +363,7 @@ class PrefillDuty(Duty):
 
     def is_idle(self) -> bool:
         # Leases too: a peer may be reading cached blocks of ours (a prefix fetch).
-        return not self._in_flight and len(self.leases) == 0
+        return not self._in_flight and self.leases.count(LEASE_KINDS) == 0
 
     async def stop(self) -> None:
         await super().stop()

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from engine.fake_engine import fake_completion
+from services.conductor.service import ConductorService
 from services.gateway.tokenizer import ByteTokenizer
 from services.worker import WorkerService
 from shared.config import PlannerSettings
@@ -25,11 +26,9 @@ MODEL = "halfmoon-tiny"
 TOKENIZER = ByteTokenizer()
 
 
-async def change_role(stack: Stack, worker: WorkerService, role: WorkerRole,
-                      drain_timeout_s: float = 30.0) -> DispatchReply:
+async def change_role(stack: Stack, worker: WorkerService, role: WorkerRole) -> DispatchReply:
     return await dispatch(stack.gateway.nc, worker.subjects.role_change(worker.worker_id),
-                          RoleChange(role=role, reason="test", drain_timeout_s=drain_timeout_s),
-                          drain_timeout_s + 5)
+                          RoleChange(role=role, reason="test"), 5)
 
 
 def serves(stack: Stack, worker: WorkerService, role: WorkerRole) -> bool:
@@ -45,7 +44,8 @@ async def stream_one(sdk: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> s
 
 async def test_switching_roles_under_streaming_load_loses_no_request(nats_url: str) -> None:
     stack = Stack(nats_url, num_prefill=1, num_decode=2,
-                  worker={"fake_token_delay_s": 0.01, "fake_prefill_delay_s": 0.005})
+                  worker={"fake_token_delay_s": 0.01, "fake_prefill_delay_s": 0.005},
+                  conductor_options={"policy": "round-robin"})  # it gets prefill work at once
     async with stack, openai.AsyncOpenAI(base_url=stack.base_url, api_key="x",
                                          max_retries=0) as sdk:
         prompts = [f"request {i}: tell me a story" for i in range(48)]
@@ -75,21 +75,28 @@ async def test_switching_roles_under_streaming_load_loses_no_request(nats_url: s
     assert changes == {("decode", "prefill"): 1.0, ("prefill", "decode"): 1.0}
 
 
-async def test_a_drain_that_runs_out_of_time_keeps_the_old_role(nats_url: str) -> None:
-    stack = Stack(nats_url, worker={"fake_token_delay_s": 0.05})
+async def test_the_new_role_takes_work_at_once_while_the_old_role_finishes(
+        nats_url: str) -> None:
+    stack = Stack(nats_url, num_decode=2, worker={"fake_token_delay_s": 0.05},
+                  conductor_options={"policy": "round-robin"})  # both prefill workers work
     async with stack, openai.AsyncOpenAI(base_url=stack.base_url, api_key="x",
                                          max_retries=0) as sdk:
         long = asyncio.create_task(stream_one(sdk, "a long one", 60))  # ~3 s of decode
-        decode = stack.decodes[0]
-        await eventually(lambda: not decode.duty.is_idle(), timeout_s=5)
-        reply = await change_role(stack, decode, "prefill", drain_timeout_s=0.3)
-        assert not reply.is_accepted and "serving on as decode" in reply.reason
-        assert decode.role == "decode" and not decode.is_draining
+        await eventually(lambda: any(not d.duty.is_idle() for d in stack.decodes), timeout_s=5)
+        decode = next(d for d in stack.decodes if not d.duty.is_idle())
+        decode_duty = decode.duty
+        started = asyncio.get_running_loop().time()
+        assert (await change_role(stack, decode, "prefill")).is_accepted
+        assert asyncio.get_running_loop().time() - started < 1.0  # not after the stream
+        assert decode.role == "prefill" and not long.done()
+        await eventually(lambda: serves(stack, decode, "prefill"))
+        # It prefills for others while its old stream runs on.
+        others = await asyncio.gather(*(stream_one(sdk, f"meanwhile {i}", 3) for i in range(6)))
+        assert [len(text) for text in others] == [3] * 6
+        assert decode.metrics.registry.get_sample_value("halfmoon_prefill_seconds_count")
         text = await long
         assert text == TOKENIZER.decode(fake_completion(TOKENIZER.encode("a long one"), None, 60))
-        await eventually(lambda: serves(stack, decode, "decode"))
-        again = await stream_one(sdk, "after the refusal", 5)
-        assert len(again) == 5
+        await eventually(lambda: decode_duty not in decode.duties, timeout_s=5)  # retired
 
 
 async def test_role_changes_sent_together_apply_in_order(nats_url: str) -> None:
@@ -99,10 +106,11 @@ async def test_role_changes_sent_together_apply_in_order(nats_url: str) -> None:
         streams = [asyncio.create_task(stream_one(sdk, f"s{i}", 20)) for i in range(4)]
         await eventually(lambda: any(not d.duty.is_idle() for d in stack.decodes), timeout_s=5)
         decode = next(d for d in stack.decodes if not d.duty.is_idle())
+        decode_duty = decode.duty
         replies = await asyncio.gather(change_role(stack, decode, "prefill"),
                                        change_role(stack, decode, "decode"))
         assert all(reply.is_accepted for reply in replies), replies
-        assert decode.role == "decode"
+        assert decode.role == "decode" and decode.duty is decode_duty  # taken up again
         assert [len(text) for text in await asyncio.gather(*streams)] == [20] * 4
         await eventually(lambda: serves(stack, decode, "decode"))
 
@@ -162,7 +170,7 @@ async def test_the_planner_lends_a_decode_worker_to_prefill_for_a_burst_and_take
     computes 5 a second) moves a decode worker to prefill; once the phase is over it goes
     back to decode. No request fails."""
     planning = PlannerSettings(mode="slo", interval_s=0.2, high=0.1, low=0.03, hold_s=0.5,
-                               cooldown_s=1.0, drain_timeout_s=20)
+                               cooldown_s=1.0)
     stack = Stack(nats_url, num_prefill=1, num_decode=2,
                   worker={"fake_prefill_s_per_token": 0.002, "fake_prefill_delay_s": 0.001,
                           "fake_token_delay_s": 0.01},
@@ -183,8 +191,8 @@ async def test_the_planner_lends_a_decode_worker_to_prefill_for_a_burst_and_take
                 model=MODEL, prompt=f"{i:03d} " + "x" * 96, max_tokens=4)))
             await asyncio.sleep(1 / 7)
         done = await asyncio.gather(*requests)
-        await eventually(lambda: all(w.role == "decode" for w in stack.decodes)
-                         and not any(w.is_draining for w in stack.decodes), timeout_s=20)
+        await eventually(lambda: all(w.role == "decode" and len(w.duties) == 1
+                                     for w in stack.decodes), timeout_s=20)
         watcher.cancel()
         planning_loop = stack.conductor.planning
         assert planning_loop is not None
@@ -194,3 +202,29 @@ async def test_the_planner_lends_a_decode_worker_to_prefill_for_a_burst_and_take
     assert moves[:2] == [("prefill", "done"), ("decode", "done")], moves
     assert stack.conductor.metrics.registry.get_sample_value(
         "halfmoon_planner_moves_total", {"to_role": "prefill", "outcome": "done"}) >= 1
+
+
+async def test_one_conductor_plans_at_a_time_and_another_takes_over_when_it_dies(
+        nats_url: str) -> None:
+    planning = PlannerSettings(mode="slo", interval_s=0.2)
+    stack = Stack(nats_url, conductor_options={"ttft_slo_ms": 1000, "planning": planning})
+    async with stack:
+        second = ConductorService(stack.conductor.config)
+        await second.start()
+        try:
+            conductors = [stack.conductor, second]
+
+            def leaders() -> list[ConductorService]:
+                return [c for c in conductors if c.metrics.registry.get_sample_value(
+                    "halfmoon_planner_leader") == 1]
+
+            await eventually(lambda: len(leaders()) == 1, timeout_s=5)
+            await asyncio.sleep(1.0)  # renewals: still one
+            (leader,) = leaders()
+            await leader.nc.close()  # dies: no goodbye, its lease only expires
+            for task in list(leader._tasks):
+                task.cancel()
+            conductors.remove(leader)
+            await eventually(lambda: len(leaders()) == 1, timeout_s=5)
+        finally:
+            await second.stop()

@@ -12,7 +12,7 @@ import pytest
 from bench.client import RequestRecord
 from bench.results import Slo, percentile, summarize
 from bench.trace import TraceScaling
-from bench.workload import SyntheticSpec, arrival_times, from_trace, synthetic
+from bench.workload import Phase, SyntheticSpec, arrival_times, from_trace, phased, synthetic
 
 
 def gaps(times: list[float]) -> list[float]:
@@ -102,3 +102,17 @@ def test_goodput_counts_requests_within_both_slos() -> None:
     assert summary.output_tokens_per_s == pytest.approx(25.0)
     assert summary.ttft.p50 == pytest.approx(50.0)
     assert records[0].tpot_s == pytest.approx(0.01)
+
+
+def test_phases_follow_each_other_at_the_rate() -> None:
+    spec = SyntheticSpec(num_requests=1, input_len=1, output_len=1, rate=10.0, seed=3)
+    requests = phased([Phase.parse("64:4:20"), Phase.parse("8:32:30")], spec)
+    assert len(requests) == 50
+    first, second = requests[:20], requests[20:]
+    assert {len(r.prompt_token_ids) for r in first} == {64}  # range ratio 0
+    assert {r.max_tokens for r in first} == {4} and {r.max_tokens for r in second} == {32}
+    assert second[0].arrival_s == pytest.approx(2.0)  # 20 requests at 10/s
+    arrivals = [r.arrival_s or 0.0 for r in requests]
+    assert arrivals == sorted(arrivals)
+    with pytest.raises(ValueError, match="INPUT:OUTPUT:NUM"):
+        Phase.parse("64:4")

@@ -93,7 +93,7 @@ SAMPLES: dict[str, Message] = {
                                     decode_worker_id="decode-b"),
     "abort_request": AbortRequest(request_id="cmpl-1", reason="client gone"),
     "role_change": RoleChange(role="prefill", reason="prefill queue over the TTFT SLO",
-                              requested_by="conductor-a", drain_timeout_s=30.0),
+                              requested_by="conductor-a"),
     "kv_event_batch": KvEventBatch(worker_id="prefill-a", block_size=16, events=[
         KvBlockEvent(kind="stored", block_hash="f6a753e0395b8dfa6485b18612a446af"),
         KvBlockEvent(kind="removed", block_hash="0123456789abcdef0123456789abcdef"),

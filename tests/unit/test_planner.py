@@ -79,6 +79,12 @@ def test_never_the_last_worker_of_a_role() -> None:
     assert decide_over(Planner(RULES), workers, 10) is None
 
 
+def test_a_full_decode_batch_is_pressure_too() -> None:
+    (split,) = splits([worker("p", "prefill"), worker("d", "decode", num_running=48,
+                                                      num_waiting=16)], RULES)
+    assert split.decode_pressure == pytest.approx(1.0)  # 64 of a batch of 64
+
+
 def test_a_full_kv_pool_moves_the_least_queued_prefill_worker_to_decode() -> None:
     workers = [worker("p1", "prefill", queued_tokens=50), worker("p2", "prefill"),
                worker("d", "decode", used_blocks=95)]

@@ -1,0 +1,138 @@
+"""`halfmoon bench compare --planner`: the planner against every static split, same workers,
+same seeded load, in one run.
+
+    halfmoon bench compare --engine sim --workers 8 --prefill 4 --planner --time-scale 20 \\
+        --rate 40 --phase 2048:32:200 --phase 256:512:200 --range-ratio 0.5 \\
+        --slo-ttft-ms 2000 --slo-itl-ms 100 --out planner/
+
+Setups: colocated, every static split `P+D` of `--workers` (or `--splits`), and `planner`:
+`--prefill` + the rest to start with, `--planner slo` moving workers between the roles. Every
+setup's conductor gets the same SLOs (`--ttft-slo-ms`, `--tbt-slo-ms`: the bench's, in wall
+time), so admission is alike and only the planner differs. The planner's hold and cooldown
+are given in the device's time (`--planner-hold-s`, `--planner-cooldown-s`) and stretched by
+the time scale, as every other time is. Prints each setup's goodput and the planner's against
+the best static split and colocated; with `--out`, `planner.json`, the split over time
+(`planner_split.png`) and the latency CDFs of the planner against the best static split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bench.workload import BenchRequest
+
+if TYPE_CHECKING:
+    from bench.compare import Run
+
+PLANNER = "planner"
+
+
+def planner_setups(args: argparse.Namespace) -> list[str]:
+    if args.slo_ttft_ms is None and args.slo_itl_ms is None:
+        raise SystemExit("--planner plans against the SLOs: give --slo-ttft-ms and/or "
+                         "--slo-itl-ms")
+    splits = ([int(p) for p in args.splits.split(",")] if args.splits
+              else range(1, args.workers))
+    if any(not 0 < p < args.workers for p in splits):
+        raise SystemExit(f"--splits: each split needs a prefill and a decode worker of "
+                         f"{args.workers}")
+    return ["colocated", *(f"{p}+{args.workers - p}" for p in splits), PLANNER]
+
+
+def conductor_flags(args: argparse.Namespace, setup: str) -> list[str]:
+    """The SLOs for every setup's conductor (admission alike), the planner for one."""
+    scale = args.time_scale if args.engine == "sim" else 1.0
+    flags = []
+    if args.slo_ttft_ms is not None:
+        flags += ["--ttft-slo-ms", str(args.slo_ttft_ms * scale)]
+    if args.slo_itl_ms is not None:
+        flags += ["--tbt-slo-ms", str(args.slo_itl_ms * scale)]
+    if setup == PLANNER:
+        flags += ["--planner", "slo", "--planner-interval-s", str(max(0.2, 0.05 * scale)),
+                  "--planner-hold-s", str(args.planner_hold_s * scale),
+                  "--planner-cooldown-s", str(args.planner_cooldown_s * scale)]
+    return flags
+
+
+def goodput_table(runs: list[Run]) -> str:
+    lines = [f"{'setup':>10} {'load':>5} {'ok':>5} {'fail':>5} {'goodput':>8} {'SLO met':>8} "
+             f"{'TTFT p99':>9} {'ITL p99':>8}"]
+    for run in runs:
+        s = run.summary
+        lines.append(f"{run.setup:>10} {run.load:5.2f} {s.num_ok:5d} "
+                     f"{s.num_rejected + s.num_errors:5d} {s.goodput_requests_per_s:8.2f} "
+                     f"{100 * s.slo_attainment:7.1f}% {s.ttft.p99:9.1f} {s.itl.p99:8.1f}")
+    for load in sorted({r.load for r in runs}):
+        planner, best, colocated = _contenders(runs, load)
+        if planner is None or best is None:
+            continue
+        goodput = planner.summary.goodput_requests_per_s
+        lines.append(f"load {load:g}: planner goodput {goodput:.2f} req/s = "
+                     f"{goodput / max(1e-9, best.summary.goodput_requests_per_s):.2f}x the "
+                     f"best static split ({best.setup}: "
+                     f"{best.summary.goodput_requests_per_s:.2f})"
+                     + (f", {goodput / max(1e-9, colocated.summary.goodput_requests_per_s):.2f}x"
+                        f" colocated ({colocated.summary.goodput_requests_per_s:.2f})"
+                        if colocated is not None else ""))
+    return "\n".join(lines)
+
+
+def _contenders(runs: list[Run], load: float) -> tuple[Run | None, Run | None, Run | None]:
+    """The planner's run at `load`, the best static split's, colocated's."""
+    at_load = [r for r in runs if r.load == load]
+    static = [r for r in at_load if "+" in r.setup]
+    best = max(static, key=lambda r: r.summary.goodput_requests_per_s, default=None)
+    return (next((r for r in at_load if r.setup == PLANNER), None), best,
+            next((r for r in at_load if r.setup == "colocated"), None))
+
+
+def split_over_time(run: Run) -> list[tuple[float, int]]:
+    """(device seconds, prefill workers) at each change of the planner run's split."""
+    roles: dict[str, str] = {}
+    points = []
+    for at_s, worker_id, role in sorted(run.roles):
+        roles[worker_id] = role
+        points.append((at_s, sum(r == "prefill" for r in roles.values())))
+    return points
+
+
+def phase_starts(args: argparse.Namespace, load: float) -> list[float]:
+    """Device seconds at which each phase after the first begins."""
+    if not args.phases or args.rate is None:
+        return []
+    starts, at = [], 0.0
+    for phase in args.phases[:-1]:
+        at += phase.num_requests / args.rate / load
+        starts.append(at)
+    return starts
+
+
+def write_outputs(out: Path, runs: list[Run], args: argparse.Namespace,
+                  requests: list[BenchRequest]) -> list[Path]:
+    from bench import plots
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "planner.json"]
+    written[0].write_text(json.dumps({
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "num_requests": len(requests),
+        "runs": [{"setup": r.setup, "load": r.load, "summary": r.summary.to_dict(),
+                  "mean_utilization": r.mean_utilization,
+                  "utilization": [asdict(w) for w in r.utilization],
+                  "split_over_time": split_over_time(r)} for r in runs]}, indent=1))
+    for load in sorted({r.load for r in runs}):
+        planner, best, _ = _contenders(runs, load)
+        if planner is None:
+            continue
+        written.append(plots.split_over_time(
+            split_over_time(planner), args.workers, out / f"planner_split_load{load:g}.png",
+            phase_starts=phase_starts(args, load), title=f"planner, load {load:g}"))
+        if best is not None:
+            written.append(plots.latency_cdfs(
+                [(PLANNER, planner.records), (best.setup, best.records)],
+                out / f"planner_latency_cdf_load{load:g}.png", title=f"load {load:g}"))
+    return written
