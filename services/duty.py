@@ -20,15 +20,19 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from services.kv_handoff import KvHandoff
 from shared.heartbeats import WorkerDirectory
-from shared.messages import WorkerRole
+from shared.messages import Message, WorkerRole
 from transfer_engine.batch import Notification
 
 if TYPE_CHECKING:
     from services.worker import WorkerService
+
+# (subject, message type, handler) of one of a role's subscriptions (`Service.serve`).
+Handler = tuple[str, Any, Callable[[Any], Awaitable[Message | None]]]
 
 
 class Duty(abc.ABC):
@@ -56,7 +60,8 @@ class Duty(abc.ABC):
         return self.worker.handoff  # read each time: a test may wrap it in a fault
 
     async def start(self) -> None:
-        self._subscriptions = await self._subscribe()
+        self._subscriptions = [await self.worker.serve(subject, message_type, handler)
+                               for subject, message_type, handler in self._handlers()]
 
     def stop_intake(self) -> None:
         self.is_draining = True
@@ -79,8 +84,8 @@ class Duty(abc.ABC):
         self._loops.append(self.worker.spawn(coro, name))
 
     @abc.abstractmethod
-    async def _subscribe(self) -> list[Any]:
-        """Subscribe to this role's work subjects; return the subscriptions."""
+    def _handlers(self) -> list[Handler]:
+        """This role's subjects, each with its message type and handler."""
 
     @abc.abstractmethod
     def is_idle(self) -> bool:

@@ -133,7 +133,7 @@ class WorkerService(Service):
         return self._role in self._duties and self.duty.is_draining
 
     async def _setup(self) -> None:
-        parts = await assemble(self.config, self.role, self.worker_id, self.nc, self.subjects,
+        parts = await assemble(self.config, self.worker_id, self.nc, self.subjects,
                                self.metrics, self.leases, self._on_kv_notice,
                                engine=self._engine)
         self._engine, self.handoff = parts.engine, parts.handoff

@@ -27,8 +27,8 @@ from services.kv_leases import LeaseTable
 from services.prefill.prefix_reuse import PrefixSharing
 from shared.config import EngineSettings, SimSettings, WorkerConfig
 from shared.errors import ConfigError
-from shared.messages import KvPoolLayout, WorkerRole
-from shared.metrics import PrefillMetrics, WorkerMetrics
+from shared.messages import KvPoolLayout
+from shared.metrics import PrefillMetrics
 from shared.model_dir import default_model_dir
 from shared.subjects import Subjects
 from transfer_engine import compression
@@ -45,11 +45,11 @@ class WorkerParts:
     engine: Engine
     handoff: KvHandoff
     transfer: TransferEngine | None = None  # engines with a KV pool
-    prefix_sharing: PrefixSharing | None = None  # prefill workers with a KV pool
+    prefix_sharing: PrefixSharing | None = None  # workers with a KV pool (prefill uses it)
 
 
-async def assemble(config: WorkerConfig, role: WorkerRole, worker_id: str, nc: NatsClient,
-                   subjects: Subjects, metrics: WorkerMetrics, leases: LeaseTable,
+async def assemble(config: WorkerConfig, worker_id: str, nc: NatsClient,
+                   subjects: Subjects, metrics: PrefillMetrics, leases: LeaseTable,
                    on_notification: Callable[[Notification], None], *,
                    engine: Engine | None = None) -> WorkerParts:
     """Build (or take) the engine and, when it has a KV pool, everything that moves it."""
@@ -69,13 +69,12 @@ async def assemble(config: WorkerConfig, role: WorkerRole, worker_id: str, nc: N
     handoff = LayerwiseKvHandoff(transfer, layout,
                                  is_layerwise=config.transfer.kv_streaming == "layerwise",
                                  link=simulated_link(config), compression=compression)
-    sharing = None
-    if role == "prefill" and isinstance(metrics, PrefillMetrics):
-        sharing = PrefixSharing(
-            worker_id=worker_id, cache=engine.prefix_cache, layout=layout, transfer=transfer, nc=nc,
-            subjects=subjects, block_size=config.engine.block_size,
-            timeout_s=config.transfer.kv_wait_timeout_s, metrics=metrics, leases=leases,
-            compression=compression)
+    # Whatever role it starts in: a worker may serve as prefill later (`RoleChange`).
+    sharing = PrefixSharing(
+        worker_id=worker_id, cache=engine.prefix_cache, layout=layout, transfer=transfer, nc=nc,
+        subjects=subjects, block_size=config.engine.block_size,
+        timeout_s=config.transfer.kv_wait_timeout_s, metrics=metrics, leases=leases,
+        compression=compression)
     return WorkerParts(engine, handoff, transfer, sharing)
 
 

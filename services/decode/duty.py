@@ -25,14 +25,14 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 from opentelemetry.trace import Span, StatusCode
 
 from engine.protocol import DecodeRequest, PrefillRequest, TokenOutput
 from services.decode.sent_tokens import SentTokens
-from services.duty import Duty
+from services.duty import Duty, Handler
 from services.kv_handoff import decode_notice
 from services.kv_leases import Lease
 from shared import tracing
@@ -134,21 +134,17 @@ class DecodeDuty(Duty):
         self._prefills = WorkerDirectory(timeout_s=4 * self.config.heartbeat_interval_s)
         self._last_step_at: float | None = None
 
-    async def _subscribe(self) -> list[Any]:
-        subscriptions = [
-            await self.worker.serve(self.subjects.decode_reserve(self.worker_id), DecodeReservation,
-                             self._on_reserve),
-            await self.worker.serve(self.subjects.kv_commit(self.worker_id), KvCommitted,
-                             self._on_commit),
-            await self.worker.serve(self.subjects.stream_resume(self.worker_id), StreamResume,
-                             self._on_resume),
-            await self.worker.serve(self.subjects.kv_lease_renewal(self.worker_id), KvLeaseRenewal,
-                             self._on_lease_renewal),
-            await self.worker.serve(self.subjects.role_heartbeats("prefill"), WorkerHeartbeat,
-                             self._on_prefill_heartbeat),
-        ]
+    def _handlers(self) -> list[Handler]:
+        s, me = self.subjects, self.worker_id
+        return [(s.decode_reserve(me), DecodeReservation, self._on_reserve),
+                (s.kv_commit(me), KvCommitted, self._on_commit),
+                (s.stream_resume(me), StreamResume, self._on_resume),
+                (s.kv_lease_renewal(me), KvLeaseRenewal, self._on_lease_renewal),
+                (s.role_heartbeats("prefill"), WorkerHeartbeat, self._on_prefill_heartbeat)]
+
+    async def start(self) -> None:
+        await super().start()
         self.run_loop(self._step_loop(), "steps")
-        return subscriptions
 
     @property
     def num_open_requests(self) -> int:
@@ -232,8 +228,8 @@ class DecodeDuty(Duty):
             self._count_commit("local")
 
         self.worker.spawn(self._when_ready(request, self._ready(request),
-                                    lambda: self._local.get(request_id) is request, generate),
-                   f"local.{request_id}")
+                                           lambda: self._local.get(request_id) is request,
+                                           generate), f"local.{request_id}")
         return self.worker.accept()
 
     def _open_choices(self, request: GenerateRequest, first_tokens: list[int],
@@ -405,7 +401,8 @@ class DecodeDuty(Duty):
             # The client may hold a first token already: tell it the rest is not coming.
             error = TransferTimeout(f"the KV from prefill worker {lease.party} never arrived "
                                     "and it stopped renewing the reservation")
-            self.worker.spawn(self._fail(reservation.request, error), f"expire.{lease.request_id}")
+            self.worker.spawn(self._fail(reservation.request, error),
+                              f"expire.{lease.request_id}")
 
     def worker_views(self) -> list[WorkerDirectory]:
         return [self._prefills]

@@ -28,7 +28,7 @@ import structlog
 from opentelemetry import trace
 
 from engine.protocol import FirstToken, PrefillRequest, PrefillResult
-from services.duty import Duty
+from services.duty import Duty, Handler
 from services.kv_handoff import KvStream
 from shared import tracing
 from shared.errors import (
@@ -82,15 +82,11 @@ class PrefillDuty(Duty):
         # request id -> (the decode side's KvTarget, when this worker first heard of it)
         self._targets: dict[str, tuple[asyncio.Future[KvTarget], float]] = {}
 
-    async def _subscribe(self) -> list[Any]:
-        return [
-            await self.worker.serve(self.subjects.prefill_task(self.worker_id), PrefillTask,
-                             self._on_task),
-            await self.worker.serve(self.subjects.kv_target(self.worker_id), KvTarget,
-                             self._on_target),
-            await self.worker.serve(self.subjects.prefix_fetch(self.worker_id), PrefixFetch,
-                             self._on_prefix_fetch),
-        ]
+    def _handlers(self) -> list[Handler]:
+        s, me = self.subjects, self.worker_id
+        return [(s.prefill_task(me), PrefillTask, self._on_task),
+                (s.kv_target(me), KvTarget, self._on_target),
+                (s.prefix_fetch(me), PrefixFetch, self._on_prefix_fetch)]
 
     def num_waiting(self) -> int:
         return len(self._in_flight)
