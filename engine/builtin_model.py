@@ -72,17 +72,20 @@ def train_tokenizer(vocab_size: int = 1024) -> Tokenizer:
 
 
 def write_builtin_model(path: Path, *, seed: int = 0, hidden_size: int = 128,
-                        num_layers: int = 4) -> Path:
-    """Write the checkpoint to `path` (created if needed) and return it."""
+                        num_layers: int = 4, vocab_size: int = 1024,
+                        max_position_embeddings: int = 2048) -> Path:
+    """Write the checkpoint to `path` (created if needed) and return it; other sizes make
+    other, smaller models (tests serving several)."""
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer()
+    tokenizer = train_tokenizer(vocab_size)
     eos_id = tokenizer.token_to_id("<|im_end|>")
     raw_config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": tokenizer.get_vocab_size(), "hidden_size": hidden_size,
         "intermediate_size": hidden_size * 8 // 3 // 8 * 8, "num_hidden_layers": num_layers,
         "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": True,
+        "rope_theta": 10000.0, "max_position_embeddings": max_position_embeddings,
+        "tie_word_embeddings": True,
         "bos_token_id": tokenizer.token_to_id("<|endoftext|>"), "eos_token_id": eos_id,
         "torch_dtype": "float32",
     }
@@ -97,7 +100,7 @@ def write_builtin_model(path: Path, *, seed: int = 0, hidden_size: int = 128,
     tokenizer.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "chat_template": CHAT_TEMPLATE, "model_max_length": 2048,
+        "chat_template": CHAT_TEMPLATE, "model_max_length": max_position_embeddings,
     }, indent=2))
     (path / "generation_config.json").write_text(json.dumps({
         "bos_token_id": raw_config["bos_token_id"], "eos_token_id": eos_id,

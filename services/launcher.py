@@ -42,6 +42,7 @@ from shared.config import (
     flat_fields,
 )
 from shared.errors import ConfigError, ServiceStartFailed
+from shared.model_dir import BUILTIN_MODEL_NAME
 from shared.nats_client import redact
 from shared.nats_server import EmbeddedNatsCluster
 
@@ -90,11 +91,14 @@ class UpOptions:
     metrics_port: int = 0  # the launcher's own /metrics (0: a free port)
     num_gateways: int = 1  # on ports port, port + 1, ...
     nats_cluster: int = 1  # nodes of the embedded NATS
+    # (name, directory) of each model served, each by num_prefill + num_decode workers; the
+    # first is the gateways' own. No directory: the built-in model (or the fake/sim engine's).
+    models: tuple[tuple[str, str | None], ...] = ((BUILTIN_MODEL_NAME, None),)
 
     @property
     def is_builtin_model(self) -> bool:
-        settings = dict(self.settings)
-        return settings.get("engine", "torch") == "torch" and "model_path" not in settings
+        return dict(self.settings).get("engine", "torch") == "torch" and any(
+            path is None for _, path in self.models)
 
     @staticmethod
     def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -129,8 +133,11 @@ class UpOptions:
                             default=RestartPolicy.crash_window_s)
         parser.add_argument("--metrics-port", type=int, default=0,
                             help="the launcher's /metrics (child restarts); 0: a free port")
-        parser.add_argument("--model", "--model-path", dest="model_path", default=None,
-                            help="a Hugging Face model directory (default: the built-in model)")
+        parser.add_argument("--model", "--model-path", dest="model_paths", action="append",
+                            default=None, metavar="PATH",
+                            help="a Hugging Face model directory, served under its directory's "
+                                 "name (default: the built-in model); repeat to serve several, "
+                                 "each by --prefill + --decode (or --workers) workers")
         services = parser.add_argument_group(
             "service settings", "passed to every process whose config has them (see "
             "`halfmoon gateway|conductor|prefill|decode --help`)")
@@ -148,8 +155,6 @@ class UpOptions:
             # Children log through the launcher's pipe; on a terminal they should still look
             # as they would on one.
             settings.append(("log_format", "console"))
-        if args.model_path is not None:
-            settings += [("model_path", args.model_path), ("model", Path(args.model_path).name)]
         if args.nats_cluster > 1 and args.nats_url is not None:
             raise ConfigError("--nats-cluster starts an embedded cluster; --nats names one")
         if args.nats_cluster > 1 and args.js_replicas is None:
@@ -166,6 +171,7 @@ class UpOptions:
                    cluster=args.cluster, is_colocated=is_colocated,
                    num_gateways=max(1, args.num_gateways), nats_cluster=args.nats_cluster,
                    settings=tuple(settings), metrics_port=args.metrics_port,
+                   models=_models(args.model_paths),
                    restart_policy=RestartPolicy(max_crashes=args.max_restarts,
                                                 crash_window_s=args.restart_window_s))
 
@@ -181,6 +187,17 @@ class UpOptions:
                 else:
                     flags += [flag, str(value)]
         return flags
+
+
+def _models(paths: list[str] | None) -> tuple[tuple[str, str | None], ...]:
+    if not paths:
+        return ((BUILTIN_MODEL_NAME, None),)
+    models = tuple((Path(path).name, path) for path in paths)
+    names = [name for name, _ in models]
+    if len(set(names)) < len(names):
+        raise ConfigError(f"two --model directories share a name ({', '.join(names)}): a "
+                          "model is served under its directory's name")
+    return models
 
 
 class Cluster:
@@ -204,13 +221,14 @@ class Cluster:
 
     def start(self) -> None:
         self.spawn("conductor")
-        for _ in range(self.options.num_prefill):
-            self.spawn("prefill")
-        for _ in range(self.options.num_decode):
-            self.spawn("decode")
+        for model in self.options.models:
+            for _ in range(self.options.num_prefill):
+                self.spawn("prefill", *_model_flags(*model))
+            for _ in range(self.options.num_decode):
+                self.spawn("decode", *_model_flags(*model))
         for i in range(self.options.num_gateways):
             self.spawn("gateway", "--host", self.options.host,
-                       "--port", str(self.options.port + i))
+                       "--port", str(self.options.port + i), *_model_flags(*self.options.models[0]))
 
     def wait_ready(self, urls: list[str]) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -231,13 +249,19 @@ class Cluster:
                 body = json.loads(response.read())
         except (urllib.error.URLError, OSError, ValueError):
             return False
-        return (body.get("status") == "ok"
-                and body.get("num_prefill_workers", 0) >= self.options.num_prefill
-                and body.get("num_decode_workers", 0) >= self.options.num_decode)
+        models = body.get("models", {})
+        return body.get("status") == "ok" and all(
+            models.get(name, {}).get("num_prefill_workers", 0) >= self.options.num_prefill
+            and models.get(name, {}).get("num_decode_workers", 0) >= self.options.num_decode
+            for name, _ in self.options.models)
 
     def stop(self) -> None:
         """Gateway first (no new requests), then workers and conductor."""
         self.supervisor.stop((("gateway",), ("prefill", "decode", "conductor")), STOP_TIMEOUT_S)
+
+
+def _model_flags(name: str, path: str | None) -> list[str]:
+    return ["--model", name, *(["--model-path", path] if path is not None else [])]
 
 
 class LauncherMetrics:

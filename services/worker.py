@@ -37,7 +37,7 @@ from services.kv_handoff import KvHandoff, NoKvHandoff
 from services.kv_leases import LeaseTable
 from services.prefill.duty import PrefillDuty
 from services.prefill.prefix_reuse import PrefixSharing
-from services.worker_parts import assemble, register_device_kv
+from services.worker_parts import assemble, model_files_dir, register_device_kv
 from shared import tracing
 from shared.config import WorkerConfig
 from shared.heartbeats import WorkerDirectory
@@ -100,6 +100,7 @@ class WorkerService(Service):
         self._kv_event_flush: asyncio.Task[None] | None = None
         self._registry_put: asyncio.Task[None] | None = None
         self._unsent_kv_events: list[KvBlockEvent] = []  # drained, not yet published
+        self._model_path = ""  # where the engine read the model, once started
 
     @property
     def instance_id(self) -> str:
@@ -137,6 +138,7 @@ class WorkerService(Service):
                                self.metrics, self.leases, self._on_kv_notice,
                                engine=self._engine)
         self._engine, self.handoff = parts.engine, parts.handoff
+        self._model_path = model_files_dir(self.config.engine)
         self.transfer, self.prefix_sharing = parts.transfer, parts.prefix_sharing
         await self.engine.start()
         self._is_engine_started = True
@@ -318,6 +320,7 @@ class WorkerService(Service):
             kv_bytes_per_block=layout.block_bytes
             if (layout := self.engine.kv_layout()) is not None else 0,
             busy_s=stats.busy_s, home_role=self._home_role,
+            model_path=self._model_path,
         )
 
     async def _stop_intake(self) -> None:

@@ -151,6 +151,15 @@ def _torch_engine(settings: EngineSettings) -> Engine:
         is_prefix_caching=settings.enable_prefix_caching))
 
 
+def model_files_dir(settings: EngineSettings) -> str:
+    """Where this worker's engine reads its model (absolute), for its heartbeat; "" for
+    engines without model files."""
+    if settings.kind != "torch":
+        return ""
+    return str((Path(settings.model_path).expanduser() if settings.model_path
+                else default_model_dir()).resolve())
+
+
 def simulated_link(config: WorkerConfig) -> SimulatedLink | None:
     """A simulated engine's KV is scaled down; its transfers take the full size's time."""
     if config.engine.kind != "sim" or config.sim.link_bytes_per_s <= 0:

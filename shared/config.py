@@ -84,6 +84,9 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     chat_template_path: str | None = None
     model_path: str | None = None  # None: the built-in model
     tokenizer: Literal["model", "bytes"] = "model"  # "bytes" pairs with the fake engine
+    # Other models' files, one directory each by model name (`<models_dir>/<model>`), for
+    # models whose workers' own directories this gateway cannot read.
+    models_dir: str | None = None
 
 
 class PlannerSettings(msgspec.Struct, frozen=True, kw_only=True):

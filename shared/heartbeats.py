@@ -108,6 +108,18 @@ class WorkerDirectory:
             key=lambda hb: hb.worker_id,
         )
 
+    def models(self, now_s: float | None = None, *, is_alive: bool = False) -> set[str]:
+        """The models workers serve: every one still remembered, or only live workers'."""
+        now_s = self._now(now_s)
+        self._expire(now_s)
+        return {e.heartbeat.model for e in self._entries.values()
+                if not is_alive or self._is_fresh(e, now_s)}
+
+    def model_paths(self, model: str) -> list[str]:
+        """Where workers of `model` loaded it from (as they name it), each once."""
+        return list(dict.fromkeys(e.heartbeat.model_path for e in self._entries.values()
+                                  if e.heartbeat.model == model and e.heartbeat.model_path))
+
     def _is_fresh(self, entry: WorkerEntry, now_s: float) -> bool:
         limit = max(self.timeout_s, 3 * entry.heartbeat.heartbeat_interval_s)
         return now_s - entry.received_at_s <= limit

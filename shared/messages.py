@@ -370,6 +370,9 @@ class WorkerHeartbeat(Message, frozen=True, kw_only=True):
     kv_bytes_per_block: int = 0  # one block's KV, every layer; 0: no KV to move (fake engine)
     busy_s: float = 0.0  # wall seconds the device spent in model steps since the worker started
     home_role: WorkerRole | None = None  # the role it started in (`role` may differ: RoleChange)
+    # The directory it loaded `model` from, as this worker names it ("": none, e.g. the fake
+    # engine): a gateway that can read it there takes the model's tokenizer from it.
+    model_path: str = ""
 
 
 class RoleChange(Message, frozen=True, kw_only=True):

@@ -38,20 +38,27 @@ class Stack:
     cluster: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:10]}")
 
     def __post_init__(self) -> None:
-        common = {"nats_url": self.nats_url, "cluster": self.cluster, "log_level": "warning",
-                  "drain_timeout_s": 5.0}
-        worker_flags = {**common, "heartbeat_interval_s": 0.2, "engine": "fake",
-                        "transfer_secret": "stack-secret", **self.worker}
-        worker = load_config(WorkerConfig, flags={**worker_flags, **self.decode_options})
+        common = self._common()
+        worker = self.worker_config(**self.decode_options)
         self.conductor = ConductorService(ConductorConfig(
             **common, **{"heartbeat_timeout_s": 1.0, **self.conductor_options}))
-        prefill = load_config(WorkerConfig, flags={**worker_flags, **self.prefill_options})
+        prefill = self.worker_config(**self.prefill_options)
         self.prefills = [PrefillService(prefill) for _ in range(self.num_prefill)]
         self.decodes = [DecodeService(worker) for _ in range(self.num_decode)]
         tokenizer = "bytes" if worker.engine.kind in ("fake", "sim") else "model"
         self.gateway = GatewayService(GatewayConfig(
             **common, port=0, **{"tokenizer": tokenizer, "heartbeat_timeout_s": 1.0,
                                  **self.gateway_options}))
+
+    def _common(self) -> dict[str, Any]:
+        return {"nats_url": self.nats_url, "cluster": self.cluster, "log_level": "warning",
+                "drain_timeout_s": 5.0}
+
+    def worker_config(self, **options: Any) -> WorkerConfig:
+        """A worker of this stack: `worker`'s settings, then `options`."""
+        return load_config(WorkerConfig, flags={
+            **self._common(), "heartbeat_interval_s": 0.2, "engine": "fake",
+            "transfer_secret": "stack-secret", **self.worker, **options})
 
     @property
     def services(self) -> list[Service]:

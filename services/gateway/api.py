@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -19,10 +18,10 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from services.gateway.generation import Generator, TextChunk
 from services.gateway.merge import merged
+from services.gateway.model_catalog import ServedModel
 from services.gateway.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
-    Limits,
     ParsedRequest,
     decode_body,
 )
@@ -31,7 +30,6 @@ from services.gateway.responses import (
     Choice,
     CompletionFormat,
     ResponseFormat,
-    TokenText,
     total_usage,
 )
 from shared import tracing
@@ -49,19 +47,24 @@ _json = msgspec.json.Encoder()
 class GatewayBackend(Protocol):
     """What the routes need from the gateway service."""
 
-    model: str
-    limits: Limits
     api_key: str | None
     generator: Generator
     metrics: GatewayMetrics
-    token_text: TokenText
 
     async def metrics_handler(self, request: web.Request) -> web.Response: ...
 
-    def parse_completion(self, request: CompletionRequest) -> list[ParsedRequest]:
+    def model_list(self) -> list[dict[str, Any]]:
+        """`/v1/models` entries: every model served."""
+
+    async def served_model(self, name: str) -> ServedModel:
+        """The model a request names, with its tokenizer; ModelNotFound if none serves it."""
+
+    def parse_completion(self, request: CompletionRequest, model: ServedModel
+                         ) -> list[ParsedRequest]:
         """One per prompt, in choice order."""
 
-    def parse_chat(self, request: ChatCompletionRequest) -> list[ParsedRequest]: ...
+    def parse_chat(self, request: ChatCompletionRequest, model: ServedModel
+                   ) -> list[ParsedRequest]: ...
 
     def health(self) -> dict[str, Any]: ...
 
@@ -164,28 +167,26 @@ class _Routes:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.backend.check_accepting()
-        parsed = self.backend.parse_completion(
-            decode_body(await request.read(), CompletionRequest))
+        body = decode_body(await request.read(), CompletionRequest)
+        model = await self.backend.served_model(body.model)
+        parsed = self.backend.parse_completion(body, model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         return await _respond(request, self.backend.generator, request_id, parsed,
-                              CompletionFormat(request_id, parsed[0].model,
-                                               self.backend.token_text,
+                              CompletionFormat(request_id, model.name, model.token_text,
                                                parsed[0].sampling.logprobs is not None))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         self.backend.check_accepting()
-        parsed = self.backend.parse_chat(
-            decode_body(await request.read(), ChatCompletionRequest))
+        body = decode_body(await request.read(), ChatCompletionRequest)
+        model = await self.backend.served_model(body.model)
+        parsed = self.backend.parse_chat(body, model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         return await _respond(request, self.backend.generator, request_id, parsed,
-                              ChatFormat(request_id, parsed[0].model, self.backend.token_text,
+                              ChatFormat(request_id, model.name, model.token_text,
                                          parsed[0].sampling.logprobs is not None))
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        return json_response({"object": "list", "data": [
-            {"id": self.backend.model, "object": "model", "created": int(time.time()),
-             "owned_by": "halfmoon", "max_model_len": self.backend.limits.max_model_len},
-        ]})
+        return json_response({"object": "list", "data": self.backend.model_list()})
 
     async def health(self, request: web.Request) -> web.StreamResponse:
         body = self.backend.health()

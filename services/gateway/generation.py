@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -66,7 +66,7 @@ class GeneratorContext:
     subjects: Subjects
     reply_subject: str
     table: StreamTable
-    tokenizer: Tokenizer
+    tokenizer_of: Callable[[str], Tokenizer]  # by model
     timeout_s: float
     metrics: GatewayMetrics
     events: EventPublisher
@@ -241,7 +241,8 @@ class Generator:
         lost workers."""
         ctx = self._ctx
         span = trace.get_current_span()
-        detokenizer = ctx.tokenizer.detokenizer(skip_special_tokens=parsed.skip_special_tokens)
+        detokenizer = ctx.tokenizer_of(parsed.model).detokenizer(
+            skip_special_tokens=parsed.skip_special_tokens)
         matcher = StopStringMatcher(parsed.stop)
         generated = progress.generated
         pending = _Pending(parsed)

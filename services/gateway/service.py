@@ -8,11 +8,10 @@ still open at that point get an error event and their downstream work is aborted
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import functools
 import socket
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -21,13 +20,11 @@ import nats.errors
 from aiohttp import web
 
 from services.gateway.api import build_app
-from services.gateway.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from services.gateway.generation import Generator, GeneratorContext
-from services.gateway.model_info import read_model_info
+from services.gateway.model_catalog import ModelCatalog, ServedModel
 from services.gateway.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
-    Limits,
     ParsedRequest,
     chat_messages,
     chat_output,
@@ -37,16 +34,14 @@ from services.gateway.openai_schema import (
     validate,
 )
 from services.gateway.request_stream import StreamTable
-from services.gateway.responses import TokenText
 from services.gateway.structured import PARAM, check_grammar
-from services.gateway.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
+from services.gateway.tokenizer import Tokenizer
 from services.gateway.tool_calls import tool_format
 from shared.config import GatewayConfig
 from shared.errors import ConfigError, RequestAborted, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
 from shared.messages import GatewayEvent, StreamResume, WorkerHeartbeat
 from shared.metrics import GatewayMetrics
-from shared.model_dir import resolve_model_dir
 from shared.nats_client import encode, ensure_work_queue, read_registry
 from shared.service import Service
 
@@ -65,13 +60,11 @@ class GatewayService(Service):
         self.config: GatewayConfig = config
         self.gateway_id = config.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
         self._tokenizer = tokenizer
-        self.model = config.model
         self.api_key = config.api_key
-        self.limits = Limits(config.model, config.max_model_len, 0)
         self.table = StreamTable()
         self.workers = WorkerDirectory(timeout_s=config.heartbeat_timeout_s)
+        self.catalog: ModelCatalog | None = None
         self.port: int | None = None
-        self._template: ChatTemplate | None = None
         self._generator: Generator | None = None
         self._runner: web.AppRunner | None = None
         self._is_accepting = False
@@ -91,18 +84,15 @@ class GatewayService(Service):
         return f"http://{self.config.host}:{self.port}"
 
     @property
-    def tokenizer(self) -> Tokenizer:
-        if self._tokenizer is None:
+    def models(self) -> ModelCatalog:
+        if self.catalog is None:
             raise WorkerUnavailable("gateway is not started")
-        return self._tokenizer
-
-    @functools.cached_property
-    def token_text(self) -> TokenText:
-        return TokenText(self.tokenizer)
+        return self.catalog
 
     async def _setup(self) -> None:
-        template_source = await asyncio.to_thread(self._load_tokenizer)
-        self._template = ChatTemplate(self._read_template() or template_source)
+        self.catalog = ModelCatalog(self.config, self.workers, self._tokenizer,
+                                    self._read_template())
+        await self.catalog.start()
         js = self.nc.jetstream()
         await ensure_work_queue(js, self.subjects.requests_stream, self.subjects.requests,
                                 max_age_s=self.config.request_timeout_s,
@@ -111,34 +101,22 @@ class GatewayService(Service):
         await self.serve(reply_subject, GatewayEvent, self._on_event)
         await self.serve(self.subjects.all_heartbeats, WorkerHeartbeat, self._on_heartbeat)
         for heartbeat in await read_registry(self.nc.jetstream(), self.subjects.workers_bucket):
-            self.workers.observe_entry(heartbeat)
+            await self._observe(heartbeat, from_registry=True)
         self._generator = Generator(GeneratorContext(
             nc=self.nc, js=js, subjects=self.subjects, reply_subject=reply_subject,
-            table=self.table, tokenizer=self.tokenizer, timeout_s=self.config.request_timeout_s,
-            metrics=self.metrics, events=self.events,
+            table=self.table, tokenizer_of=self._tokenizer_of,
+            timeout_s=self.config.request_timeout_s, metrics=self.metrics, events=self.events,
         ))
         await self._serve_http()
         self.spawn(self._watch_workers(), "watch-workers")
         self._is_accepting = True
 
-    def _load_tokenizer(self) -> str:
-        """Load the tokenizer and the model's limits; return the model's chat template."""
-        config = self.config
-        if self._tokenizer is None and config.tokenizer == "bytes":
-            self._tokenizer = ByteTokenizer()
-        if self._tokenizer is not None:
-            self.limits = Limits(config.model, config.max_model_len, self.tokenizer.vocab_size)
-            return DEFAULT_CHAT_TEMPLATE
-        model_dir = resolve_model_dir(config.model_path)
-        if not (model_dir / "config.json").exists():
-            raise ConfigError(f"no model at {model_dir}: pass --model-path, or run "
-                              "`halfmoon model init` for the built-in one")
-        hf = HfTokenizer(model_dir)
-        info = read_model_info(model_dir)
-        self._tokenizer = hf
-        self.limits = Limits(config.model, min(config.max_model_len,
-                                               info.max_position_embeddings), info.vocab_size)
-        return hf.chat_template or DEFAULT_CHAT_TEMPLATE
+    def _tokenizer_of(self, model: str) -> Tokenizer:
+        """The tokenizer of a model a request was parsed for (so: loaded)."""
+        served = self.models.loaded(model)
+        if served is None:
+            raise WorkerUnavailable(f"the model `{model}` is not loaded")
+        return served.tokenizer
 
     def _read_template(self) -> str | None:
         path = self.config.chat_template_path
@@ -189,54 +167,79 @@ class GatewayService(Service):
         self.table.dispatch(event)
 
     async def _on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
-        self.workers.observe(heartbeat)
+        await self._observe(heartbeat)
+
+    async def _observe(self, heartbeat: WorkerHeartbeat, *, from_registry: bool = False
+                       ) -> None:
+        if from_registry:
+            self.workers.observe_entry(heartbeat)
+        else:
+            self.workers.observe(heartbeat)
+        self.models.observe(heartbeat.model)
 
     # GatewayBackend.
     def check_accepting(self) -> None:
         if not self._is_accepting:
             raise WorkerUnavailable("gateway is shutting down")
 
-    def parse_completion(self, request: CompletionRequest) -> list[ParsedRequest]:
+    def model_list(self) -> list[dict[str, Any]]:
+        created = int(time.time())
+        return [{"id": name, "object": "model", "created": created, "owned_by": "halfmoon",
+                 **({"max_model_len": served.limits.max_model_len}
+                    if (served := self.models.loaded(name)) is not None else {})}
+                for name in self.models.names()]
+
+    async def served_model(self, name: str) -> ServedModel:
+        return await self.models.get(name)
+
+    def parse_completion(self, request: CompletionRequest, model: ServedModel
+                         ) -> list[ParsedRequest]:
         output = completion_output(request)
         if output.grammar is not None:
             check_grammar(output.grammar)
+        tokenizer = model.tokenizer
         parsed = []
         for index, prompt in enumerate(completion_prompts(request)):
             if isinstance(prompt, str):
-                token_ids, text = self.tokenizer.encode(prompt, add_special_tokens=True), prompt
+                token_ids, text = tokenizer.encode(prompt, add_special_tokens=True), prompt
             else:
                 token_ids, text = prompt, None
-            one = validate(request, token_ids, self.limits, output=output,
+            one = validate(request, token_ids, model.limits, output=output,
                            default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, echo_text=text,
                            choice_index=index * (request.n or 1))
             if output.echo and text is None:  # token ids, now checked: echoed as their text
-                one = dataclasses.replace(one, echo=self.tokenizer.decode(token_ids))
+                one = dataclasses.replace(one, echo=tokenizer.decode(token_ids))
             parsed.append(one)
         return parsed
 
-    def parse_chat(self, request: ChatCompletionRequest) -> list[ParsedRequest]:
-        if self._template is None:
-            raise WorkerUnavailable("gateway is not started")
-        tools, use = chat_tools(request, tool_format(self._template.source),
-                                template_has_tools=self._template.supports_tools)
+    def parse_chat(self, request: ChatCompletionRequest, model: ServedModel
+                   ) -> list[ParsedRequest]:
+        template, tokenizer = model.template, model.tokenizer
+        tools, use = chat_tools(request, tool_format(template.source),
+                                template_has_tools=template.supports_tools)
         output = chat_output(request, use)
         if output.grammar is not None:
             check_grammar(output.grammar, "tools" if use and use.is_forced else PARAM)
-        text = self._template.render(chat_messages(request), bos_token=self.tokenizer.bos_token,
-                                     eos_token=self.tokenizer.eos_token, tools=tools)
-        return [validate(request, self.tokenizer.encode(text), self.limits,
+        text = template.render(chat_messages(request), bos_token=tokenizer.bos_token,
+                               eos_token=tokenizer.eos_token, tools=tools)
+        return [validate(request, tokenizer.encode(text), model.limits,
                          output=output, default_max_tokens=None)]
 
     def health(self) -> dict[str, Any]:
-        """Ready when workers of this gateway's model can serve a request."""
-        model = self.config.model
+        """Ready when workers of this gateway's own model can serve a request; `models` says
+        the same of every model served (one model's workers lost leaves the others' up)."""
+        models = {name: self._model_health(name) for name in self.models.names()}
+        own = models[self.models.own_name]
+        is_ok = self._is_accepting and own["is_ready"]
+        return {"status": "ok" if is_ok else "unavailable", "gateway_id": self.gateway_id,
+                "num_prefill_workers": own["num_prefill_workers"],
+                "num_decode_workers": own["num_decode_workers"],
+                "num_open_requests": len(self.table), "models": models}
+
+    def _model_health(self, model: str) -> dict[str, Any]:
         num_prefill = len(self.workers.healthy("prefill", model=model))
         decodes = self.workers.healthy("decode", model=model)
-        num_decode = len(decodes)
         # Colocated decode workers prefill for themselves: no prefill worker is needed then.
         can_prefill = num_prefill > 0 or any(d.local_prefill_max_tokens > 0 for d in decodes)
-        is_ok = self._is_accepting and can_prefill and num_decode > 0
-        return {"status": "ok" if is_ok else "unavailable", "gateway_id": self.gateway_id,
-                "num_prefill_workers": num_prefill, "num_decode_workers": num_decode,
-                "num_open_requests": len(self.table)}
-
+        return {"num_prefill_workers": num_prefill, "num_decode_workers": len(decodes),
+                "is_ready": can_prefill and bool(decodes)}

@@ -58,3 +58,16 @@ def hf_model(path: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+
+def greedy_reference(model: Any, prompt: list[int], num_tokens: int
+                     ) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens after `prompt` and the log_softmax at every position of
+    prompt + output."""
+    ids = list(prompt)
+    for _ in range(num_tokens):
+        with torch.no_grad():
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    return ids[len(prompt):], log_probs

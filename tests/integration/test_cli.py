@@ -195,3 +195,29 @@ def test_up_in_colocated_mode_runs_workers_that_prefill_and_decode(nats_url: str
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
+
+
+def test_up_serves_every_model_it_is_given(nats_url: str, tmp_path: Path) -> None:
+    from engine.builtin_model import write_builtin_model
+
+    first = write_builtin_model(tmp_path / "first", hidden_size=32, num_layers=1)
+    second = write_builtin_model(tmp_path / "second", hidden_size=32, num_layers=1,
+                                 vocab_size=400, max_position_embeddings=256)
+    port = free_port()
+    process = halfmoon("up", "--port", str(port), "--nats", nats_url, "--cluster", "cli-models",
+                       "--model", str(first), "--model", str(second))
+    try:
+        wait_for_line(process, "halfmoon is up", 120)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        listed = {m.id: m.model_extra["max_model_len"] for m in client.models.list().data}
+        assert listed == {"first": 2048, "second": 256}
+        for model in listed:  # the gateway read second's tokenizer where its workers did
+            chat = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+            assert chat.model == model
+            assert chat.usage is not None and chat.usage.completion_tokens == 3
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="third", prompt="a", max_tokens=1)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0

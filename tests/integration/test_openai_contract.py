@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.gateway.tokenizer import HfTokenizer
-from tests.engine.hf_models import hf_model
+from tests.engine.hf_models import greedy_reference, hf_model
 from tests.stack import PATHS, Stack, torch_stack_on
 
 pytestmark = pytest.mark.e2e
@@ -40,19 +40,6 @@ async def stack(request: pytest.FixtureRequest, nats_url: str, tiny_dir: Path
 async def sdk(stack: Stack) -> AsyncIterator[openai.AsyncOpenAI]:
     async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x", max_retries=0) as client:
         yield client
-
-
-def greedy_reference(model: Any, prompt: list[int], num_tokens: int
-                     ) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens after `prompt` and the log_softmax at every position of
-    prompt + output."""
-    ids = list(prompt)
-    for _ in range(num_tokens):
-        with torch.no_grad():
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    with torch.no_grad():
-        log_probs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
-    return ids[len(prompt):], log_probs
 
 
 async def test_completion_logprobs_equal_transformers_streamed_and_not(

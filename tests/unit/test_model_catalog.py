@@ -1,0 +1,82 @@
+"""Where the gateway finds each model's tokenizer, and which models it knows."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.builtin_model import write_builtin_model
+from services.gateway.model_catalog import ModelCatalog
+from shared.config import GatewayConfig
+from shared.errors import ConfigError, ModelNotFound, WorkerUnavailable
+from shared.heartbeats import WorkerDirectory
+from shared.messages import WorkerHeartbeat
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A models directory: `own` (2048 tokens) and `other` (256 tokens)."""
+    root = tmp_path_factory.mktemp("models")
+    write_builtin_model(root / "own", hidden_size=32, num_layers=1)
+    write_builtin_model(root / "other", hidden_size=32, num_layers=1, vocab_size=400,
+                        max_position_embeddings=256)
+    return root
+
+
+def heartbeat(model: str, model_path: str = "", worker_id: str = "w1") -> WorkerHeartbeat:
+    return WorkerHeartbeat(
+        worker_id=worker_id, role="decode", model=model, host="h", num_running=0,
+        num_waiting=0, max_batch_size=8, num_free_blocks=10, num_total_blocks=10,
+        block_size=16, heartbeat_interval_s=0.5, sent_at_s=0.0, model_path=model_path)
+
+
+def catalog(models: Path, workers: WorkerDirectory, **config: Any) -> ModelCatalog:
+    return ModelCatalog(GatewayConfig(model="own", model_path=str(models / "own"), **config),
+                        workers)
+
+
+async def test_a_model_a_worker_serves_loads_from_the_workers_directory(models: Path) -> None:
+    workers = WorkerDirectory(timeout_s=2.0)
+    workers.observe(heartbeat("other", str(models / "other")))
+    served = await catalog(models, workers).get("other")
+    assert served.limits.max_model_len == 256
+    assert served.limits.vocab_size == served.tokenizer.vocab_size < 1024
+
+
+async def test_models_dir_is_read_when_the_workers_directory_is_not_here(models: Path) -> None:
+    workers = WorkerDirectory(timeout_s=2.0)
+    workers.observe(heartbeat("other", "/on/another/host/other"))
+    served = await catalog(models, workers, models_dir=str(models)).get("other")
+    assert served.limits.max_model_len == 256
+
+
+async def test_a_model_whose_files_cannot_be_read_is_unavailable(models: Path) -> None:
+    workers = WorkerDirectory(timeout_s=2.0)
+    workers.observe(heartbeat("other", "/on/another/host/other"))
+    with pytest.raises(WorkerUnavailable, match="give the gateway --models-dir"):
+        await catalog(models, workers).get("other")
+
+
+async def test_a_model_no_worker_serves_is_not_found(models: Path) -> None:
+    with pytest.raises(ModelNotFound, match="`other` does not exist"):
+        await catalog(models, WorkerDirectory(timeout_s=2.0)).get("other")
+
+
+async def test_the_listing_holds_the_own_model_and_live_workers_models(models: Path) -> None:
+    workers = WorkerDirectory(timeout_s=2.0)
+    workers.observe(heartbeat("other", str(models / "other")))
+    catalog_ = catalog(models, workers)
+    assert catalog_.names() == ["other", "own"]
+    silent_since = time.monotonic() - 10.0  # past the timeout, not yet forgotten
+    workers.observe(heartbeat("other", str(models / "other")), now_s=silent_since)
+    assert catalog_.names() == ["own"]
+    assert (await catalog_.get("other")).name == "other"  # remembered: restarting, not unknown
+
+
+async def test_a_gateway_without_its_own_model_fails_to_start(tmp_path: Path) -> None:
+    missing = ModelCatalog(GatewayConfig(model_path=str(tmp_path)), WorkerDirectory(2.0))
+    with pytest.raises(ConfigError, match="no model at"):
+        await missing.start()
