@@ -170,8 +170,15 @@ LLAMA_3_8B = _llama3(hidden_size=4096, intermediate_size=14336, num_hidden_layer
 LLAMA_3_70B = _llama3(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                       num_attention_heads=64)
 
+QWEN_2_5_7B = ModelConfig.from_dict({
+    "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584,
+    "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+    "num_key_value_heads": 4, "rope_theta": 1000000.0, "max_position_embeddings": 32768})
+
 PROFILES = {
     "llama-3-8b-h200": SimProfile("llama-3-8b-h200", LLAMA_3_8B, H200),
+    # A second model of the same class (a cluster serving two models).
+    "qwen-2.5-7b-h200": SimProfile("qwen-2.5-7b-h200", QWEN_2_5_7B, H200),
     # 140 GB of bf16 weights do not fit one H200: served tensor-parallel over four.
     "llama-3-70b-h200x4": SimProfile("llama-3-70b-h200x4", LLAMA_3_70B,
                                      replace(H200, name="h200x4", num_devices=4)),

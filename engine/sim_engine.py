@@ -55,6 +55,9 @@ class SimOptions:
     max_batch_tokens: int = 8192
     kv_byte_scale: int = 4096  # real KV bytes per byte moved
     is_prefix_caching: bool = True
+    # Loading the weights (disk, or another host over the NIC) at this rate: start() takes
+    # weight bytes / rate in simulated time; 0: instant.
+    load_bytes_per_s: float = 0.0
 
 
 class SimEngine:
@@ -96,8 +99,15 @@ class SimEngine:
     def prefix_cache(self) -> BlockLedger:
         return self.ledger
 
+    @property
+    def load_s(self) -> float:
+        """Simulated seconds to load the weights."""
+        rate = self.options.load_bytes_per_s
+        return self.profile.weight_bytes / rate if rate > 0 else 0.0
+
     async def start(self) -> None:
         if self._kv is None:
+            await asyncio.sleep(self.load_s * self.options.time_scale)
             self._kv = memoryview(bytearray(self._layout.size_bytes))
         self._task = asyncio.create_task(self._device_loop(), name="sim.device")
 

@@ -181,6 +181,15 @@ def init_model(directory: str | None, *, is_forced: bool) -> int:
     return 0
 
 
+async def _serve(service: Service) -> None:
+    if isinstance(service.config, WorkerConfig):  # it may reload in place as another model
+        from services.model_shelf import WorkerRunner
+
+        await WorkerRunner(service).run()
+    else:
+        await service.run()
+
+
 def run_service(name: str, flags: dict[str, object]) -> int:
     config_type, build = SERVICES[name]
     if name in ("prefill", "decode") and flags.get("role") not in (None, name):
@@ -194,7 +203,7 @@ def run_service(name: str, flags: dict[str, object]) -> int:
                               endpoint=config.otlp_endpoint,
                               sample_ratio=config.trace_sample_ratio, tracer=config.tracer)
     try:
-        uvloop.run(service.run())
+        uvloop.run(_serve(service))
     finally:
         tracing.shutdown()  # flush the spans still batched
     return 0

@@ -35,11 +35,13 @@ from services.decode.duty import DecodeDuty
 from services.duty import Duty
 from services.kv_handoff import KvHandoff, NoKvHandoff
 from services.kv_leases import LeaseTable
+from services.model_shelf import config_for_model, models_on_disk
 from services.prefill.duty import PrefillDuty
 from services.prefill.prefix_reuse import PrefixSharing
 from services.worker_parts import assemble, model_files_dir, register_device_kv
 from shared import tracing
 from shared.config import WorkerConfig
+from shared.errors import ConfigError
 from shared.heartbeats import WorkerDirectory
 from shared.messages import (
     AbortRequest,
@@ -101,6 +103,10 @@ class WorkerService(Service):
         self._registry_put: asyncio.Task[None] | None = None
         self._unsent_kv_events: list[KvBlockEvent] = []  # drained, not yet published
         self._model_path = ""  # where the engine read the model, once started
+        self._shelf: list[str] = []  # models it may switch to (`model_shelf`)
+        self._model_load_s = 0.0
+        # Set when a RoleChange gave it another model: what to run next, once stopped.
+        self.reload_as: WorkerConfig | None = None
 
     @property
     def instance_id(self) -> str:
@@ -134,6 +140,7 @@ class WorkerService(Service):
         return self._role in self._duties and self.duty.is_draining
 
     async def _setup(self) -> None:
+        loading_since = time.monotonic()
         parts = await assemble(self.config, self.worker_id, self.nc, self.subjects,
                                self.metrics, self.leases, self._on_kv_notice,
                                engine=self._engine)
@@ -142,6 +149,8 @@ class WorkerService(Service):
         self.transfer, self.prefix_sharing = parts.transfer, parts.prefix_sharing
         await self.engine.start()
         self._is_engine_started = True
+        self._model_load_s = time.monotonic() - loading_since
+        self._shelf = models_on_disk(self.config)
         await register_device_kv(parts)
         self._read_gauges_at_scrape()
         self._registry = await ensure_bucket(
@@ -198,6 +207,8 @@ class WorkerService(Service):
     async def _on_role_change(self, command: RoleChange) -> DispatchReply:
         """One at a time (NATS runs a subscription's callbacks in order): a second change
         sent meanwhile is judged once the first is done."""
+        if command.model and command.model != self.config.model:
+            return self._change_model(command)
         if command.role == self._role:
             return self.accept()
         if self.state is not ServiceState.RUNNING or self.is_draining:
@@ -224,6 +235,34 @@ class WorkerService(Service):
                           is_old_role_idle=old.is_idle())
             self.spawn(self._retire(old), f"retire.{old.role}")
         return self.accept()
+
+    def _change_model(self, command: RoleChange) -> DispatchReply:
+        """Accept, then finish everything held and stop to reload as `command.model`."""
+        if self.state is not ServiceState.RUNNING or self.is_draining:
+            return self.refusal(f"cannot change model while {self.state.value}")
+        try:
+            config = config_for_model(self.config, self.worker_id, command.model, command.role)
+        except ConfigError as exc:
+            return self.refusal(exc.message)
+        for duty in self._duties.values():
+            duty.stop_intake()
+        self.log.info("model.change", from_model=self.config.model, to_model=command.model,
+                      role=command.role, reason=command.reason,
+                      requested_by=command.requested_by)
+        self.spawn(self._reload(config, command), "reload")
+        return self.accept()
+
+    async def _reload(self, config: WorkerConfig, command: RoleChange) -> None:
+        with tracing.span(__name__, "worker.model_change", attributes={
+                "halfmoon.worker": self.worker_id, "halfmoon.from_model": self.config.model,
+                "halfmoon.to_model": command.model, "halfmoon.to_role": command.role,
+                "halfmoon.reason": command.reason}):
+            await self._heartbeat()  # draining: nothing new is sent here
+            await self.wait_until(lambda: all(d.is_idle() for d in self._duties.values()),
+                                  interval_s=0.05)
+        self.metrics.model_changes.labels(self.config.model, command.model).inc()
+        self.reload_as = config
+        self.request_stop()
 
     async def _retire(self, duty: Duty) -> None:
         """Stop `duty` once it holds nothing, unless its role was taken up again."""
@@ -320,7 +359,8 @@ class WorkerService(Service):
             kv_bytes_per_block=layout.block_bytes
             if (layout := self.engine.kv_layout()) is not None else 0,
             busy_s=stats.busy_s, home_role=self._home_role,
-            model_path=self._model_path,
+            model_path=self._model_path, models_on_disk=self._shelf,
+            model_load_s=self._model_load_s,
         )
 
     async def _stop_intake(self) -> None:

@@ -25,7 +25,7 @@ from engine.sim_link import SimulatedLink
 from services.kv_handoff import KV_SEGMENT, KvHandoff, LayerwiseKvHandoff, NoKvHandoff
 from services.kv_leases import LeaseTable
 from services.prefill.prefix_reuse import PrefixSharing
-from shared.config import EngineSettings, SimSettings, WorkerConfig
+from shared.config import EngineSettings, WorkerConfig
 from shared.errors import ConfigError
 from shared.messages import KvPoolLayout
 from shared.metrics import PrefillMetrics
@@ -110,26 +110,29 @@ def build_engine(config: WorkerConfig) -> Engine:
                 token_delay_s=fake.token_delay_s,
                 is_prefix_caching=settings.enable_prefix_caching)
         case "sim":
-            return _sim_engine(settings, config.sim)
+            return _sim_engine(config)
         case "torch":
             return _torch_engine(settings)
     raise ConfigError(f"unknown engine {settings.kind!r}")
 
 
-def _sim_engine(settings: EngineSettings, sim: SimSettings) -> Engine:
+def _sim_engine(config: WorkerConfig) -> Engine:
     from engine.sim_cost import PROFILES
     from engine.sim_engine import SimEngine, SimOptions
 
-    if sim.profile not in PROFILES:
-        raise ConfigError(f"unknown sim_profile {sim.profile!r}; profiles: "
-                          f"{', '.join(PROFILES)}")
-    if sim.time_scale <= 0 or sim.kv_byte_scale < 1:
-        raise ConfigError("sim_time_scale must be > 0 and sim_kv_byte_scale >= 1")
+    settings, sim = config.engine, config.sim
+    profile = config.model if config.model in PROFILES else sim.profile
+    if profile not in PROFILES:
+        raise ConfigError(f"unknown sim_profile {profile!r}; profiles: {', '.join(PROFILES)}")
+    if sim.time_scale <= 0 or sim.kv_byte_scale < 1 or sim.load_bytes_per_s < 0:
+        raise ConfigError("sim_time_scale must be > 0, sim_kv_byte_scale >= 1 and "
+                          "sim_load_bytes_per_s >= 0")
     return SimEngine(SimOptions(
-        profile=PROFILES[sim.profile], time_scale=sim.time_scale,
+        profile=PROFILES[profile], time_scale=sim.time_scale,
         block_size=settings.block_size, max_batch_size=settings.max_batch_size,
         max_batch_tokens=settings.max_batch_tokens, kv_byte_scale=sim.kv_byte_scale,
-        is_prefix_caching=settings.enable_prefix_caching))
+        is_prefix_caching=settings.enable_prefix_caching,
+        load_bytes_per_s=sim.load_bytes_per_s))
 
 
 def _torch_engine(settings: EngineSettings) -> Engine:

@@ -186,12 +186,16 @@ class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     steps slowed by `time_scale` (wall s per simulated s), its KV bytes divided by
     `kv_byte_scale`; its KV capacity is what the profile's device memory holds. Its KV
     handoffs take the time of the full bytes over a link of `link_bytes_per_s` (50 GB/s: one
-    400 Gb/s RDMA NIC per device; 0: only the real, scaled-down transfer's time)."""
+    400 Gb/s RDMA NIC per device; 0: only the real, scaled-down transfer's time). A worker
+    whose `model` names a profile simulates that profile (so a model switch changes it)."""
 
     profile: str = msgspec.field(default="llama-3-8b-h200", name="sim_profile")
     time_scale: float = msgspec.field(default=1.0, name="sim_time_scale")
     kv_byte_scale: int = msgspec.field(default=4096, name="sim_kv_byte_scale")
     link_bytes_per_s: float = msgspec.field(default=50e9, name="sim_link_bytes_per_s")
+    # Weights load at this rate (simulated): a worker's start, and each model switch, take
+    # weight bytes / rate; 0: instant.
+    load_bytes_per_s: float = msgspec.field(default=0.0, name="sim_load_bytes_per_s")
 
 
 class FakeSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -212,6 +216,9 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     # The role the worker starts in (`halfmoon worker --role`); a `RoleChange` switches it.
     role: Literal["prefill", "decode"] = "prefill"
     model: str = "halfmoon-tiny"
+    # Models this worker may be told to serve instead (`RoleChange.model`): one Hugging Face
+    # directory per model, named by the model (`<models_dir>/<model>`).
+    models_dir: str | None = None
     host_name: str | None = None
     max_queue: int = 256
     heartbeat_interval_s: float = 0.5

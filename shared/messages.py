@@ -373,6 +373,10 @@ class WorkerHeartbeat(Message, frozen=True, kw_only=True):
     # The directory it loaded `model` from, as this worker names it ("": none, e.g. the fake
     # engine): a gateway that can read it there takes the model's tokenizer from it.
     model_path: str = ""
+    # Models it can switch to (`RoleChange.model`): those on its disk (`--models-dir`), or
+    # the sim engine's profiles; and how long loading its model took (0: unknown).
+    models_on_disk: list[str] = msgspec.field(default_factory=list)
+    model_load_s: float = 0.0
 
 
 class RoleChange(Message, frozen=True, kw_only=True):
@@ -380,11 +384,16 @@ class RoleChange(Message, frozen=True, kw_only=True):
     conductor's planner: serve as `role` from now on. The worker takes the new role's work
     at once, without reloading weights (its KV pool and prefix cache stay), and answers
     `DispatchReply`; its next heartbeat carries the new role. What it holds of the old role
-    finishes meanwhile (it takes no new work of that role): a switch never fails a request."""
+    finishes meanwhile (it takes no new work of that role): a switch never fails a request.
+    With `model`, it serves that model instead: see the field."""
 
     role: WorkerRole
     reason: str = ""
     requested_by: str = ""
+    # Serve this model instead ("": keep the model), loaded from the worker's disk: the worker
+    # finishes what it holds, taking nothing new, then reloads (weights and KV pool) under
+    # the same worker id; refused when the model is not among its `models_on_disk`.
+    model: str = ""
 
 
 class KvBlockEvent(msgspec.Struct, frozen=True, kw_only=True):

@@ -189,5 +189,8 @@ class ElasticWorkerMetrics(PrefillMetrics, DecodeMetrics):
         self.role_changes = Counter("halfmoon_role_changes", "role changes of this worker, by "
                                     "the role left and the role taken", ["from_role", "to_role"],
                                     registry=r)
+        self.model_changes = Counter("halfmoon_model_changes", "model switches of this "
+                                     "worker, by the model left and the model taken",
+                                     ["from_model", "to_model"], registry=r)
         self.role = Gauge("halfmoon_worker_role", "1 for the role this worker serves now",
                           ["role"], registry=r)

@@ -161,6 +161,10 @@ class Service(abc.ABC):
         if self._crash is not None:
             raise self._crash
 
+    def request_stop(self) -> None:
+        """Have `run()` stop the service, as SIGTERM would."""
+        self._stop_requested.set()
+
     @staticmethod
     async def wait_until(is_done: Callable[[], bool], interval_s: float = 0.02) -> None:
         """Poll `is_done`; drains use it (bounded by `drain_timeout_s` around them)."""

@@ -6,8 +6,11 @@ Pressure of a role, 1.0 = at its SLO, each worker's from its heartbeat, averaged
     prefill  the predicted TTFT of a new request there (its queued prompt tokens on its
              fitted prefill cost, as placement predicts it) over `--ttft-slo-ms`
     decode   the largest of its measured decode step over `--tbt-slo-ms`, the used share of
-             its KV pool and its batch's occupancy (requests running and coming, over its
-             batch size): a pool or a batch filling up are the other ways decode runs out
+             its KV pool and its batch's occupancy (requests running, over its batch size):
+             a pool or a batch filling up are the other ways decode runs out. Reservations
+             waiting for their prefill are not counted as load (they are a prefill backlog,
+             which would otherwise stop prefill from borrowing a decode worker); their KV is
+             in the used share.
 A worker moves from the role with room to the role under pressure when that pressure stayed
 above `high` for `hold_s` and the giving role would stay below `high` with one worker fewer
 (else the move would only move the problem, and flip back). `high` is a share of the SLO
@@ -69,7 +72,9 @@ def prefill_pressure(worker: WorkerHeartbeat, rules: PlannerRules) -> float:
 
 def decode_pressure(worker: WorkerHeartbeat, rules: PlannerRules) -> float:
     step = worker.decode_step_s / rules.tbt_slo_s if rules.tbt_slo_s else 0.0
-    occupancy = (worker.num_running + worker.num_waiting) / max(1, worker.max_batch_size)
+    # Running sequences only: a decode worker's waiting requests are reservations whose
+    # prefill is queued (a prefill backlog, not decode load; their KV counts below).
+    occupancy = worker.num_running / max(1, worker.max_batch_size)
     return max(step, kv_used_share(worker), occupancy)
 
 

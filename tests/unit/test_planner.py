@@ -79,10 +79,10 @@ def test_never_the_last_worker_of_a_role() -> None:
     assert decide_over(Planner(RULES), workers, 10) is None
 
 
-def test_a_full_decode_batch_is_pressure_too() -> None:
+def test_running_sequences_are_decode_pressure_reservations_waiting_for_prefill_not() -> None:
     (split,) = splits([worker("p", "prefill"), worker("d", "decode", num_running=48,
                                                       num_waiting=16)], RULES)
-    assert split.decode_pressure == pytest.approx(1.0)  # 64 of a batch of 64
+    assert split.decode_pressure == pytest.approx(0.75)  # 48 running of a batch of 64
 
 
 def test_a_full_kv_pool_moves_the_least_queued_prefill_worker_to_decode() -> None:
