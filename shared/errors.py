@@ -103,6 +103,15 @@ class NoHealthyWorker(WorkerUnavailable):
     healed partition), so the conductor holds the request a little before giving up."""
 
 
+class ModelLoading(NoHealthyWorker):
+    """No healthy worker serves the model in a role, and one was told to load it: the
+    conductor holds the request for its expected `load_s` on top of the usual hold."""
+
+    def __init__(self, message: str, *, load_s: float) -> None:
+        super().__init__(message, retry_after_s=load_s)
+        self.load_s = load_s
+
+
 class WorkerLost(WorkerUnavailable):
     """A worker serving the request stopped heartbeating; the gateway places it again."""
 

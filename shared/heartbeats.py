@@ -108,12 +108,18 @@ class WorkerDirectory:
             key=lambda hb: hb.worker_id,
         )
 
-    def models(self, now_s: float | None = None, *, is_alive: bool = False) -> set[str]:
-        """The models workers serve: every one still remembered, or only live workers'."""
+    def models(self, now_s: float | None = None, *, is_alive: bool = False,
+               is_on_disk: bool = False) -> set[str]:
+        """The models workers serve: every one still remembered, or only live workers';
+        with `is_on_disk`, those they could load too (`models_on_disk`)."""
         now_s = self._now(now_s)
         self._expire(now_s)
-        return {e.heartbeat.model for e in self._entries.values()
-                if not is_alive or self._is_fresh(e, now_s)}
+        found: set[str] = set()
+        for entry in self._entries.values():
+            if not is_alive or self._is_fresh(entry, now_s):
+                found.add(entry.heartbeat.model)
+                found.update(entry.heartbeat.models_on_disk if is_on_disk else ())
+        return found
 
     def model_paths(self, model: str) -> list[str]:
         """Where workers of `model` loaded it from (as they name it), each once."""

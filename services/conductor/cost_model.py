@@ -1,6 +1,7 @@
 """Predicted TTFT and TBT, the seed's weighted score, and SLO admission: pure functions.
 
-Mooncake's estimate: TTFT = T_transfer + T_queue + T_prefill(prompt, cached prefix). Each
+Mooncake's estimate: TTFT = T_load + T_transfer + T_queue + T_prefill(prompt, cached prefix),
+T_load the measured time to load the model on a worker that must load it first. Each
 worker fits its prefill cost from measured steps, T(n) = overhead + s_per_token * n
 (`engine/prefill_cost.py`), and reports it with its queued prompt tokens in every heartbeat; so
     T_queue   = s_per_token * queued tokens
@@ -14,9 +15,10 @@ holds saves computing its tokens and costs moving its KV,
 and the chosen worker fetches when the benefit is positive.
 
 The seed's score over healthy prefill workers, each term in [0, 1]:
-    0.3 (1 - load) + 0.2 (1 - queue / max_queue) + 0.2 compute + 0.15 network + 0.15 cached
+    0.3 (1 - load) + 0.2 (1 - queue / max_queue) + 0.2 compute + 0.15 network + 0.15 model
 with compute relative to the fastest candidate, network 1 in the decode worker's zone (0.5
-elsewhere), cached the fraction of the prompt the worker holds.
+elsewhere), model 1 where the request's model is loaded (0 on a worker that must load it
+from its disk, `model_loads`). A cached prompt prefix counts in the TTFT estimate instead.
 
 The "seed" policy combines them as cost = predicted TTFT x (2 - score): the estimate decides,
 and the score stretches it by up to 2x for a worker that is busy, slow, far or cold, which
@@ -30,8 +32,8 @@ from dataclasses import dataclass
 from shared.errors import SloViolation
 from shared.messages import WorkerHeartbeat
 
-SEED_WEIGHTS = {"load": 0.3, "queue": 0.2, "compute": 0.2, "network": 0.15, "cached": 0.15}
-_W_LOAD, _W_QUEUE, _W_COMPUTE, _W_NETWORK, _W_CACHED = SEED_WEIGHTS.values()
+SEED_WEIGHTS = {"load": 0.3, "queue": 0.2, "compute": 0.2, "network": 0.15, "model": 0.15}
+_W_LOAD, _W_QUEUE, _W_COMPUTE, _W_NETWORK, _W_MODEL = SEED_WEIGHTS.values()
 
 
 @dataclass(frozen=True)
@@ -41,11 +43,14 @@ class Slo:
 
 
 def predicted_ttft_s(worker: WorkerHeartbeat, uncached_tokens: int,
-                     default_tokens_per_s: float, transfer_s: float = 0.0) -> float:
+                     default_tokens_per_s: float, transfer_s: float = 0.0,
+                     load_s: float = 0.0) -> float:
     tokens = worker.num_waiting_tokens + uncached_tokens
     if worker.prefill_s_per_token > 0.0:
-        return transfer_s + worker.prefill_overhead_s + worker.prefill_s_per_token * tokens
-    return transfer_s + tokens / (worker.prefill_tokens_per_s or default_tokens_per_s)
+        compute_s = worker.prefill_overhead_s + worker.prefill_s_per_token * tokens
+    else:
+        compute_s = tokens / (worker.prefill_tokens_per_s or default_tokens_per_s)
+    return load_s + transfer_s + compute_s
 
 
 @dataclass(frozen=True)
@@ -81,13 +86,13 @@ def predicted_tbt_s(worker: WorkerHeartbeat, extra_requests: int = 1) -> float:
 
 
 def seed_score(worker: WorkerHeartbeat, *, load: float, max_queue: int, fastest: float,
-               decode_zone: str, cached_fraction: float) -> float:
+               decode_zone: str, is_model_loaded: bool = True) -> float:
     # Plain arithmetic: this runs for every candidate of every request.
     return (_W_LOAD * (1.0 - min(1.0, load))
             + _W_QUEUE * (1.0 - min(1.0, worker.num_waiting / max(1, max_queue)))
             + _W_COMPUTE * (worker.compute_score / fastest if fastest > 0 else 1.0)
             + _W_NETWORK * (1.0 if worker.zone == decode_zone else 0.5)
-            + _W_CACHED * min(1.0, max(0.0, cached_fraction)))
+            + (_W_MODEL if is_model_loaded else 0.0))
 
 
 def check_slo(ttft_s: float, tbt_s: float, slo: Slo) -> None:

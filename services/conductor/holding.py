@@ -1,17 +1,18 @@
 """Holding a request that cannot be placed yet: pure decisions, tested without NATS.
 
 Some placement failures clear up on their own: no healthy worker of a role (a restart, a
-healed partition, a NATS node lost) or no decode worker with KV room (running requests'
-growth filled the pools; they finish and free it). Such a request is not refused at once:
-the conductor naks its JetStream delivery with a delay, and the queue delivers it again,
-until its hold is spent; then the error goes to the client (503, or 429). Anything else
+healed partition, a NATS node lost, a worker loading the model: `model_loads`) or no decode
+worker with KV room (running requests' growth filled the pools; they finish and free it).
+Such a request is not refused at once: the conductor naks its JetStream delivery with a
+delay, and the queue delivers it again, until its hold is spent; then the error goes to the
+client (503, or 429). Anything else
 (a refusal by every worker, an SLO the best choice breaks) is answered at once.
 """
 
 from __future__ import annotations
 
 from shared.config import ConductorConfig
-from shared.errors import HalfmoonError, KvShortage, NoHealthyWorker
+from shared.errors import HalfmoonError, KvShortage, ModelLoading, NoHealthyWorker
 
 RETRY_S = 0.5  # a held request is delivered again at least this much later
 MAX_DELIVER = 8  # deliveries of one request message before JetStream drops it
@@ -20,6 +21,8 @@ MAX_DELIVER = 8  # deliveries of one request message before JetStream drops it
 def hold_s(error: HalfmoonError, config: ConductorConfig, ttft_slo_s: float | None) -> float:
     """How long, from its creation, a request that failed this way may wait in the queue;
     a KV shortage never past the TTFT SLO (the answer would come too late anyway)."""
+    if isinstance(error, ModelLoading):
+        return config.no_worker_hold_s + error.load_s
     if isinstance(error, NoHealthyWorker):
         return config.no_worker_hold_s
     if isinstance(error, KvShortage):

@@ -145,9 +145,7 @@ def seed_cost(worker: WorkerHeartbeat, fastest: float, pending: Mapping[str, Pen
     score = seed_score(
         worker, load=_load(worker, pending),
         max_queue=worker.max_queue or 4 * worker.max_batch_size,
-        fastest=fastest, decode_zone=seed.decode_zone,
-        cached_fraction=cached_blocks / prefix.num_blocks if prefix.num_blocks else 0.0,
-    )
+        fastest=fastest, decode_zone=seed.decode_zone)
     return ttft * (2.0 - score)
 
 

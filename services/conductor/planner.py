@@ -18,7 +18,10 @@ below 1: the planner acts before admission starts rejecting. A worker serving ou
 home role (the one it started in, in its heartbeat) goes home once both pressures stayed
 below `low` for `hold_s`. Never the last worker of a role; one move at a time, at least
 `cooldown_s` apart (the moved worker's next heartbeats show the new split). Workers of each
-model are planned on their own.
+model are planned on their own first; when a model's higher pressure stays above `high` and
+no role move of its own relieves it, a worker of a model whose pressures both stayed below
+`low` is reassigned to it (a worker with that model on its disk, `models_on_disk`, from a
+role the calm model keeps a worker in): a (role, model) move, which reloads the worker.
 """
 
 from __future__ import annotations
@@ -54,14 +57,14 @@ class Split:
 
 @dataclass(frozen=True)
 class Move:
+    """Serve `to_role` (of `to_model`, when set: a worker of `split.model` reassigned)."""
+
     worker_id: str
+    from_role: WorkerRole
     to_role: WorkerRole
     reason: str
-    split: Split  # what the decision was made on
-
-    @property
-    def from_role(self) -> WorkerRole:
-        return "decode" if self.to_role == "prefill" else "prefill"
+    split: Split  # what the decision was made on (the giving model's, for a model move)
+    to_model: str = ""
 
 
 def prefill_pressure(worker: WorkerHeartbeat, rules: PlannerRules) -> float:
@@ -114,9 +117,12 @@ class Planner:
         self._last_move_s = float("-inf")
 
     def decide(self, workers: list[WorkerHeartbeat], now_s: float) -> Move | None:
-        """At most one move over every model, or None."""
-        moves = [self._decide(split, now_s) for split in splits(workers, self.rules)]
-        move = next((m for m in moves if m is not None), None)
+        """At most one move over every model, or None: a role move within a model first,
+        else a worker of a calm model reassigned to a model under pressure."""
+        found = splits(workers, self.rules)
+        reassignment = self._reassign(found, now_s)  # its clocks run every time
+        moves = [self._decide(split, now_s) for split in found]
+        move = next((m for m in moves if m is not None), reassignment)
         if move is None or now_s - self._last_move_s < self.rules.cooldown_s:
             return None
         self._last_move_s = now_s
@@ -133,15 +139,35 @@ class Planner:
             # The one holding least drains soonest (reservations wait for their prefill).
             worker = min(split.decode, key=lambda w: (w.num_running + w.num_waiting,
                                                       w.worker_id))
-            return Move(worker.worker_id, "prefill", f"prefill pressure {p:.2f} of its SLO",
-                        split)
+            return Move(worker.worker_id, "decode", "prefill",
+                        f"prefill pressure {p:.2f} of its SLO", split)
         if self._held(split.model, "decode over", d > rules.high, now_s) \
                 and n_p > 1 and p * n_p / (n_p - 1) < rules.high:
             worker = min(split.prefill, key=lambda w: (w.num_waiting_tokens, w.worker_id))
-            return Move(worker.worker_id, "decode", f"decode pressure {d:.2f} of its SLO",
-                        split)
+            return Move(worker.worker_id, "prefill", "decode",
+                        f"decode pressure {d:.2f} of its SLO", split)
         if self._held(split.model, "calm", p < rules.low and d < rules.low, now_s):
             return _homecoming(split)
+        return None
+
+    def _reassign(self, found: list[Split], now_s: float) -> Move | None:
+        """A worker of a model whose both pressures stayed below `low`, with the needy
+        model on its disk, for the model whose higher pressure stayed above `high`."""
+        rules = self.rules
+        over = [s for s in found if self._held(s.model, "model over", _peak(s) > rules.high,
+                                               now_s)]
+        calm = [s for s in found if self._held(s.model, "model calm", _peak(s) < rules.low,
+                                               now_s)]
+        for needy in sorted(over, key=lambda s: (-_peak(s), s.model)):
+            to_role: WorkerRole = ("prefill" if needy.prefill_pressure >= needy.decode_pressure
+                                   else "decode")
+            for donor in calm:
+                worker = _spare_worker(donor, needy.model, rules)
+                if worker is not None:
+                    return Move(worker.worker_id, worker.role, to_role,
+                                f"model {needy.model} {to_role} pressure {_peak(needy):.2f} of "
+                                f"its SLO; {donor.model} at {_peak(donor):.2f}", donor,
+                                to_model=needy.model)
         return None
 
     def _held(self, model: str, condition: str, is_true: bool, now_s: float) -> bool:
@@ -153,6 +179,24 @@ class Planner:
         return now_s - self._since.setdefault(key, now_s) >= self.rules.hold_s
 
 
+def _peak(split: Split) -> float:
+    return max(split.prefill_pressure, split.decode_pressure)
+
+
+def _spare_worker(donor: Split, model: str, rules: PlannerRules) -> WorkerHeartbeat | None:
+    """The least busy worker of `donor` that has `model` on disk, from a role that keeps a
+    worker and stays below `high` without it."""
+    for role_workers, pressure in ((donor.decode, donor.decode_pressure),
+                                   (donor.prefill, donor.prefill_pressure)):
+        n = len(role_workers)
+        if n < 2 or pressure * n / (n - 1) >= rules.high:
+            continue
+        able = [w for w in role_workers if model in w.models_on_disk]
+        if able:
+            return min(able, key=lambda w: (w.num_running + w.num_waiting, w.worker_id))
+    return None
+
+
 def _homecoming(split: Split) -> Move | None:
     """A worker serving away from its home role goes back, unless it is its role's last."""
     for role_workers in (split.prefill, split.decode):
@@ -160,6 +204,6 @@ def _homecoming(split: Split) -> Move | None:
             continue
         for worker in sorted(role_workers, key=lambda w: w.worker_id):
             if worker.home_role is not None and worker.home_role != worker.role:
-                return Move(worker.worker_id, worker.home_role, "load back under the low mark",
-                            split)
+                return Move(worker.worker_id, worker.role, worker.home_role,
+                            "load back under the low mark", split)
     return None

@@ -142,6 +142,7 @@ class PlanningLoop:
     async def _apply(self, move: Move) -> None:
         split = move.split
         inputs = {"halfmoon.worker": move.worker_id, "halfmoon.model": split.model,
+                  "halfmoon.to_model": move.to_model or split.model,
                   "halfmoon.from_role": move.from_role, "halfmoon.to_role": move.to_role,
                   "halfmoon.reason": move.reason,
                   "halfmoon.prefill_pressure": round(split.prefill_pressure, 4),
@@ -156,7 +157,8 @@ class PlanningLoop:
                     reply = await dispatch(
                         self.nc, self.subjects.role_change(move.worker_id),
                         RoleChange(role=move.to_role, reason=move.reason,
-                                   requested_by=self.holder_id), ROLE_CHANGE_TIMEOUT_S)
+                                   requested_by=self.holder_id, model=move.to_model),
+                        ROLE_CHANGE_TIMEOUT_S)
                     outcome = "done" if reply.is_accepted else "refused"
                     if not reply.is_accepted:
                         log.warning("planner.move_refused", worker=move.worker_id,

@@ -29,6 +29,7 @@ from opentelemetry import trace
 
 from services.conductor import assignment, holding
 from services.conductor.assignment import Plan
+from services.conductor.model_loads import ModelLoads, pick_loader
 from services.conductor.placement import PendingWork, PrefixView, prefix_view
 from services.conductor.planning import PlanningLoop
 from services.conductor.prefix_follower import PrefixIndexFollower
@@ -39,6 +40,7 @@ from shared.errors import (
     ErrorCode,
     HalfmoonError,
     KvShortage,
+    ModelLoading,
     NoHealthyWorker,
     SloViolation,
     WorkerUnavailable,
@@ -51,7 +53,9 @@ from shared.messages import (
     GenerateRequest,
     RequestFailed,
     RequestPlaced,
+    RoleChange,
     WorkerHeartbeat,
+    WorkerRole,
 )
 from shared.metrics import ConductorMetrics
 from shared.nats_client import (
@@ -91,6 +95,7 @@ class ConductorService(Service):
         self._js_subscriptions: list[Any] = []
         self.prefix_follower: PrefixIndexFollower | None = None
         self.planning: PlanningLoop | None = None  # --planner slo
+        self.model_loads = ModelLoads()  # models no worker of a role serves, being loaded
         # Gauges read at scrape time, not kept up to date on every heartbeat.
         for role in ("prefill", "decode"):
             self.metrics.workers.labels(role).set_function(
@@ -134,6 +139,7 @@ class ConductorService(Service):
     async def _on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         self.workers.observe(heartbeat)
         self._pending.pop(heartbeat.worker_id, None)
+        self.model_loads.observe(heartbeat)
 
     async def _fetch_loop(self, subscription: Any) -> None:
         # Each fetcher keeps one pull open; several fetchers place requests concurrently.
@@ -217,10 +223,13 @@ class ConductorService(Service):
                                          prefix=prefix, turn=self._turn)
                 if progress.num_attempts == 1:
                     assignment.admit(request, chosen, self._pending, prefix, self._rules)
-            except HalfmoonError as exc:
+            except NoHealthyWorker as exc:
                 # Every worker left refused: a KV refusal says more than "none healthy".
-                if not (isinstance(exc, NoHealthyWorker) and isinstance(error, KvShortage)):
-                    error = exc
+                if not isinstance(error, KvShortage):
+                    error = self._load_model(request, view) or exc
+                break
+            except HalfmoonError as exc:
+                error = exc
                 break
             replies = await asyncio.gather(*(
                 self._dispatch(self._subject(send), send.message) for send in chosen.sends))
@@ -257,6 +266,41 @@ class ConductorService(Service):
             prefill_worker_id=message.prefill_worker_id, decode_worker_id=decode_id,
             lost_worker_id=message.failed_decode_worker_id, error=message.reason)
         return self.accept()
+
+    def _load_model(self, request: GenerateRequest, view: assignment.ClusterView
+                    ) -> ModelLoading | None:
+        """No healthy worker of a role serves the request's model: have one with the model
+        on its disk load it (`model_loads`), and hold the request meanwhile."""
+        role: WorkerRole = "decode" if not view.decode else "prefill"
+        if role == "prefill" and assignment.local_candidates(request, view.decode):
+            return None
+        model = request.model
+        load = self.model_loads.in_flight(model, role)
+        if load is None:
+            everyone = [*self.workers.healthy("prefill"), *self.workers.healthy("decode")]
+            loader = pick_loader(model, role, everyone, len(request.prompt_token_ids),
+                                 self.config.default_prefill_tokens_per_s)
+            if loader is None:
+                return None
+            load = self.model_loads.start(model, role, loader)
+            self.spawn(self._ask_to_load(loader, model, role), f"load.{loader.worker_id}")
+        return ModelLoading(f"no healthy {role} worker serves {model}; {load.worker_id} is "
+                            f"loading it (about {load.load_s:.0f} s)", load_s=load.load_s)
+
+    async def _ask_to_load(self, loader: WorkerHeartbeat, model: str, role: WorkerRole
+                           ) -> None:
+        reason = f"no healthy {role} worker serves {model}"
+        self.log.info("model.load_requested", worker=loader.worker_id, model=model, role=role,
+                      from_model=loader.model, load_s=loader.model_load_s)
+        with tracing.span(__name__, "conductor.model_load", attributes={
+                "halfmoon.worker": loader.worker_id, "halfmoon.model": model,
+                "halfmoon.role": role, "halfmoon.from_model": loader.model}):
+            reply = await self._dispatch(self.subjects.role_change(loader.worker_id),
+                                         RoleChange(role=role, model=model, reason=reason,
+                                                    requested_by=self.instance_id))
+        if not (isinstance(reply, DispatchReply) and reply.is_accepted):
+            self.log.warning("model.load_refused", worker=loader.worker_id, model=model,
+                             reason=self._refusal_error(loader.worker_id, reply).message)
 
     def _view(self, model: str) -> assignment.ClusterView:
         """The workers of the request's model only: a request is never placed, and its

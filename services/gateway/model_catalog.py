@@ -7,9 +7,10 @@ worker heartbeats. A model's files are read from the first directory that holds 
 then `--model-path` for the gateway's own model. Each model loads once, off the event loop,
 when its first heartbeat or request comes.
 
-A model no worker has served (as far as the gateway's worker view remembers, which is ten
-heartbeat timeouts) is not found: 404. A model whose workers are all restarting is still
-found: its requests wait in the conductor's hold for a worker to come back (then 503).
+A model no worker has served or holds on its disk (as far as the gateway's worker view
+remembers, which is ten heartbeat timeouts) is not found: 404. A model whose workers are all
+restarting is still found: its requests wait in the conductor's hold for a worker to come
+back (then 503), as do those of a model a worker must load first (`RoleChange.model`).
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ class ModelCatalog:
         WorkerUnavailable when this gateway cannot read its files."""
         if (model := self._models.get(name)) is not None:
             return model
-        if name != self.own_name and name not in self.workers.models():
+        if name != self.own_name and name not in self.workers.models(is_on_disk=True):
             raise ModelNotFound(f"The model `{name}` does not exist", param="model")
         try:
             return await asyncio.shield(self._loads.get(name) or self._load(name))

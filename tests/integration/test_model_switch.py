@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -15,6 +16,7 @@ from engine.builtin_model import write_builtin_model
 from services.gateway.tokenizer import HfTokenizer
 from services.model_shelf import WorkerRunner
 from services.worker import DecodeService, PrefillService, WorkerService
+from shared.config import PlannerSettings
 from shared.messages import DispatchReply, RoleChange
 from shared.nats_client import dispatch
 from tests.engine.hf_models import greedy_reference, hf_model
@@ -112,3 +114,82 @@ async def test_a_model_not_on_the_workers_disk_is_refused(
     assert not reply.is_accepted
     assert "`gamma` is not on this worker's disk" in reply.reason
     assert runner.service.heartbeat().model == "alpha"  # type: ignore[attr-defined]
+
+
+# On the fake engine: a model with no decode worker gets one loaded for it, and the planner
+# reassigns a worker to the model whose load dominates. Its "disk" is a directory per model.
+def shelf(tmp_path: Path) -> str:
+    for model in ("a", "b"):
+        (tmp_path / model).mkdir()
+    return str(tmp_path)
+
+
+class Runners:
+    """Decode workers run as `halfmoon worker` runs them (reloading in place)."""
+
+    def __init__(self, stack: Stack, count: int, **options: Any) -> None:
+        self.runners = [WorkerRunner(DecodeService(stack.worker_config(**options)))
+                        for _ in range(count)]
+        self._tasks = [asyncio.create_task(runner.run()) for runner in self.runners]
+
+    async def stop(self) -> None:
+        for runner in self.runners:
+            runner.stop()
+        await asyncio.gather(*self._tasks)
+
+    def served(self) -> list[tuple[str, str]]:
+        return sorted((r.service.config.model, r.service.role)  # type: ignore[attr-defined]
+                      for r in self.runners)
+
+
+async def test_a_model_without_a_decode_worker_gets_one_loaded_from_another_models(
+        nats_url: str, tmp_path: Path) -> None:
+    stack = Stack(nats_url, num_decode=0, worker={"model": "a", "models_dir": shelf(tmp_path)},
+                  gateway_options={"model": "a"})
+    stack.prefills.append(PrefillService(stack.worker_config(model="b")))  # b: no decode
+    runners = Runners(stack, 2)
+    try:
+        async with stack:
+            status, body = await stack.post("/v1/completions", {
+                "model": "b", "prompt": "hello", "max_tokens": 4})
+            assert status == 200, body
+            assert body["model"] == "b" and body["usage"]["completion_tokens"] == 4
+            assert runners.served() == [("a", "decode"), ("b", "decode")]
+            status, _ = await stack.post("/v1/completions", {
+                "model": "a", "prompt": "hello", "max_tokens": 4})
+            assert status == 200
+    finally:
+        await runners.stop()
+
+
+async def test_the_planner_reassigns_a_worker_to_the_model_whose_load_dominates(
+        nats_url: str, tmp_path: Path) -> None:
+    """a: one prefill and one decode worker under a prefill-heavy burst (no decode worker to
+    spare); b: idle, with two decode workers. One of b's moves to a's prefill."""
+    planning = PlannerSettings(mode="slo", interval_s=0.2, high=0.1, low=0.03, hold_s=0.5,
+                               cooldown_s=30.0)
+    stack = Stack(nats_url, worker={"model": "a", "models_dir": shelf(tmp_path),
+                                    "fake_prefill_s_per_token": 0.002,
+                                    "fake_prefill_delay_s": 0.001, "fake_token_delay_s": 0.01},
+                  gateway_options={"model": "a"},
+                  conductor_options={"ttft_slo_ms": 10_000, "planning": planning})
+    stack.prefills.append(PrefillService(stack.worker_config(model="b")))
+    runners = Runners(stack, 2, model="b")
+    try:
+        async with stack, openai.AsyncOpenAI(base_url=stack.base_url, api_key="x",
+                                             max_retries=0) as sdk:
+            requests = []
+            for i in range(42):
+                requests.append(asyncio.create_task(sdk.completions.create(
+                    model="a", prompt=f"{i:03d} " + "x" * 96, max_tokens=4)))
+                await asyncio.sleep(1 / 7)
+            done = await asyncio.gather(*requests)
+            await eventually(lambda: runners.served() == [("a", "prefill"),
+                                                                ("b", "decode")], timeout_s=10)
+            loop = stack.conductor.planning
+            assert loop is not None
+            moves = [(m.split.model, m.to_model, m.to_role, outcome) for m, outcome in loop.moves]
+    finally:
+        await runners.stop()
+    assert all(c.usage is not None and c.usage.completion_tokens == 4 for c in done)
+    assert ("b", "a", "prefill", "done") in moves

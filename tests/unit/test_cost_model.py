@@ -50,11 +50,11 @@ def test_tbt_grows_with_the_batch_it_joins() -> None:
 
 
 def test_seed_score_of_an_ideal_and_a_worst_worker() -> None:
-    best = seed_score(worker("a"), load=0.0, max_queue=10, fastest=1.0, decode_zone="",
-                      cached_fraction=1.0)
+    best = seed_score(worker("a"), load=0.0, max_queue=10, fastest=1.0, decode_zone="")
     worst = seed_score(msgspec.structs.replace(worker("b", waiting=10), zone="far",
                                                compute_score=0.0),
-                       load=1.0, max_queue=10, fastest=1.0, decode_zone="", cached_fraction=0)
+                       load=1.0, max_queue=10, fastest=1.0, decode_zone="",
+                       is_model_loaded=False)
     assert best == pytest.approx(1.0)
     assert worst == pytest.approx(0.15 * 0.5)
 

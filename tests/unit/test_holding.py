@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from services.conductor import holding
 from shared.config import ConductorConfig
-from shared.errors import CapacityExhausted, KvShortage, NoHealthyWorker, SloViolation
+from shared.errors import (
+    CapacityExhausted,
+    KvShortage,
+    ModelLoading,
+    NoHealthyWorker,
+    SloViolation,
+)
 
 CONFIG = ConductorConfig(no_worker_hold_s=5.0, kv_short_hold_s=3.0)
 
@@ -13,6 +19,10 @@ CONFIG = ConductorConfig(no_worker_hold_s=5.0, kv_short_hold_s=3.0)
 def test_a_missing_worker_and_a_kv_shortage_hold_each_for_its_own_time() -> None:
     assert holding.hold_s(NoHealthyWorker("x"), CONFIG, None) == 5.0
     assert holding.hold_s(KvShortage("x"), CONFIG, None) == 3.0
+
+
+def test_a_model_being_loaded_holds_for_its_load_time_more() -> None:
+    assert holding.hold_s(ModelLoading("x", load_s=12.0), CONFIG, None) == 17.0
 
 
 def test_a_kv_shortage_is_never_held_past_the_ttft_slo() -> None:

@@ -118,3 +118,35 @@ def test_each_model_is_planned_on_its_own() -> None:
                worker("b-d2", "decode", model="b")]
     # Model a is busy but has one decode worker only; b's spare decode worker is not a's.
     assert decide_over(Planner(RULES), workers, 10) is None
+
+
+def test_a_calm_models_worker_is_reassigned_to_the_model_whose_load_dominates() -> None:
+    shelf = {"models_on_disk": ["a", "b"]}
+    workers = [worker("a-p", "prefill", model="a", queued_tokens=2000),  # 2.0 of its SLO
+               worker("a-d", "decode", model="a", used_blocks=90),  # and no decode to spare
+               worker("b-p", "prefill", model="b", **shelf),
+               worker("b-d1", "decode", model="b", **shelf),
+               worker("b-d2", "decode", model="b", num_running=1, **shelf)]
+    move = decide_over(Planner(RULES), workers, 3.0)
+    assert move is not None
+    assert (move.worker_id, move.from_role, move.to_role, move.to_model) == (
+        "b-d1", "decode", "prefill", "a")
+    assert move.split.model == "b" and "model a prefill pressure 2.00" in move.reason
+
+
+def test_no_worker_is_reassigned_without_the_model_on_its_disk() -> None:
+    workers = [worker("a-p", "prefill", model="a", queued_tokens=2000),
+               worker("a-d", "decode", model="a", used_blocks=90),
+               worker("b-p", "prefill", model="b"), worker("b-d1", "decode", model="b"),
+               worker("b-d2", "decode", model="b", models_on_disk=["b"])]
+    assert decide_over(Planner(RULES), workers, 3.0) is None
+
+
+def test_a_busy_model_gives_no_worker_away() -> None:
+    shelf = {"models_on_disk": ["a", "b"]}
+    workers = [worker("a-p", "prefill", model="a", queued_tokens=2000),
+               worker("a-d", "decode", model="a", used_blocks=90),
+               worker("b-p", "prefill", model="b", queued_tokens=500, **shelf),  # 0.5: not calm
+               worker("b-d1", "decode", model="b", **shelf),
+               worker("b-d2", "decode", model="b", **shelf)]
+    assert decide_over(Planner(RULES), workers, 3.0) is None

@@ -1,0 +1,56 @@
+"""Which worker loads a model no healthy worker of a role serves, and the loads in flight."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.conductor.model_loads import UNMEASURED_LOAD_S, ModelLoads, pick_loader
+from shared.messages import WorkerHeartbeat, WorkerRole
+
+SHELF = ["a", "b"]
+
+
+def worker(worker_id: str, model: str, role: WorkerRole, **changes: Any) -> WorkerHeartbeat:
+    fields: dict[str, Any] = {
+        "worker_id": worker_id, "role": role, "model": model, "host": "h", "num_running": 0,
+        "num_waiting": 0, "max_batch_size": 8, "num_free_blocks": 10, "num_total_blocks": 10,
+        "block_size": 16, "heartbeat_interval_s": 0.5, "sent_at_s": 0.0,
+        "prefill_s_per_token": 0.001, "models_on_disk": SHELF, "model_load_s": 2.0, **changes}
+    return WorkerHeartbeat(**fields)
+
+
+def test_the_loader_is_the_one_that_serves_soonest() -> None:
+    workers = [worker("a-d1", "a", "decode", model_load_s=8.0), worker("a-d2", "a", "decode"),
+               worker("a-d3", "a", "decode", num_waiting_tokens=20_000)]  # 20 s queued
+    assert pick_loader("b", "decode", workers, 100, 2000.0).worker_id == "a-d2"
+
+
+def test_a_model_is_never_left_without_a_worker_of_a_role() -> None:
+    workers = [worker("a-p", "a", "prefill"), worker("a-d", "a", "decode")]
+    assert pick_loader("b", "decode", workers, 100, 2000.0) is None
+
+
+def test_only_a_worker_with_the_model_on_its_disk_loads_it() -> None:
+    workers = [worker("a-d1", "a", "decode", models_on_disk=["a"]),
+               worker("a-d2", "a", "decode", models_on_disk=["a"])]
+    assert pick_loader("b", "decode", workers, 100, 2000.0) is None
+
+
+def test_an_unmeasured_load_time_counts_as_long() -> None:
+    workers = [worker("a-d1", "a", "decode", model_load_s=0.0),
+               worker("a-d2", "a", "decode", model_load_s=UNMEASURED_LOAD_S - 1)]
+    assert pick_loader("b", "decode", workers, 100, 2000.0).worker_id == "a-d2"
+
+
+def test_a_load_is_in_flight_until_its_worker_serves_the_model_or_it_overstays() -> None:
+    loads = ModelLoads(margin_s=10.0)
+    loader = worker("a-d1", "a", "decode")
+    loads.start("b", "decode", loader, now_s=100.0)
+    assert loads.in_flight("b", "decode", now_s=101.0).worker_id == "a-d1"
+    loads.observe(worker("a-d1", "a", "decode"))  # still reloading: not done
+    assert loads.in_flight("b", "decode", now_s=101.0) is not None
+    loads.observe(worker("a-d1", "b", "decode"))
+    assert loads.in_flight("b", "decode", now_s=101.0) is None
+    loads.start("b", "decode", loader, now_s=100.0)
+    assert loads.in_flight("b", "decode", now_s=113.9) is not None  # 2 x 2 s + 10 s margin
+    assert loads.in_flight("b", "decode", now_s=114.1) is None
