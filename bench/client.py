@@ -63,7 +63,7 @@ class CompletionClient:
         await self._session.close()
 
     async def send(self, request: BenchRequest, run_started_s: float) -> RequestRecord:
-        body = {"model": self.model, "prompt": request.prompt_token_ids,
+        body = {"model": request.model or self.model, "prompt": request.prompt_token_ids,
                 "max_tokens": request.max_tokens, "ignore_eos": True, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}
         started = time.perf_counter()

@@ -55,6 +55,8 @@ class Run:
     utilization: list[WorkerUtilization]
     # (device seconds from the start, worker id, role) whenever a worker took a role.
     roles: list[tuple[float, str, str]] = field(default_factory=list)
+    # (device seconds from the start, worker id, model) whenever a worker took a model.
+    models: list[tuple[float, str, str]] = field(default_factory=list)
 
     @property
     def mean_utilization(self) -> float:
@@ -71,11 +73,17 @@ def cluster_args(args: argparse.Namespace, setup: str) -> list[str]:
         flags += ["--sim-profile", args.sim_profile, "--sim-time-scale", str(args.time_scale)]
     if args.planner:
         flags += planner_compare.conductor_flags(args, setup)
+    models = args.models.split(",") if args.models else []
+    for model in models:  # sim profiles: the workers are split evenly between them
+        flags += ["--model", model]
+    if models:
+        flags += ["--sim-load-bytes-per-s", str(args.sim_load_bytes_per_s)]
+    per_model = max(1, len(models))
     if setup == "colocated":
-        return [*flags, "--mode", "colocated", "--workers", str(args.workers)]
+        return [*flags, "--mode", "colocated", "--workers", str(args.workers // per_model)]
     num_prefill = int(setup.split("+")[0]) if "+" in setup else args.prefill
-    return [*flags, "--prefill", str(num_prefill), "--decode",
-            str(args.workers - num_prefill)]
+    return [*flags, "--prefill", str(num_prefill // per_model), "--decode",
+            str((args.workers - num_prefill) // per_model)]
 
 
 # Wall-clock timeouts of the services, at their defaults: a slowed-down simulation stretches
@@ -112,10 +120,12 @@ async def measure(url: str, nats_url: str, requests: list[BenchRequest], slo: Sl
     finally:
         await probe.close()
     scaled = [in_device_time(r, time_scale) for r in records]
-    roles = [(max(0.0, at - started_at) / time_scale, worker_id, role)
-             for at, worker_id, role in probe.roles]
+    def device_time(changes: list[tuple[float, str, str]]) -> list[tuple[float, str, str]]:
+        return [(max(0.0, at - started_at) / time_scale, worker_id, value)
+                for at, worker_id, value in changes]
+
     return Run("", 0.0, summarize(scaled, summary.duration_s / time_scale, slo), scaled,
-               utilization, roles)
+               utilization, device_time(probe.roles), device_time(probe.models))
 
 
 def run_one(args: argparse.Namespace, setup: str, load: float,
@@ -230,6 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--splits", default=None,
                         help="with --planner: the static splits' prefill counts, e.g. 2,4,6 "
                              "(default: every one, 1 .. workers - 1)")
+    parser.add_argument("--models", default=None,
+                        help="sim: serve these profiles (comma-separated), the workers split "
+                             "evenly between them (give each phase its model: --phase "
+                             "IN:OUT:NUM:MODEL); with --planner: a fixed split against the "
+                             "planner, which may also move workers between models")
+    parser.add_argument("--sim-load-bytes-per-s", type=float, default=25e9,
+                        help="with --models: the rate a worker loads another model's weights")
     parser.add_argument("--planner-hold-s", type=float, default=0.25,
                         help="with --planner: planner_hold_s in the device's time")
     parser.add_argument("--planner-cooldown-s", type=float, default=0.5,

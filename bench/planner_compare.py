@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,12 +36,13 @@ def planner_setups(args: argparse.Namespace) -> list[str]:
     if args.slo_ttft_ms is None and args.slo_itl_ms is None:
         raise SystemExit("--planner plans against the SLOs: give --slo-ttft-ms and/or "
                          "--slo-itl-ms")
-    splits = ([int(p) for p in args.splits.split(",")] if args.splits
-              else range(1, args.workers))
+    default = [args.prefill] if args.models else range(1, args.workers)
+    splits = [int(p) for p in args.splits.split(",")] if args.splits else default
     if any(not 0 < p < args.workers for p in splits):
         raise SystemExit(f"--splits: each split needs a prefill and a decode worker of "
                          f"{args.workers}")
-    return ["colocated", *(f"{p}+{args.workers - p}" for p in splits), PLANNER]
+    colocated = [] if args.models else ["colocated"]  # models: the fixed split alone
+    return [*colocated, *(f"{p}+{args.workers - p}" for p in splits), PLANNER]
 
 
 def conductor_flags(args: argparse.Namespace, setup: str) -> list[str]:
@@ -100,6 +102,16 @@ def split_over_time(run: Run) -> list[tuple[float, int]]:
     return points
 
 
+def models_over_time(run: Run) -> list[tuple[float, dict[str, int]]]:
+    """(device seconds, workers per model) at each change of a worker's model."""
+    models: dict[str, str] = {}
+    points = []
+    for at_s, worker_id, model in sorted(run.models):
+        models[worker_id] = model
+        points.append((at_s, dict(Counter(models.values()))))
+    return points
+
+
 def phase_starts(args: argparse.Namespace, load: float) -> list[float]:
     """Device seconds at which each phase after the first begins."""
     if not args.phases or args.rate is None:
@@ -123,7 +135,8 @@ def write_outputs(out: Path, runs: list[Run], args: argparse.Namespace,
         "runs": [{"setup": r.setup, "load": r.load, "summary": r.summary.to_dict(),
                   "mean_utilization": r.mean_utilization,
                   "utilization": [asdict(w) for w in r.utilization],
-                  "split_over_time": split_over_time(r)} for r in runs]}, indent=1))
+                  "split_over_time": split_over_time(r),
+                  "models_over_time": models_over_time(r)} for r in runs]}, indent=1))
     for load in sorted({r.load for r in runs}):
         planner, best, _ = _contenders(runs, load)
         if planner is None:

@@ -34,7 +34,8 @@ class UtilizationProbe:
         self.latest: dict[str, WorkerHeartbeat] = {}
         # (monotonic seconds, worker id, role) each time a worker is first heard in a role:
         # the split over time, role changes included.
-        self.roles: list[tuple[float, str, str]] = []
+        self.roles: list[tuple[float, str, str]] = []  # (at, worker, role) at each change
+        self.models: list[tuple[float, str, str]] = []  # (at, worker, model) alike
         self._nc: nats.NATS | None = None
         self._decoder = msgspec.json.Decoder(WorkerHeartbeat)
         self._num_expected = 0
@@ -55,8 +56,9 @@ class UtilizationProbe:
         except msgspec.DecodeError:
             return
         before = self.latest.get(heartbeat.worker_id)
-        if before is None or before.role != heartbeat.role:
+        if before is None or (before.role, before.model) != (heartbeat.role, heartbeat.model):
             self.roles.append((time.monotonic(), heartbeat.worker_id, heartbeat.role))
+            self.models.append((time.monotonic(), heartbeat.worker_id, heartbeat.model))
         self.latest[heartbeat.worker_id] = heartbeat
         if len(self.latest) >= self._num_expected:
             self._has_all.set()

@@ -28,6 +28,7 @@ class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     arrival_s: float | None = None  # from the start of the run; None: closed loop
+    model: str | None = None  # None: the client's model
 
 
 @dataclass(frozen=True)
@@ -86,16 +87,18 @@ class Phase:
     input_len: int
     output_len: int
     num_requests: int
+    model: str | None = None  # its requests' model (None: the client's)
 
     @classmethod
     def parse(cls, text: str) -> Phase:
-        """`INPUT:OUTPUT:NUM`, e.g. `2048:32:200`."""
+        """`INPUT:OUTPUT:NUM[:MODEL]`, e.g. `2048:32:200` or `512:128:200:qwen-2.5-7b-h200`."""
+        parts = text.split(":", 3)
         try:
-            input_len, output_len, num = (int(part) for part in text.split(":"))
+            input_len, output_len, num = (int(part) for part in parts[:3])
         except ValueError as exc:
-            raise ValueError(f"a phase is INPUT:OUTPUT:NUM (e.g. 2048:32:200), not {text!r}"
-                             ) from exc
-        return cls(input_len, output_len, num)
+            raise ValueError("a phase is INPUT:OUTPUT:NUM[:MODEL] (e.g. 2048:32:200), not "
+                             f"{text!r}") from exc
+        return cls(input_len, output_len, num, parts[3] if len(parts) > 3 else None)
 
 
 def phased(phases: list[Phase], spec: SyntheticSpec) -> list[BenchRequest]:
@@ -109,7 +112,8 @@ def phased(phases: list[Phase], spec: SyntheticSpec) -> list[BenchRequest]:
             output_len=phase.output_len, range_ratio=spec.range_ratio, rate=spec.rate,
             burstiness=spec.burstiness, seed=spec.seed + index))
         requests += [BenchRequest(r.prompt_token_ids, r.max_tokens,
-                                  None if r.arrival_s is None else start_s + r.arrival_s)
+                                  None if r.arrival_s is None else start_s + r.arrival_s,
+                                  model=phase.model)
                      for r in part]
         if spec.rate is not None:
             start_s += phase.num_requests / spec.rate
