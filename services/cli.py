@@ -3,6 +3,7 @@
     halfmoon up                      embedded NATS + conductor + prefill + decode + gateway
     halfmoon gateway|conductor|worker --nats-url URL ...   one service per process
     halfmoon prefill|decode ...      a worker starting in that role (worker --role ...)
+    halfmoon assign WORKER --role R [--model M]   move one worker by hand (a RoleChange)
     halfmoon bench serve --url URL ...        load-test an OpenAI-compatible server
     halfmoon bench compare ...                colocated against disaggregated serving
     halfmoon bench transfer [--max-mib N]     transfer-engine benchmark (two processes)
@@ -16,6 +17,8 @@ file given with `--config`.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import getpass
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import uvloop
 
+from services.conductor.planning import ROLE_CHANGE_TIMEOUT_S
 from services.launcher import UpOptions, run_up
 from shared import tracing
 from shared.config import (
@@ -36,8 +40,11 @@ from shared.config import (
 )
 from shared.errors import ConfigError, ServiceStartFailed
 from shared.logs import configure_logging
+from shared.messages import DispatchReply, RoleChange
 from shared.model_dir import resolve_model_dir
+from shared.nats_client import connect, dispatch
 from shared.service import Service
+from shared.subjects import Subjects
 
 
 def _build_gateway(config: ServiceConfig) -> Service:
@@ -105,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     auth.add_argument("--gateways", type=int, default=2,
                       help="gateway users gateway-0..N-1, each reading only its own tokens "
                       "(default: 2)")
+    assign = commands.add_parser("assign", help="tell one worker to serve another role (or "
+                                 "model): the RoleChange a planner sends, by hand")
+    assign.add_argument("worker_id")
+    assign.add_argument("--role", required=True, choices=["prefill", "decode"])
+    assign.add_argument("--model", dest="to_model", default="",
+                        help="a model on the worker's disk to load (default: keep its model)")
+    assign.add_argument("--reason", default="by hand")
+    add_config_flags(assign, ServiceConfig)
     bench = commands.add_parser("bench", help="benchmarks (bench serve --help)")
     bench.add_argument("target", choices=sorted(benchmarks()), help="what to measure")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER,
@@ -125,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return write_nats_auth(Path(args.out), args.cluster, args.gateways)
         if args.command == "bench":
             return run_benchmark(args.target, args.bench_args)
+        if args.command == "assign":
+            return assign_worker(args)
         return run_service(args.command, vars(args))
     except ConfigError as exc:
         print(f"halfmoon: {exc.message}", file=sys.stderr)
@@ -178,6 +195,30 @@ def init_model(directory: str | None, *, is_forced: bool) -> int:
         return 1
     write_builtin_model(path)
     print(f"wrote the built-in model to {path}")
+    return 0
+
+
+def assign_worker(args: argparse.Namespace) -> int:
+    config = load_config(ServiceConfig, flags=vars(args), env=os.environ,
+                         toml_path=args.config_path)
+    command = RoleChange(role=args.role, model=args.to_model, reason=args.reason,
+                         requested_by=f"halfmoon assign ({getpass.getuser()})")
+
+    async def send() -> DispatchReply:
+        nc = await connect(config.nats_url, "halfmoon-assign", config.connect_timeout_s,
+                           auth=config.nats)
+        try:
+            return await dispatch(nc, Subjects(config.cluster).role_change(args.worker_id),
+                                  command, ROLE_CHANGE_TIMEOUT_S)
+        finally:
+            await nc.close()
+
+    reply = asyncio.run(send())
+    if not reply.is_accepted:
+        print(f"halfmoon: {args.worker_id} refused: {reply.reason}", file=sys.stderr)
+        return 1
+    print(f"{args.worker_id} serves {args.to_model or 'its model'} as {args.role} "
+          f"({'once it has finished and reloaded' if args.to_model else 'now'})")
     return 0
 
 

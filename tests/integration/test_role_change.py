@@ -4,6 +4,7 @@ request is lost, failed or changed; the engine, its KV pool and prefix cache sta
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -231,3 +232,22 @@ async def test_one_conductor_plans_at_a_time_and_another_takes_over_when_it_dies
             await eventually(lambda: len(leaders()) == 1, timeout_s=5)
         finally:
             await second.stop()
+
+
+async def test_an_operator_moves_a_worker_with_halfmoon_assign(nats_url: str) -> None:
+    async with Stack(nats_url, num_prefill=1, num_decode=2) as stack:
+        moving = stack.decodes[1]
+
+        async def assign(*flags: str) -> tuple[int, str]:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "services.cli", "assign", moving.worker_id, *flags,
+                "--nats-url", nats_url, "--cluster", stack.cluster,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            out, _ = await process.communicate()
+            return process.returncode or 0, out.decode()
+
+        code, out = await assign("--role", "prefill")
+        assert (code, moving.role) == (0, "prefill"), out
+        assert f"{moving.worker_id} serves its model as prefill" in out
+        code, out = await assign("--role", "decode", "--model", "elsewhere")
+        assert code == 1 and "`elsewhere` is not on this worker's disk" in out
