@@ -93,12 +93,15 @@ def _contenders(runs: list[Run], load: float) -> tuple[Run | None, Run | None, R
 
 
 def split_over_time(run: Run) -> list[tuple[float, int]]:
-    """(device seconds, prefill workers) at each change of the planner run's split."""
+    """(device seconds, prefill workers) at each change of the planner run's split, and at
+    the run's end (the split it ended with)."""
     roles: dict[str, str] = {}
     points = []
     for at_s, worker_id, role in sorted(run.roles):
         roles[worker_id] = role
         points.append((at_s, sum(r == "prefill" for r in roles.values())))
+    if points:
+        points.append((max(points[-1][0], run.summary.duration_s), points[-1][1]))
     return points
 
 
