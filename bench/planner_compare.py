@@ -106,12 +106,15 @@ def split_over_time(run: Run) -> list[tuple[float, int]]:
 
 
 def models_over_time(run: Run) -> list[tuple[float, dict[str, int]]]:
-    """(device seconds, workers per model) at each change of a worker's model."""
+    """(device seconds, workers per model) at each change of a worker's model, and at the
+    run's end."""
     models: dict[str, str] = {}
     points = []
     for at_s, worker_id, model in sorted(run.models):
         models[worker_id] = model
         points.append((at_s, dict(Counter(models.values()))))
+    if points:
+        points.append((max(points[-1][0], run.summary.duration_s), points[-1][1]))
     return points
 
 
@@ -147,6 +150,11 @@ def write_outputs(out: Path, runs: list[Run], args: argparse.Namespace,
         written.append(plots.split_over_time(
             split_over_time(planner), args.workers, out / f"planner_split_load{load:g}.png",
             phase_starts=phase_starts(args, load), title=f"planner, load {load:g}"))
+        if args.models:
+            written.append(plots.models_over_time(
+                models_over_time(planner), args.workers,
+                out / f"planner_models_load{load:g}.png",
+                phase_starts=phase_starts(args, load), title=f"planner, load {load:g}"))
         if best is not None:
             written.append(plots.latency_cdfs(
                 [(PLANNER, planner.records), (best.setup, best.records)],

@@ -116,3 +116,22 @@ def split_over_time(points: Sequence[tuple[float, int]], num_workers: int, path:
     axes.set_ylim(0, num_workers)
     _decorate(axes)
     return _save(plt, figure, path, title)
+
+
+def models_over_time(points: Sequence[tuple[float, dict[str, int]]], num_workers: int,
+                     path: Path, *, phase_starts: Sequence[float] = (), title: str = "") -> Path:
+    """Workers serving each model over time (a step plot), with the phase changes marked."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(11, 4))
+    times = [at for at, _ in points]
+    for model in sorted({m for _, counts in points for m in counts}):
+        axes.step(times, [counts.get(model, 0) for _, counts in points], where="post",
+                  label=f"{model} workers")
+    for index, start in enumerate(phase_starts):
+        axes.axvline(start, color="grey", linestyle="--",
+                     label="phase change" if index == 0 else None)
+    axes.set_xlabel("time from start (device s)")
+    axes.set_ylabel("workers")
+    axes.set_ylim(0, num_workers)
+    _decorate(axes)
+    return _save(plt, figure, path, title)

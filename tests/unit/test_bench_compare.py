@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 from bench.client import RequestRecord
 from bench.compare import Run, at_load, in_device_time, ratio_table, reference_load
 from bench.results import Slo, summarize
@@ -55,3 +57,13 @@ def test_the_table_gives_colocated_over_disaggregated_ratios() -> None:
     # Best goodput: 1 req/s each (colocated at load 1, disaggregated at both).
     assert "1.00x" in line("throughput at SLO")
     assert "0.80x" in line("utilization")  # at those loads: 40 % against 50 %
+
+
+def test_the_planners_timelines_count_workers_per_role_and_model_to_the_runs_end() -> None:
+    from bench.planner_compare import models_over_time, split_over_time
+
+    planner = replace(run("planner", 1, 0.1, 0.01, 0.5), roles=[
+        (0.0, "w1", "prefill"), (0.0, "w2", "decode"), (2.0, "w2", "prefill")], models=[
+        (0.0, "w1", "a"), (0.0, "w2", "b"), (3.0, "w2", "a")])
+    assert split_over_time(planner) == [(0.0, 1), (0.0, 1), (2.0, 2), (10.0, 2)]
+    assert models_over_time(planner)[-2:] == [(3.0, {"a": 2}), (10.0, {"a": 2})]
