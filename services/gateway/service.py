@@ -101,7 +101,7 @@ class GatewayService(Service):
         await self.serve(reply_subject, GatewayEvent, self._on_event)
         await self.serve(self.subjects.all_heartbeats, WorkerHeartbeat, self._on_heartbeat)
         for heartbeat in await read_registry(self.nc.jetstream(), self.subjects.workers_bucket):
-            await self._observe(heartbeat, from_registry=True)
+            self._observe(heartbeat, from_registry=True)
         self._generator = Generator(GeneratorContext(
             nc=self.nc, js=js, subjects=self.subjects, reply_subject=reply_subject,
             table=self.table, tokenizer_of=self._tokenizer_of,
@@ -167,10 +167,10 @@ class GatewayService(Service):
         self.table.dispatch(event)
 
     async def _on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
-        await self._observe(heartbeat)
+        self._observe(heartbeat)
 
-    async def _observe(self, heartbeat: WorkerHeartbeat, *, from_registry: bool = False
-                       ) -> None:
+    def _observe(self, heartbeat: WorkerHeartbeat, *, from_registry: bool = False) -> None:
+        """A worker's heartbeat: into the worker view, and its model into the catalog."""
         if from_registry:
             self.workers.observe_entry(heartbeat)
         else:
