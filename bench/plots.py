@@ -102,31 +102,29 @@ def split_over_time(points: Sequence[tuple[float, int]], num_workers: int, path:
                     phase_starts: Sequence[float] = (), title: str = "") -> Path:
     """Prefill and decode workers over time (a step plot), with the workload's phase
     changes marked."""
-    plt = _pyplot()
-    figure, axes = plt.subplots(figsize=(11, 4))
-    times = [at for at, _ in points]
     prefill = [n for _, n in points]
-    axes.step(times, prefill, where="post", label="prefill workers")
-    axes.step(times, [num_workers - n for n in prefill], where="post", label="decode workers")
-    for index, start in enumerate(phase_starts):
-        axes.axvline(start, color="grey", linestyle="--",
-                     label="phase change" if index == 0 else None)
-    axes.set_xlabel("time from start (device s)")
-    axes.set_ylabel("workers")
-    axes.set_ylim(0, num_workers)
-    _decorate(axes)
-    return _save(plt, figure, path, title)
+    return _workers_over_time(
+        [at for at, _ in points],
+        {"prefill workers": prefill, "decode workers": [num_workers - n for n in prefill]},
+        num_workers, path, phase_starts, title)
 
 
 def models_over_time(points: Sequence[tuple[float, dict[str, int]]], num_workers: int,
                      path: Path, *, phase_starts: Sequence[float] = (), title: str = "") -> Path:
     """Workers serving each model over time (a step plot), with the phase changes marked."""
+    models = sorted({m for _, counts in points for m in counts})
+    return _workers_over_time(
+        [at for at, _ in points],
+        {f"{m} workers": [counts.get(m, 0) for _, counts in points] for m in models},
+        num_workers, path, phase_starts, title)
+
+
+def _workers_over_time(times: list[float], lines: dict[str, list[int]], num_workers: int,
+                       path: Path, phase_starts: Sequence[float], title: str) -> Path:
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(11, 4))
-    times = [at for at, _ in points]
-    for model in sorted({m for _, counts in points for m in counts}):
-        axes.step(times, [counts.get(model, 0) for _, counts in points], where="post",
-                  label=f"{model} workers")
+    for label, counts in lines.items():
+        axes.step(times, counts, where="post", label=label)
     for index, start in enumerate(phase_starts):
         axes.axvline(start, color="grey", linestyle="--",
                      label="phase change" if index == 0 else None)

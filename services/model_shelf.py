@@ -44,9 +44,9 @@ def config_for_model(config: WorkerConfig, worker_id: str, model: str, role: Wor
         raise ConfigError(f"the model `{model}` is not on this worker's disk "
                           f"(--models-dir {config.models_dir or 'unset'})")
     engine = config.engine
-    if config.models_dir is not None and (Path(config.models_dir) / model).is_dir():
-        engine = msgspec.structs.replace(
-            engine, model_path=str(Path(config.models_dir).expanduser() / model))
+    model_dir = Path(config.models_dir).expanduser() / model if config.models_dir else None
+    if model_dir is not None and model_dir.is_dir():
+        engine = msgspec.structs.replace(engine, model_path=str(model_dir))
     return msgspec.structs.replace(config, model=model, role=role, worker_id=worker_id,
                                    engine=engine)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from nats.aio.client import Client as NatsClient
 
@@ -29,7 +28,7 @@ from shared.config import EngineSettings, WorkerConfig
 from shared.errors import ConfigError
 from shared.messages import KvPoolLayout
 from shared.metrics import PrefillMetrics
-from shared.model_dir import default_model_dir
+from shared.model_dir import default_model_dir, resolve_model_dir
 from shared.subjects import Subjects
 from transfer_engine import compression
 from transfer_engine.batch import Notification
@@ -141,7 +140,7 @@ def _torch_engine(settings: EngineSettings) -> Engine:
     from engine.builtin_model import ensure_builtin_model
     from engine.torch_engine import EngineOptions, TorchEngine
 
-    model_dir = (Path(settings.model_path).expanduser() if settings.model_path
+    model_dir = (resolve_model_dir(settings.model_path) if settings.model_path
                  else ensure_builtin_model(default_model_dir()))
     return TorchEngine(EngineOptions(
         model_dir=model_dir, dtype=getattr(torch, settings.dtype), device=settings.device,
@@ -157,10 +156,8 @@ def _torch_engine(settings: EngineSettings) -> Engine:
 def model_files_dir(settings: EngineSettings) -> str:
     """Where this worker's engine reads its model (absolute), for its heartbeat; "" for
     engines without model files."""
-    if settings.kind != "torch":
-        return ""
-    return str((Path(settings.model_path).expanduser() if settings.model_path
-                else default_model_dir()).resolve())
+    return str(resolve_model_dir(settings.model_path).resolve()) if settings.kind == "torch" \
+        else ""
 
 
 def simulated_link(config: WorkerConfig) -> SimulatedLink | None:
