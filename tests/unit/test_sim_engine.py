@@ -165,3 +165,29 @@ async def test_a_full_batch_admits_no_prompt_until_a_sequence_leaves() -> None:
     finally:
         await sim.close()
     assert order == [("a", i) for i in range(5)] + [("b", 0), ("b", 1)]
+
+
+async def test_loading_the_weights_takes_their_bytes_over_the_load_rate() -> None:
+    profile = PROFILES["llama-3-8b-h200"]
+    engine = SimEngine(SimOptions(profile=profile, time_scale=0.01,
+                                  load_bytes_per_s=profile.weight_bytes / 20.0))
+    assert engine.load_s == pytest.approx(20.0)  # simulated seconds
+    started = time.perf_counter()
+    await engine.start()
+    try:
+        assert time.perf_counter() - started >= 0.2  # 20 s at a time scale of 0.01
+    finally:
+        await engine.close()
+
+
+def test_a_sim_worker_switched_to_another_model_simulates_its_profile() -> None:
+    from services.model_shelf import config_for_model, models_on_disk
+    from shared.config import WorkerConfig, load_config
+
+    config = load_config(WorkerConfig, flags={"engine": "sim", "model": "llama-3-8b-h200"})
+    assert set(PROFILES) <= set(models_on_disk(config))
+    switched = config_for_model(config, "w1", "qwen-2.5-7b-h200", "decode")
+    assert (switched.worker_id, switched.role, switched.model) == ("w1", "decode",
+                                                                   "qwen-2.5-7b-h200")
+    engine = build_engine(switched)
+    assert isinstance(engine, SimEngine) and engine.profile.name == "qwen-2.5-7b-h200"
