@@ -251,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --planner: planner_hold_s in the device's time")
     parser.add_argument("--planner-cooldown-s", type=float, default=0.5,
                         help="with --planner: planner_cooldown_s in the device's time")
+    parser.add_argument("--planner-home-after-s", type=float, default=10.0,
+                        help="with --planner: planner_home_after_s in the device's time")
     return parser
 
 

@@ -8,11 +8,12 @@ same seeded load, in one run.
 Setups: colocated, every static split `P+D` of `--workers` (or `--splits`), and `planner`:
 `--prefill` + the rest to start with, `--planner slo` moving workers between the roles. Every
 setup's conductor gets the same SLOs (`--ttft-slo-ms`, `--tbt-slo-ms`: the bench's, in wall
-time), so admission is alike and only the planner differs. The planner's hold and cooldown
-are given in the device's time (`--planner-hold-s`, `--planner-cooldown-s`) and stretched by
-the time scale, as every other time is. Prints each setup's goodput and the planner's against
-the best static split and colocated; with `--out`, `planner.json`, the split over time
-(`planner_split.png`) and the latency CDFs of the planner against the best static split.
+time), so admission is alike and only the planner differs. The planner's hold, cooldown and
+calm before homecoming are given in the device's time (`--planner-hold-s`,
+`--planner-cooldown-s`, `--planner-home-after-s`) and stretched by the time scale, as every
+other time is. Prints each setup's goodput and the planner's against the best static split
+and colocated; with `--out`, `planner.json`, the split over time (`planner_split.png`) and
+the latency CDFs of the planner against the best static split.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def conductor_flags(args: argparse.Namespace, setup: str) -> list[str]:
     if setup == PLANNER:
         flags += ["--planner", "slo", "--planner-interval-s", str(max(0.2, 0.05 * scale)),
                   "--planner-hold-s", str(args.planner_hold_s * scale),
-                  "--planner-cooldown-s", str(args.planner_cooldown_s * scale)]
+                  "--planner-cooldown-s", str(args.planner_cooldown_s * scale),
+                  "--planner-home-after-s", str(args.planner_home_after_s * scale)]
     return flags
 
 

@@ -130,10 +130,10 @@ class Supervisor:
               f"{child.backoff_s:g} s", file=sys.stderr, flush=True)
 
     def _restart(self, child: Child) -> None:
+        if self._on_restart is not None:  # counted first: a new process is never seen uncounted
+            self._on_restart(child.role)
         child.start()
         print(f"halfmoon: restarted {child.name}", file=sys.stderr, flush=True)
-        if self._on_restart is not None:
-            self._on_restart(child.role)
 
     def first_exited(self) -> Child | None:
         """A child that is not running (during start-up, any exit is a failure)."""

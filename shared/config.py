@@ -94,7 +94,7 @@ class PlannerSettings(msgspec.Struct, frozen=True, kw_only=True):
     prefill and decode to keep `ttft_slo_ms` / `tbt_slo_ms` (at least one must be set).
     Active in one conductor at a time (a lease in NATS KV). `high` and `low` are shares of
     the SLOs: move a worker when a role's pressure stays above `high` for `hold_s`; send
-    moved workers home once both stay below `low` for `hold_s`."""
+    moved workers home once both stay below `low` for `home_after_s`."""
 
     mode: Literal["off", "slo"] = msgspec.field(default="off", name="planner")
     interval_s: float = msgspec.field(default=1.0, name="planner_interval_s")
@@ -102,6 +102,7 @@ class PlannerSettings(msgspec.Struct, frozen=True, kw_only=True):
     low: float = msgspec.field(default=0.3, name="planner_low")
     hold_s: float = msgspec.field(default=3.0, name="planner_hold_s")
     cooldown_s: float = msgspec.field(default=10.0, name="planner_cooldown_s")
+    home_after_s: float = msgspec.field(default=60.0, name="planner_home_after_s")
 
 
 class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):

@@ -16,12 +16,15 @@ above `high` for `hold_s` and the giving role would stay below `high` with one w
 (else the move would only move the problem, and flip back). `high` is a share of the SLO
 below 1: the planner acts before admission starts rejecting. A worker serving outside its
 home role (the one it started in, in its heartbeat) goes home once both pressures stayed
-below `low` for `hold_s`. Never the last worker of a role; one move at a time, at least
-`cooldown_s` apart (the moved worker's next heartbeats show the new split). Workers of each
-model are planned on their own first; when a model's higher pressure stays above `high` and
-no role move of its own relieves it, a worker of a model whose pressures both stayed below
-`low` is reassigned to it (a worker with that model on its disk, `models_on_disk`, from a
-role the calm model keeps a worker in): a (role, model) move, which reloads the worker.
+below `low` for `home_after_s`, much longer than `hold_s`: a bursty load is calm between its
+bursts, and a worker sent home then is only borrowed again at the next one. A role under
+pressure takes back a worker whose home it is first. Never the last worker of a role; one
+move at a time, at least `cooldown_s` apart (the moved worker's next heartbeats show the new
+split). Workers of each model are planned on their own first; when a model's higher pressure
+stays above `high` and no role move of its own relieves it, a worker of a model whose
+pressures both stayed below `low` is reassigned to it (a worker with that model on its disk,
+`models_on_disk`, from a role the calm model keeps a worker in): a (role, model) move, which
+reloads the worker.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class PlannerRules:
     low: float = 0.3
     hold_s: float = 2.0
     cooldown_s: float = 5.0
+    home_after_s: float = 60.0
     default_tokens_per_s: float = 2000.0
 
 
@@ -136,17 +140,21 @@ class Planner:
             return None  # a role without workers: nothing to balance against
         if self._held(split.model, "prefill over", p > rules.high, now_s) \
                 and n_d > 1 and d * n_d / (n_d - 1) < rules.high:
-            # The one holding least drains soonest (reservations wait for their prefill).
-            worker = min(split.decode, key=lambda w: (w.num_running + w.num_waiting,
+            # A borrowed prefill worker first, then the one holding least: it drains
+            # soonest (reservations wait for their prefill).
+            worker = min(split.decode, key=lambda w: (w.home_role != "prefill",
+                                                      w.num_running + w.num_waiting,
                                                       w.worker_id))
             return Move(worker.worker_id, "decode", "prefill",
                         f"prefill pressure {p:.2f} of its SLO", split)
         if self._held(split.model, "decode over", d > rules.high, now_s) \
                 and n_p > 1 and p * n_p / (n_p - 1) < rules.high:
-            worker = min(split.prefill, key=lambda w: (w.num_waiting_tokens, w.worker_id))
+            worker = min(split.prefill, key=lambda w: (w.home_role != "decode",
+                                                       w.num_waiting_tokens, w.worker_id))
             return Move(worker.worker_id, "prefill", "decode",
                         f"decode pressure {d:.2f} of its SLO", split)
-        if self._held(split.model, "calm", p < rules.low and d < rules.low, now_s):
+        if self._held(split.model, "calm", p < rules.low and d < rules.low, now_s,
+                      rules.home_after_s):
             return _homecoming(split)
         return None
 
@@ -170,13 +178,16 @@ class Planner:
                                 to_model=needy.model)
         return None
 
-    def _held(self, model: str, condition: str, is_true: bool, now_s: float) -> bool:
-        """`is_true` has held for `hold_s` (a condition that lapses starts over)."""
+    def _held(self, model: str, condition: str, is_true: bool, now_s: float,
+              hold_s: float | None = None) -> bool:
+        """`is_true` has held for `hold_s` (the rules' by default; a condition that lapses
+        starts over)."""
         key = (model, condition)
         if not is_true:
             self._since.pop(key, None)
             return False
-        return now_s - self._since.setdefault(key, now_s) >= self.rules.hold_s
+        hold_s = self.rules.hold_s if hold_s is None else hold_s
+        return now_s - self._since.setdefault(key, now_s) >= hold_s
 
 
 def _peak(split: Split) -> float:

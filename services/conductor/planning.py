@@ -86,7 +86,7 @@ def planner_rules(config: ConductorConfig) -> PlannerRules:
         ttft_slo_s=config.ttft_slo_ms / 1000 if config.ttft_slo_ms is not None else None,
         tbt_slo_s=config.tbt_slo_ms / 1000 if config.tbt_slo_ms is not None else None,
         high=planning.high, low=planning.low, hold_s=planning.hold_s,
-        cooldown_s=planning.cooldown_s,
+        cooldown_s=planning.cooldown_s, home_after_s=planning.home_after_s,
         default_tokens_per_s=config.default_prefill_tokens_per_s)
 
 

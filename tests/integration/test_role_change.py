@@ -174,7 +174,7 @@ async def test_the_planner_lends_a_decode_worker_to_prefill_for_a_burst_and_take
     computes 5 a second) moves a decode worker to prefill; once the phase is over it goes
     back to decode. No request fails."""
     planning = PlannerSettings(mode="slo", interval_s=0.2, high=0.1, low=0.03, hold_s=0.5,
-                               cooldown_s=1.0)
+                               cooldown_s=1.0, home_after_s=1.0)
     stack = Stack(nats_url, num_prefill=1, num_decode=2,
                   worker={"fake_prefill_s_per_token": 0.002, "fake_prefill_delay_s": 0.001,
                           "fake_token_delay_s": 0.01},

@@ -102,14 +102,41 @@ def test_moves_are_a_cooldown_apart() -> None:
     assert decide_over(planner, workers, 4, start_s=107.5) is not None
 
 
-def test_a_moved_worker_goes_home_once_both_roles_are_calm() -> None:
+RULES_HOME = PlannerRules(ttft_slo_s=1.0, tbt_slo_s=0.1, high=0.8, low=0.3, hold_s=2.0,
+                          cooldown_s=5.0, home_after_s=20.0)
+
+
+def test_a_moved_worker_goes_home_once_both_roles_stayed_calm_for_long() -> None:
     borrowed = worker("d2", "prefill", home="decode")
     workers = [worker("p", "prefill"), borrowed, worker("d1", "decode")]
-    move = decide_over(Planner(RULES), workers, 3)
+    planner = Planner(RULES_HOME)
+    assert decide_over(planner, workers, 19) is None  # a lull between bursts, not calm yet
+    move = decide_over(planner, workers, 2, start_s=119.5)
     assert (move.worker_id, move.to_role, move.reason) == (
         "d2", "decode", "load back under the low mark")
     at_home = [worker("p", "prefill"), worker("d1", "decode"), worker("d2", "decode")]
-    assert decide_over(Planner(RULES), at_home, 10) is None
+    assert decide_over(Planner(RULES_HOME), at_home, 30) is None
+
+
+def test_a_burst_in_the_lull_starts_the_calm_over() -> None:
+    planner = Planner(RULES_HOME)
+    calm = [worker("p", "prefill"), worker("d2", "prefill", home="decode"),
+            worker("d1", "decode")]
+    burst = [worker("p", "prefill", queued_tokens=1000), calm[1], calm[2]]  # 0.5: not calm
+    assert decide_over(planner, calm, 15) is None
+    assert decide_over(planner, burst, 1, start_s=115.5) is None
+    assert decide_over(planner, calm, 15, start_s=117.0) is None  # 15 s of calm, not 20
+    assert decide_over(planner, calm, 6, start_s=132.5) is not None
+
+
+def test_a_pressed_role_takes_back_its_own_worker_first() -> None:
+    # Decode is pressed; of the two prefill workers the borrowed one goes, though it
+    # holds more queued prompt tokens than the other.
+    workers = [worker("p", "prefill", queued_tokens=100),
+               worker("d3", "prefill", home="decode", queued_tokens=300),
+               worker("d1", "decode", num_running=60), worker("d2", "decode", num_running=60)]
+    move = decide_over(Planner(RULES), workers, 3)
+    assert (move.worker_id, move.from_role, move.to_role) == ("d3", "prefill", "decode")
 
 
 def test_each_model_is_planned_on_its_own() -> None:
