@@ -105,7 +105,8 @@ class WorkerService(Service):
         self._model_path = ""  # where the engine read the model, once started
         self._shelf: list[str] = []  # models it may switch to (`model_shelf`)
         self._model_load_s = 0.0
-        # Set when a RoleChange gave it another model: what to run next, once stopped.
+        # Set when a RoleChange gave it another model: the command, and what to run next.
+        self._loading: RoleChange | None = None
         self.reload_as: WorkerConfig | None = None
 
     @property
@@ -244,6 +245,7 @@ class WorkerService(Service):
             config = config_for_model(self.config, self.worker_id, command.model, command.role)
         except ConfigError as exc:
             return self.refusal(exc.message)
+        self._loading = command
         for duty in self._duties.values():
             duty.stop_intake()
         self.log.info("model.change", from_model=self.config.model, to_model=command.model,
@@ -361,6 +363,8 @@ class WorkerService(Service):
             busy_s=stats.busy_s, home_role=self._home_role,
             model_path=self._model_path, models_on_disk=self._shelf,
             model_load_s=self._model_load_s,
+            loading_model=self._loading.model if self._loading is not None else "",
+            loading_role=self._loading.role if self._loading is not None else None,
         )
 
     async def _stop_intake(self) -> None:

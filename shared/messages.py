@@ -377,6 +377,10 @@ class WorkerHeartbeat(Message, frozen=True, kw_only=True):
     # the sim engine's profiles; and how long loading its model took (0: unknown).
     models_on_disk: list[str] = msgspec.field(default_factory=list)
     model_load_s: float = 0.0
+    # Told to serve another model (`RoleChange.model`): finishing its work to load this one,
+    # as `loading_role`. Every conductor counts it as that model's load in flight.
+    loading_model: str = ""
+    loading_role: WorkerRole | None = None
 
 
 class RoleChange(Message, frozen=True, kw_only=True):

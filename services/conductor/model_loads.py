@@ -7,8 +7,9 @@ A request for such a model, when a worker of another model holds its files on di
 seed cost (`cost_model`): the predicted TTFT with its measured load time added, stretched by
 its score, whose "model" term is 0 for all of them (none has the model loaded). Only a worker
 whose own model keeps another healthy worker of its role is asked, so a load never leaves a
-model without a role. One load per (model, role) at a time from this conductor; the request
-is held for the loader's load time on top of the usual hold.
+model without a role. One load per (model, role) at a time: a loader heartbeats what it is
+loading, so another conductor's load (or the planner's move) counts as in flight here too.
+The request is held for the loader's load time on top of the usual hold.
 """
 
 from __future__ import annotations
@@ -84,8 +85,13 @@ class ModelLoads:
         self._loads[(model, role)] = load
         return load
 
-    def observe(self, heartbeat: WorkerHeartbeat) -> None:
-        """A worker heartbeats: a load it was asked for is done once it serves the model."""
+    def observe(self, heartbeat: WorkerHeartbeat, now_s: float | None = None) -> None:
+        """A worker heartbeats: a load it was asked for is done once it serves the model;
+        one it says it is loading (asked by another conductor, or the planner) is in flight
+        here too, so no second worker is taken for it."""
         load = self._loads.get((heartbeat.model, heartbeat.role))
         if load is not None and load.worker_id == heartbeat.worker_id:
             del self._loads[(heartbeat.model, heartbeat.role)]
+        if heartbeat.loading_model and heartbeat.loading_role is not None \
+                and self.in_flight(heartbeat.loading_model, heartbeat.loading_role, now_s) is None:
+            self.start(heartbeat.loading_model, heartbeat.loading_role, heartbeat, now_s)

@@ -87,6 +87,9 @@ async def test_a_worker_switched_to_another_model_finishes_the_old_and_serves_th
         load = [asyncio.create_task(greedy(sdk, "alpha", p)) for p in prompts]
         await eventually(lambda: not switching.duty.is_idle(), timeout_s=10)
         assert (await change_model(stack, switching, "beta")).is_accepted
+        draining = switching.heartbeat()  # every conductor sees the load in flight
+        assert (draining.is_draining, draining.loading_model, draining.loading_role) == (
+            True, "beta", "decode")
         texts = await asyncio.gather(*load)
         await eventually(lambda: stack.gateway.health()["models"]["beta"]["is_ready"],
                          timeout_s=30)
@@ -101,6 +104,7 @@ async def test_a_worker_switched_to_another_model_finishes_the_old_and_serves_th
         worker_id, "beta", "decode")
     heartbeat = reloaded.heartbeat()
     assert heartbeat.model == "beta" and heartbeat.model_load_s > 0
+    assert heartbeat.loading_model == "" and heartbeat.loading_role is None
     assert heartbeat.models_on_disk == ["alpha", "beta"]
     changes = switching.metrics.registry.get_sample_value(
         "halfmoon_model_changes_total", {"from_model": "alpha", "to_model": "beta"})

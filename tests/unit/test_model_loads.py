@@ -54,3 +54,15 @@ def test_a_load_is_in_flight_until_its_worker_serves_the_model_or_it_overstays()
     loads.start("b", "decode", loader, now_s=100.0)
     assert loads.in_flight("b", "decode", now_s=113.9) is not None  # 2 x 2 s + 10 s margin
     assert loads.in_flight("b", "decode", now_s=114.1) is None
+
+
+def test_a_load_another_conductor_asked_for_is_in_flight_here_too() -> None:
+    loads = ModelLoads()
+    loading = worker("a-d1", "a", "decode", is_draining=True, loading_model="b",
+                     loading_role="decode", model_load_s=4.0)
+    loads.observe(loading, now_s=100.0)
+    load = loads.in_flight("b", "decode", now_s=101.0)
+    assert load is not None and (load.worker_id, load.load_s) == ("a-d1", 4.0)
+    assert loads.in_flight("b", "prefill", now_s=101.0) is None
+    loads.observe(worker("a-d1", "b", "decode"), now_s=106.0)  # loaded: it serves b now
+    assert loads.in_flight("b", "decode", now_s=106.0) is None
