@@ -23,12 +23,14 @@ import json
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from bench.workload import BenchRequest
 
 if TYPE_CHECKING:
     from bench.compare import Run
+
+T = TypeVar("T")
 
 PLANNER = "planner"
 
@@ -102,9 +104,7 @@ def split_over_time(run: Run) -> list[tuple[float, int]]:
     for at_s, worker_id, role in sorted(run.roles):
         roles[worker_id] = role
         points.append((at_s, sum(r == "prefill" for r in roles.values())))
-    if points:
-        points.append((max(points[-1][0], run.summary.duration_s), points[-1][1]))
-    return points
+    return _settled(points, run.summary.duration_s)
 
 
 def models_over_time(run: Run) -> list[tuple[float, dict[str, int]]]:
@@ -115,9 +115,17 @@ def models_over_time(run: Run) -> list[tuple[float, dict[str, int]]]:
     for at_s, worker_id, model in sorted(run.models):
         models[worker_id] = model
         points.append((at_s, dict(Counter(models.values()))))
-    if points:
-        points.append((max(points[-1][0], run.summary.duration_s), points[-1][1]))
-    return points
+    return _settled(points, run.summary.duration_s)
+
+
+def _settled(points: list[tuple[float, T]], end_s: float) -> list[tuple[float, T]]:
+    """The last point at each time (workers seen at one instant, as at the start, count
+    together, not one by one), and the last again at the run's end."""
+    settled = [point for point, after in zip(points, [*points[1:], None], strict=True)
+               if after is None or after[0] != point[0]]
+    if settled:
+        settled.append((max(settled[-1][0], end_s), settled[-1][1]))
+    return settled
 
 
 def phase_starts(args: argparse.Namespace, load: float) -> list[float]:

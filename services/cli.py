@@ -3,6 +3,7 @@
     halfmoon up                      embedded NATS + conductor + prefill + decode + gateway
     halfmoon gateway|conductor|worker --nats-url URL ...   one service per process
     halfmoon prefill|decode ...      a worker starting in that role (worker --role ...)
+    halfmoon workers [--json]        every live worker: role, model, load, state
     halfmoon assign WORKER --role R [--model M]   move one worker by hand (a RoleChange)
     halfmoon bench serve --url URL ...        load-test an OpenAI-compatible server
     halfmoon bench compare ...                colocated against disaggregated serving
@@ -17,8 +18,6 @@ file given with `--config`.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import getpass
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -27,8 +26,8 @@ from pathlib import Path
 
 import uvloop
 
-from services.conductor.planning import ROLE_CHANGE_TIMEOUT_S
 from services.launcher import UpOptions, run_up
+from services.operator_commands import assign_worker, list_workers
 from shared import tracing
 from shared.config import (
     ConductorConfig,
@@ -40,9 +39,7 @@ from shared.config import (
 )
 from shared.errors import ConfigError, ServiceStartFailed
 from shared.logs import configure_logging
-from shared.messages import DispatchReply, RoleChange
 from shared.model_dir import resolve_model_dir
-from shared.nats_client import connect, dispatch
 from shared.service import Service
 from shared.subjects import Subjects
 
@@ -120,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a model on the worker's disk to load (default: keep its model)")
     assign.add_argument("--reason", default="by hand")
     add_config_flags(assign, ServiceConfig)
+    workers = commands.add_parser("workers", help="list every live worker: role, model, "
+                                  "load, state (from the cluster's worker registry)")
+    workers.add_argument("--json", action="store_true",
+                         help="each worker's latest heartbeat, one JSON object a line")
+    add_config_flags(workers, ServiceConfig)
     bench = commands.add_parser("bench", help="benchmarks (bench serve --help)")
     bench.add_argument("target", choices=sorted(benchmarks()), help="what to measure")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER,
@@ -142,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_benchmark(args.target, args.bench_args)
         if args.command == "assign":
             return assign_worker(args)
+        if args.command == "workers":
+            return list_workers(args)
         return run_service(args.command, vars(args))
     except ConfigError as exc:
         print(f"halfmoon: {exc.message}", file=sys.stderr)
@@ -174,7 +178,6 @@ def write_schema(out_dir: Path) -> int:
 
 def write_nats_auth(out_dir: Path, cluster: str, num_gateways: int) -> int:
     from shared.nats_auth import write_nkey_users
-    from shared.subjects import Subjects
 
     if num_gateways < 1:
         raise ConfigError(f"--gateways must be at least 1, not {num_gateways}")
@@ -195,30 +198,6 @@ def init_model(directory: str | None, *, is_forced: bool) -> int:
         return 1
     write_builtin_model(path)
     print(f"wrote the built-in model to {path}")
-    return 0
-
-
-def assign_worker(args: argparse.Namespace) -> int:
-    config = load_config(ServiceConfig, flags=vars(args), env=os.environ,
-                         toml_path=args.config_path)
-    command = RoleChange(role=args.role, model=args.to_model, reason=args.reason,
-                         requested_by=f"halfmoon assign ({getpass.getuser()})")
-
-    async def send() -> DispatchReply:
-        nc = await connect(config.nats_url, "halfmoon-assign", config.connect_timeout_s,
-                           auth=config.nats)
-        try:
-            return await dispatch(nc, Subjects(config.cluster).role_change(args.worker_id),
-                                  command, ROLE_CHANGE_TIMEOUT_S)
-        finally:
-            await nc.close()
-
-    reply = asyncio.run(send())
-    if not reply.is_accepted:
-        print(f"halfmoon: {args.worker_id} refused: {reply.reason}", file=sys.stderr)
-        return 1
-    print(f"{args.worker_id} serves {args.to_model or 'its model'} as {args.role} "
-          f"({'once it has finished and reloaded' if args.to_model else 'now'})")
     return 0
 
 

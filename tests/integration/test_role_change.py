@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import openai
 import pytest
 
@@ -17,7 +18,7 @@ from services.conductor.service import ConductorService
 from services.gateway.tokenizer import ByteTokenizer
 from services.worker import WorkerService
 from shared.config import PlannerSettings
-from shared.messages import DispatchReply, RoleChange, WorkerRole
+from shared.messages import DispatchReply, RoleChange, WorkerHeartbeat, WorkerRole
 from shared.nats_client import dispatch
 from tests.stack import Stack, eventually
 
@@ -234,20 +235,39 @@ async def test_one_conductor_plans_at_a_time_and_another_takes_over_when_it_dies
             await second.stop()
 
 
-async def test_an_operator_moves_a_worker_with_halfmoon_assign(nats_url: str) -> None:
+async def test_an_operator_lists_the_workers_and_moves_one_with_halfmoon_assign(
+        nats_url: str) -> None:
     async with Stack(nats_url, num_prefill=1, num_decode=2) as stack:
         moving = stack.decodes[1]
 
-        async def assign(*flags: str) -> tuple[int, str]:
+        async def halfmoon(*args: str) -> tuple[int, str]:
             process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "services.cli", "assign", moving.worker_id, *flags,
+                sys.executable, "-m", "services.cli", *args,
                 "--nats-url", nats_url, "--cluster", stack.cluster,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
             out, _ = await process.communicate()
             return process.returncode or 0, out.decode()
 
-        code, out = await assign("--role", "prefill")
+        def row_of(table: str, worker_id: str) -> list[str]:
+            (row,) = [line.split() for line in table.splitlines() if line.startswith(worker_id)]
+            return row
+
+        code, table = await halfmoon("workers")
+        assert code == 0 and len(table.splitlines()) == 4, table  # a header and 3 workers
+        assert row_of(table, moving.worker_id)[1:3] == ["decode", MODEL]
+        code, out = await halfmoon("assign", moving.worker_id, "--role", "prefill")
         assert (code, moving.role) == (0, "prefill"), out
         assert f"{moving.worker_id} serves its model as prefill" in out
-        code, out = await assign("--role", "decode", "--model", "elsewhere")
+        for _ in range(20):  # the registry entry is put beside the heartbeat
+            code, table = await halfmoon("workers")
+            if row_of(table, moving.worker_id)[1] == "prefill":
+                break
+        assert "serving (home: decode)" in " ".join(row_of(table, moving.worker_id)), table
+        code, lines = await halfmoon("workers", "--json")
+        heartbeats = [msgspec.json.decode(line, type=WorkerHeartbeat)
+                      for line in lines.splitlines()]
+        assert {h.worker_id for h in heartbeats} == {
+            w.worker_id for w in [*stack.prefills, *stack.decodes]}
+        code, out = await halfmoon("assign", moving.worker_id, "--role", "decode",
+                                   "--model", "elsewhere")
         assert code == 1 and "`elsewhere` is not on this worker's disk" in out

@@ -65,5 +65,7 @@ def test_the_planners_timelines_count_workers_per_role_and_model_to_the_runs_end
     planner = replace(run("planner", 1, 0.1, 0.01, 0.5), roles=[
         (0.0, "w1", "prefill"), (0.0, "w2", "decode"), (2.0, "w2", "prefill")], models=[
         (0.0, "w1", "a"), (0.0, "w2", "b"), (3.0, "w2", "a")])
-    assert split_over_time(planner) == [(0.0, 1), (0.0, 1), (2.0, 2), (10.0, 2)]
-    assert models_over_time(planner)[-2:] == [(3.0, {"a": 2}), (10.0, {"a": 2})]
+    # Workers seen at one instant (the start) count together, not one by one.
+    assert split_over_time(planner) == [(0.0, 1), (2.0, 2), (10.0, 2)]
+    assert models_over_time(planner) == [(0.0, {"a": 1, "b": 1}), (3.0, {"a": 2}),
+                                         (10.0, {"a": 2})]
