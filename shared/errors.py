@@ -87,7 +87,13 @@ class KvShortage(CapacityExhausted):
 
 
 class SloViolation(CapacityExhausted):
-    """Admission predicted that the request would break a TTFT or TBT SLO."""
+    """Admission predicted that the request would break a TTFT or TBT SLO; `role` is the one
+    short of capacity: prefill for the TTFT, decode for the time between tokens."""
+
+    def __init__(self, message: str, *, role: str, retry_after_s: float | None = None
+                 ) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.role = role
 
 
 class WorkerUnavailable(HalfmoonError):

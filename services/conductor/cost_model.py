@@ -98,12 +98,9 @@ def seed_score(worker: WorkerHeartbeat, *, load: float, max_queue: int, fastest:
 def check_slo(ttft_s: float, tbt_s: float, slo: Slo) -> None:
     """Reject early (429) when the best placement's prediction breaks an SLO."""
     if slo.ttft_s is not None and ttft_s > slo.ttft_s:
-        raise _rejection(f"predicted TTFT {ttft_s * 1000:.0f} ms exceeds the SLO of "
-                         f"{slo.ttft_s * 1000:.0f} ms", retry_after_s=ttft_s - slo.ttft_s)
+        raise SloViolation(f"predicted TTFT {ttft_s * 1000:.0f} ms exceeds the SLO of "
+                           f"{slo.ttft_s * 1000:.0f} ms", role="prefill",
+                           retry_after_s=max(1.0, ttft_s - slo.ttft_s))
     if slo.tbt_s is not None and tbt_s > slo.tbt_s:
-        raise _rejection(f"predicted time between tokens {tbt_s * 1000:.0f} ms exceeds the SLO "
-                         f"of {slo.tbt_s * 1000:.0f} ms", retry_after_s=1.0)
-
-
-def _rejection(message: str, retry_after_s: float) -> SloViolation:
-    return SloViolation(message, retry_after_s=max(1.0, retry_after_s))
+        raise SloViolation(f"predicted time between tokens {tbt_s * 1000:.0f} ms exceeds the "
+                           f"SLO of {slo.tbt_s * 1000:.0f} ms", role="decode", retry_after_s=1.0)

@@ -11,6 +11,10 @@ Pressure of a role, 1.0 = at its SLO, each worker's from its heartbeat, averaged
              waiting for their prefill are not counted as load (they are a prefill backlog,
              which would otherwise stop prefill from borrowing a decode worker); their KV is
              in the used share.
+A role whose requests admission rejected for its SLO in the last two intervals (TTFT:
+prefill, time between tokens: decode) is at least at its SLO (1.0): admission keeps the
+queues short exactly when a role lacks workers, so its measured pressure alone would stay
+under the high mark while requests are turned away.
 A worker moves from the role with room to the role under pressure when that pressure stayed
 above `high` for `hold_s` and the giving role would stay below `high` with one worker fewer
 (else the move would only move the problem, and flip back). `high` is a share of the SLO
@@ -30,6 +34,7 @@ reloads the worker.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from services.conductor.cost_model import predicted_ttft_s
@@ -95,8 +100,23 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def splits(workers: list[WorkerHeartbeat], rules: PlannerRules) -> list[Split]:
-    """Healthy workers by model, in model order."""
+class SloRejections:
+    """When admission last rejected a request of each (model, role) for that role's SLO."""
+
+    def __init__(self) -> None:
+        self._last_s: dict[tuple[str, str], float] = {}
+
+    def note(self, model: str, role: str, now_s: float) -> None:
+        self._last_s[(model, role)] = now_s
+
+    def within(self, now_s: float, window_s: float) -> set[tuple[str, str]]:
+        return {key for key, at_s in self._last_s.items() if now_s - at_s <= window_s}
+
+
+def splits(workers: list[WorkerHeartbeat], rules: PlannerRules,
+           rejected: Collection[tuple[str, str]] = ()) -> list[Split]:
+    """Healthy workers by model, in model order; a (model, role) in `rejected` is at least
+    at its SLO."""
     by_model: dict[str, list[WorkerHeartbeat]] = defaultdict(list)
     for worker in workers:
         by_model[worker.model].append(worker)
@@ -106,8 +126,10 @@ def splits(workers: list[WorkerHeartbeat], rules: PlannerRules) -> list[Split]:
         decode = [w for w in by_model[model] if w.role == "decode"]
         found.append(Split(
             model, prefill, decode,
-            prefill_pressure=_mean([prefill_pressure(w, rules) for w in prefill]),
-            decode_pressure=_mean([decode_pressure(w, rules) for w in decode])))
+            prefill_pressure=max(_mean([prefill_pressure(w, rules) for w in prefill]),
+                                 1.0 if (model, "prefill") in rejected else 0.0),
+            decode_pressure=max(_mean([decode_pressure(w, rules) for w in decode]),
+                                1.0 if (model, "decode") in rejected else 0.0)))
     return found
 
 
@@ -120,10 +142,12 @@ class Planner:
         self._since: dict[tuple[str, str], float] = {}  # (model, condition) -> first seen
         self._last_move_s = float("-inf")
 
-    def decide(self, workers: list[WorkerHeartbeat], now_s: float) -> Move | None:
+    def decide(self, workers: list[WorkerHeartbeat], now_s: float,
+               rejected: Collection[tuple[str, str]] = ()) -> Move | None:
         """At most one move over every model, or None: a role move within a model first,
-        else a worker of a calm model reassigned to a model under pressure."""
-        found = splits(workers, self.rules)
+        else a worker of a calm model reassigned to a model under pressure. `rejected`: the
+        (model, role)s admission turned requests away for lately."""
+        found = splits(workers, self.rules, rejected)
         reassignment = self._reassign(found, now_s)  # its clocks run every time
         moves = [self._decide(split, now_s) for split in found]
         move = next((m for m in moves if m is not None), reassignment)

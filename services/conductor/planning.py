@@ -23,7 +23,7 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.js.kv import KeyValue
 
-from services.conductor.planner import Move, Planner, PlannerRules, splits
+from services.conductor.planner import Move, Planner, PlannerRules, SloRejections, splits
 from shared import tracing
 from shared.config import ConductorConfig
 from shared.errors import ConfigError, WorkerUnavailable
@@ -99,6 +99,9 @@ class PlanningLoop:
         self.config, self.nc, self.subjects = config, nc, subjects
         self.workers, self.metrics, self.holder_id = workers, metrics, holder_id
         self.planner = Planner(planner_rules(config))
+        # This conductor's admission rejections; the work queue spreads requests over the
+        # conductors, so the lease holder's share shows the cluster's.
+        self.slo_rejections = SloRejections()
         self._spawn = spawn
         self._move: asyncio.Task[None] | None = None
         self.moves: list[tuple[Move, str]] = []  # (move, outcome), for tests and logs
@@ -124,15 +127,16 @@ class PlanningLoop:
 
     def plan(self) -> None:
         """Decide once; a move goes out as its own task."""
-        workers = self._view()
-        for split in splits(workers, self.planner.rules):
+        workers, now_s = self._view(), time.monotonic()
+        rejected = self.slo_rejections.within(now_s, 2 * self.config.planning.interval_s)
+        for split in splits(workers, self.planner.rules, rejected):
             self.metrics.planner_pressure.labels(split.model, "prefill").set(
                 split.prefill_pressure)
             self.metrics.planner_pressure.labels(split.model, "decode").set(
                 split.decode_pressure)
         if self._move is not None:
             return  # one move at a time
-        move = self.planner.decide(workers, time.monotonic())
+        move = self.planner.decide(workers, now_s, rejected)
         if move is not None:
             self._move = self._spawn(self._apply(move), f"planner.move.{move.worker_id}")
 

@@ -348,6 +348,8 @@ class ConductorService(Service):
                       reason=error.message)
         reason = "slo" if isinstance(error, SloViolation) else error.code.value
         self.rejections[reason] += 1
+        if isinstance(error, SloViolation) and self.planning is not None:
+            self.planning.slo_rejections.note(request.model, error.role, time.monotonic())
         self.metrics.rejections.labels(reason).inc()
         failure = RequestFailed(request_id=request.request_id, code=error.code,
                                 message=error.message, worker_id=self.instance_id,

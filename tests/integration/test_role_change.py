@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -271,3 +272,19 @@ async def test_an_operator_lists_the_workers_and_moves_one_with_halfmoon_assign(
         code, out = await halfmoon("assign", moving.worker_id, "--role", "decode",
                                    "--model", "elsewhere")
         assert code == 1 and "`elsewhere` is not on this worker's disk" in out
+
+
+async def test_the_planner_hears_of_requests_admission_turns_away(nats_url: str) -> None:
+    """A TTFT SLO no prefill can keep: the client gets its 429, and the planner counts the
+    model's prefill as at its SLO."""
+    planning = PlannerSettings(mode="slo", interval_s=0.2)
+    stack = Stack(nats_url, worker={"fake_prefill_s_per_token": 0.002},
+                  conductor_options={"ttft_slo_ms": 1, "planning": planning})
+    async with stack, openai.AsyncOpenAI(base_url=stack.base_url, api_key="x",
+                                         max_retries=0) as sdk:
+        with pytest.raises(openai.RateLimitError, match="exceeds the SLO"):
+            await sdk.completions.create(model=MODEL, prompt="x" * 200, max_tokens=2)
+        planning_loop = stack.conductor.planning
+        assert planning_loop is not None
+        assert planning_loop.slo_rejections.within(time.monotonic(), 5.0) == {
+            (MODEL, "prefill")}

@@ -30,7 +30,7 @@ def test_a_kv_shortage_is_never_held_past_the_ttft_slo() -> None:
 
 
 def test_refusals_that_do_not_clear_up_are_answered_at_once() -> None:
-    for error in (CapacityExhausted("too big"), SloViolation("late")):
+    for error in (CapacityExhausted("too big"), SloViolation("late", role="prefill")):
         assert holding.retry_delay_s(error, CONFIG, None, age_s=0.0, num_delivered=1) is None
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from services.conductor.planner import Planner, PlannerRules, splits
+from services.conductor.planner import Planner, PlannerRules, SloRejections, splits
 from shared.messages import WorkerHeartbeat, WorkerRole
 
 RULES = PlannerRules(ttft_slo_s=1.0, tbt_slo_s=0.1, high=0.8, low=0.3, hold_s=2.0,
@@ -177,3 +177,39 @@ def test_a_busy_model_gives_no_worker_away() -> None:
                worker("b-d1", "decode", model="b", **shelf),
                worker("b-d2", "decode", model="b", **shelf)]
     assert decide_over(Planner(RULES), workers, 3.0) is None
+
+
+def test_a_role_admission_keeps_rejecting_for_counts_as_at_its_slo() -> None:
+    # Queues kept short by admission: 600 queued tokens is 0.6 of the TTFT SLO, under the
+    # high mark; requests turned away for their TTFT make prefill's pressure 1.0.
+    workers = [worker("p", "prefill", queued_tokens=600), worker("d1", "decode"),
+               worker("d2", "decode")]
+    (split,) = splits(workers, RULES, {("m", "prefill")})
+    assert (split.prefill_pressure, split.decode_pressure) == (1.0, pytest.approx(0.2))
+    assert decide_over(Planner(RULES), workers, 5) is None
+    planner = Planner(RULES)
+    move = next(m for tick in range(7)
+                if (m := planner.decide(workers, 100 + tick / 2, {("m", "prefill")})))
+    assert (move.worker_id, move.to_role) == ("d1", "prefill")
+    assert "prefill pressure 1.00" in move.reason
+
+
+def test_a_model_turned_away_at_its_one_worker_per_role_gets_a_calm_models_worker() -> None:
+    shelf = {"models_on_disk": ["a", "b"]}
+    workers = [worker("a-p", "prefill", model="a", queued_tokens=600, **shelf),
+               worker("a-d", "decode", model="a", **shelf),
+               worker("b-p", "prefill", model="b", **shelf),
+               worker("b-d1", "decode", model="b", **shelf),
+               worker("b-d2", "decode", model="b", **shelf)]
+    planner = Planner(RULES)
+    move = next(m for tick in range(7)
+                if (m := planner.decide(workers, 100 + tick / 2, {("a", "prefill")})))
+    assert (move.worker_id, move.to_role, move.to_model) == ("b-d1", "prefill", "a")
+
+
+def test_slo_rejections_count_within_their_window() -> None:
+    rejections = SloRejections()
+    rejections.note("a", "prefill", 10.0)
+    rejections.note("b", "decode", 12.0)
+    assert rejections.within(12.0, 2.0) == {("a", "prefill"), ("b", "decode")}
+    assert rejections.within(13.0, 2.0) == {("b", "decode")}
