@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import msgspec
 
+from services.conductor.planner import kv_used_share
 from services.conductor.planning import ROLE_CHANGE_TIMEOUT_S
 from shared.config import ServiceConfig, load_config
 from shared.messages import DispatchReply, RoleChange, WorkerHeartbeat
@@ -78,9 +79,8 @@ def workers_table(workers: list[WorkerHeartbeat], now_s: float) -> str:
     rows = [("WORKER", "ROLE", "MODEL", "HOST", "RUNNING", "WAITING", "KV USED", "SEEN",
              "STATE")]
     for w in workers:
-        used = 1 - w.num_free_blocks / w.num_total_blocks if w.num_total_blocks else 0.0
         rows.append((w.worker_id, w.role, w.model, w.host, str(w.num_running),
-                     str(w.num_waiting), f"{100 * used:.0f} %",
+                     str(w.num_waiting), f"{100 * kv_used_share(w):.0f} %",
                      f"{max(0.0, now_s - w.sent_at_s):.1f} s ago", _state(w)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
