@@ -147,7 +147,10 @@ class Planner:
         """At most one move over every model, or None: a role move within a model first,
         else a worker of a calm model reassigned to a model under pressure. `rejected`: the
         (model, role)s admission turned requests away for lately."""
-        found = splits(workers, self.rules, rejected)
+        return self.decide_on(splits(workers, self.rules, rejected), now_s)
+
+    def decide_on(self, found: list[Split], now_s: float) -> Move | None:
+        """`decide`, on splits already made (`splits`)."""
         reassignment = self._reassign(found, now_s)  # its clocks run every time
         moves = [self._decide(split, now_s) for split in found]
         move = next((m for m in moves if m is not None), reassignment)

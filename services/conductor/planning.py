@@ -129,14 +129,15 @@ class PlanningLoop:
         """Decide once; a move goes out as its own task."""
         workers, now_s = self._view(), time.monotonic()
         rejected = self.slo_rejections.within(now_s, 2 * self.config.planning.interval_s)
-        for split in splits(workers, self.planner.rules, rejected):
+        found = splits(workers, self.planner.rules, rejected)
+        for split in found:
             self.metrics.planner_pressure.labels(split.model, "prefill").set(
                 split.prefill_pressure)
             self.metrics.planner_pressure.labels(split.model, "decode").set(
                 split.decode_pressure)
         if self._move is not None:
             return  # one move at a time
-        move = self.planner.decide(workers, now_s, rejected)
+        move = self.planner.decide_on(found, now_s)
         if move is not None:
             self._move = self._spawn(self._apply(move), f"planner.move.{move.worker_id}")
 
