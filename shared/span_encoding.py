@@ -22,7 +22,7 @@ from typing import Any
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext
+from opentelemetry.trace import SpanContext, SpanKind, StatusCode
 
 log = logging.getLogger(__name__)
 
@@ -90,29 +90,47 @@ def _any_value(value: Any) -> bytes:
 _key_prefixes: dict[str, bytes] = {}
 
 
-def _key_value(key: str, value: Any) -> bytes:
-    """`KeyValue`; keys repeat across spans, so their encoded form is kept."""
+def _key_field(key: str) -> bytes:
+    """A `KeyValue`'s key field; keys repeat across spans, so their encoded form is kept."""
     prefix = _key_prefixes.get(key)
     if prefix is None:
         prefix = _field(b"\x0a", key.encode())
         if len(_key_prefixes) < _MAX_CACHED_KEYS:
             _key_prefixes[key] = prefix
+    return prefix
+
+
+def _key_value(key: str, value: Any) -> bytes:
+    """`KeyValue`."""
     encoded = _any_value(value)
     size = len(encoded)
-    return prefix + b"\x12" + (_ONE_BYTE[size] if size < 0x80 else _varint(size)) + encoded
+    return (_key_field(key) + b"\x12" + (_ONE_BYTE[size] if size < 0x80 else _varint(size))
+            + encoded)
 
 
 def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
     """Each attribute as a repeated `KeyValue` field; one that cannot be encoded is
-    logged and left out, as the SDK's encoder does."""
+    logged and left out, as the SDK's encoder does. (`_field`, `_key_value` and the string
+    case of `_any_value` written out: every attribute of every span passes here.)"""
     if not attributes:
         return b""
     parts = []
     for key, value in attributes.items():
-        try:
-            parts.append(_field(tag, _key_value(key, value)))
-        except (TypeError, ValueError) as exc:
-            log.error("span attribute %s not exported: %s", key, exc)
+        prefix = _key_prefixes.get(key) or _key_field(key)
+        if type(value) is str:
+            text = value.encode()
+            size = len(text)
+            encoded = b"\x0a" + (_ONE_BYTE[size] if size < 0x80 else _varint(size)) + text
+        else:
+            try:
+                encoded = _any_value(value)
+            except (TypeError, ValueError) as exc:
+                log.error("span attribute %s not exported: %s", key, exc)
+                continue
+        size = len(encoded)
+        pair = prefix + b"\x12" + (_ONE_BYTE[size] if size < 0x80 else _varint(size)) + encoded
+        size = len(pair)
+        parts.append(tag + (_ONE_BYTE[size] if size < 0x80 else _varint(size)) + pair)
     return b"".join(parts)
 
 
@@ -149,10 +167,20 @@ def _status(span: ReadableSpan) -> bytes:
     if status is None:
         return b""
     message = status.description
+    if status.status_code is StatusCode.UNSET and not message:
+        return _UNSET_STATUS
     return _field(b"\x7a", b"".join((
         _field(b"\x12", message.encode()) if message else b"",
         _uint_field(b"\x18", status.status_code.value),
     )))
+
+
+_UNSET_STATUS = b"\x7a\x00"  # an empty `Status` (the SDK writes it for every span)
+_KINDS = {kind: b"\x30" + _ONE_BYTE[kind.value + 1] for kind in SpanKind}  # OTLP counts from 1
+_pack_times = struct.Struct("<cQcQ").pack  # start (field 7) and end (field 8), fixed64
+_SPAN_FLAGS = {False: b"\x85\x01" + _pack_fixed32(_HAS_IS_REMOTE),
+               True: b"\x85\x01" + _pack_fixed32(_HAS_IS_REMOTE | _IS_REMOTE)}
+_name_fields: dict[str, bytes] = {}  # span names repeat: their encoded field is kept
 
 
 def encode_span(span: ReadableSpan) -> bytes:
@@ -161,23 +189,28 @@ def encode_span(span: ReadableSpan) -> bytes:
     trace_state = ",".join(f"{k}={v}" for k, v in context.trace_state.items()) \
         if context.trace_state else ""
     parent = span.parent
+    name = span.name
+    name_field = _name_fields.get(name)
+    if name_field is None:
+        name_field = _field(b"\x2a", name.encode()) if name else b""
+        if len(_name_fields) < _MAX_CACHED_KEYS:
+            _name_fields[name] = name_field
     return b"".join((
-        _field(b"\x0a", context.trace_id.to_bytes(16, "big")),
-        _field(b"\x12", context.span_id.to_bytes(8, "big")),
+        b"\x0a\x10" + context.trace_id.to_bytes(16, "big"),
+        b"\x12\x08" + context.span_id.to_bytes(8, "big"),
         _field(b"\x1a", trace_state.encode()) if trace_state else b"",
-        _field(b"\x22", parent.span_id.to_bytes(8, "big")) if parent else b"",
-        _field(b"\x2a", span.name.encode()) if span.name else b"",
-        b"\x30" + _varint(span.kind.value + 1),  # SDK kinds count from 0, OTLP's from 1
-        b"\x39" + _pack_fixed64(span.start_time or 0),
-        b"\x41" + _pack_fixed64(span.end_time or 0),
+        b"\x22\x08" + parent.span_id.to_bytes(8, "big") if parent else b"",
+        name_field,
+        _KINDS[span.kind],
+        _pack_times(b"\x39", span.start_time or 0, b"\x41", span.end_time or 0),
         _attributes(b"\x4a", span.attributes),
         _uint_field(b"\x50", span.dropped_attributes),
-        _events(span),
+        _events(span) if span.events else b"",
         _uint_field(b"\x60", span.dropped_events),
-        _links(span),
+        _links(span) if span.links else b"",
         _uint_field(b"\x70", span.dropped_links),
         _status(span),
-        b"\x85\x01" + _pack_fixed32(_flags(parent)),
+        _SPAN_FLAGS[parent is not None and parent.is_remote],
     ))
 
 
