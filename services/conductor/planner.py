@@ -1,6 +1,6 @@
 """The planner's policy: which worker should change roles, from the cluster's measured load
-against the SLOs. Pure (heartbeats and a clock in, at most one move out); `planning.py` runs
-it in the conductor that holds the planner's lease.
+against the SLOs. Pure (heartbeats and a clock in, at most one decision's moves out);
+`planning.py` runs it in the conductor that holds the planner's lease.
 
 Pressure of a role, 1.0 = at its SLO, each worker's from its heartbeat, averaged per role:
     prefill  the predicted TTFT of a new request there (its queued prompt tokens on its
@@ -15,20 +15,27 @@ A role whose requests admission rejected for its SLO in the last two intervals (
 prefill, time between tokens: decode) is at least at its SLO (1.0): admission keeps the
 queues short exactly when a role lacks workers, so its measured pressure alone would stay
 under the high mark while requests are turned away.
-A worker moves from the role with room to the role under pressure when that pressure stayed
-above `high` for `hold_s` and the giving role would stay below `high` with one worker fewer
-(else the move would only move the problem, and flip back). `high` is a share of the SLO
-below 1: the planner acts before admission starts rejecting. A worker serving outside its
-home role (the one it started in, in its heartbeat) goes home once both pressures stayed
-below `low` for `home_after_s`, much longer than `hold_s`: a bursty load is calm between its
-bursts, and a worker sent home then is only borrowed again at the next one. A role under
-pressure takes back a worker whose home it is first. Never the last worker of a role; one
-move at a time, at least `cooldown_s` apart (the moved worker's next heartbeats show the new
-split). Workers of each model are planned on their own first; when a model's higher pressure
-stays above `high` and no role move of its own relieves it, a worker of a model whose
-pressures both stayed below `low` is reassigned to it (a worker with that model on its disk,
-`models_on_disk`, from a role the calm model keeps a worker in): a (role, model) move, which
-reloads the worker.
+Workers move from the role with room to the more pressed role when that stayed so for
+`hold_s`: over the high mark, as many as bring its pressure to the middle of the marks (its
+load spread over more workers); above the low mark, while it would still be the more pressed
+of the two after the move (balancing: the move cannot flip back). Either way only as far as
+the giving role stays below `high` with the workers fewer (else the move would only move the
+problem). `high` is a share of the SLO below 1: the planner acts before admission starts
+rejecting. Sizing a move at once, rather than a worker a cooldown apart, and balancing below
+the high mark matter for a load that changes faster than the cooldown: on the Mooncake trace
+the planner that moved one worker only over the high mark reached its split after most of
+the bursts that needed it, and at 2x the trace's rate sometimes never moved.
+A worker serving outside its home role (the one it started in, in its heartbeat) goes home
+once both pressures stayed below `low` for `home_after_s`, much longer than `hold_s`, and its
+role would stay below `low` without it: a bursty load is calm between its bursts, and a
+worker sent home then is only borrowed again at the next one. A pressed role takes back a
+worker whose home it is first. Never the last worker of a role; one decision at a time, at
+least `cooldown_s` apart (the moved workers' next heartbeats show the new split). Workers of
+each model are planned on their own first; when a model's higher pressure stays above `high`
+and no role move of its own relieves it, a worker of a model whose pressures both stayed
+below `low` is reassigned to it (a worker with that model on its disk, `models_on_disk`,
+from a role the calm model keeps a worker in): a (role, model) move, which reloads the
+worker.
 """
 
 from __future__ import annotations
@@ -143,47 +150,74 @@ class Planner:
         self._last_move_s = float("-inf")
 
     def decide(self, workers: list[WorkerHeartbeat], now_s: float,
-               rejected: Collection[tuple[str, str]] = ()) -> Move | None:
-        """At most one move over every model, or None: a role move within a model first,
-        else a worker of a calm model reassigned to a model under pressure. `rejected`: the
-        (model, role)s admission turned requests away for lately."""
+               rejected: Collection[tuple[str, str]] = ()) -> list[Move]:
+        """One decision over every model: the moves of one role change within a model
+        first, else a worker of a calm model reassigned to a model under pressure; none
+        (empty) most of the time. `rejected`: the (model, role)s admission turned requests
+        away for lately."""
         return self.decide_on(splits(workers, self.rules, rejected), now_s)
 
-    def decide_on(self, found: list[Split], now_s: float) -> Move | None:
+    def decide_on(self, found: list[Split], now_s: float) -> list[Move]:
         """`decide`, on splits already made (`splits`)."""
         reassignment = self._reassign(found, now_s)  # its clocks run every time
-        moves = [self._decide(split, now_s) for split in found]
-        move = next((m for m in moves if m is not None), reassignment)
-        if move is None or now_s - self._last_move_s < self.rules.cooldown_s:
-            return None
+        decisions = [self._decide(split, now_s) for split in found]
+        moves = next((d for d in decisions if d), [reassignment] if reassignment else [])
+        if not moves or now_s - self._last_move_s < self.rules.cooldown_s:
+            return []
         self._last_move_s = now_s
-        self._since.clear()  # the next move waits for the new split's own evidence
-        return move
+        self._since.clear()  # the next decision waits for the new split's own evidence
+        return moves
 
-    def _decide(self, split: Split, now_s: float) -> Move | None:
+    def _decide(self, split: Split, now_s: float) -> list[Move]:
         rules, p, d = self.rules, split.prefill_pressure, split.decode_pressure
         n_p, n_d = len(split.prefill), len(split.decode)
         if not n_p or not n_d:
-            return None  # a role without workers: nothing to balance against
-        if self._held(split.model, "prefill over", p > rules.high, now_s) \
-                and n_d > 1 and d * n_d / (n_d - 1) < rules.high:
-            # A borrowed prefill worker first, then the one holding least: it drains
-            # soonest (reservations wait for their prefill).
-            worker = min(split.decode, key=lambda w: (w.home_role != "prefill",
-                                                      w.num_running + w.num_waiting,
-                                                      w.worker_id))
-            return Move(worker.worker_id, "decode", "prefill",
-                        f"prefill pressure {p:.2f} of its SLO", split)
-        if self._held(split.model, "decode over", d > rules.high, now_s) \
-                and n_p > 1 and p * n_p / (n_p - 1) < rules.high:
-            worker = min(split.prefill, key=lambda w: (w.home_role != "decode",
-                                                       w.num_waiting_tokens, w.worker_id))
-            return Move(worker.worker_id, "prefill", "decode",
-                        f"decode pressure {d:.2f} of its SLO", split)
+            return []  # a role without workers: nothing to balance against
+        to_prefill = self._spared(p, n_p, d, n_d) if p >= d else 0
+        if self._held(split.model, "prefill pressed", to_prefill > 0, now_s):
+            # Borrowed prefill workers first, then those holding least: they drain soonest
+            # (reservations wait for their prefill).
+            movers = sorted(split.decode, key=lambda w: (w.home_role != "prefill",
+                                                         w.num_running + w.num_waiting,
+                                                         w.worker_id))[:to_prefill]
+            return [Move(w.worker_id, "decode", "prefill",
+                         f"prefill pressure {p:.2f} of its SLO, decode {d:.2f}", split)
+                    for w in movers]
+        to_decode = self._spared(d, n_d, p, n_p) if d > p else 0
+        if self._held(split.model, "decode pressed", to_decode > 0, now_s):
+            movers = sorted(split.prefill, key=lambda w: (w.home_role != "decode",
+                                                          w.num_waiting_tokens,
+                                                          w.worker_id))[:to_decode]
+            return [Move(w.worker_id, "prefill", "decode",
+                         f"decode pressure {d:.2f} of its SLO, prefill {p:.2f}", split)
+                    for w in movers]
         if self._held(split.model, "calm", p < rules.low and d < rules.low, now_s,
                       rules.home_after_s):
-            return _homecoming(split)
-        return None
+            return [move] if (move := _homecoming(split, rules)) else []
+        return []
+
+    def _spared(self, pressure: float, num_workers: int, giving_pressure: float,
+                num_giving: int) -> int:
+        """Workers to move to a role at `pressure` over `num_workers` from one at
+        `giving_pressure` over `num_giving`: over the high mark, enough to bring it to the
+        middle of the marks; above the low mark, while it would still be the more pressed
+        of the two after the move. As many as the giving role spares while it keeps a
+        worker and stays below the high mark."""
+        rules = self.rules
+        if pressure <= rules.low:
+            return 0
+        middle = (rules.high + rules.low) / 2
+        count = 0
+        while num_giving - count > 1:
+            giving_after = giving_pressure * num_giving / (num_giving - count - 1)
+            still_over = pressure > rules.high \
+                and pressure * num_workers / (num_workers + count) > middle
+            still_more_pressed = pressure * num_workers / (num_workers + count + 1) \
+                > giving_after
+            if giving_after >= rules.high or not (still_over or still_more_pressed):
+                break
+            count += 1
+        return count
 
     def _reassign(self, found: list[Split], now_s: float) -> Move | None:
         """A worker of a model whose both pressures stayed below `low`, with the needy
@@ -235,10 +269,13 @@ def _spare_worker(donor: Split, model: str, rules: PlannerRules) -> WorkerHeartb
     return None
 
 
-def _homecoming(split: Split) -> Move | None:
-    """A worker serving away from its home role goes back, unless it is its role's last."""
-    for role_workers in (split.prefill, split.decode):
-        if len(role_workers) < 2:
+def _homecoming(split: Split, rules: PlannerRules) -> Move | None:
+    """A worker serving away from its home role goes back, unless it is its role's last or
+    the role would rise over the low mark without it (and borrow it again)."""
+    for role_workers, pressure in ((split.prefill, split.prefill_pressure),
+                                   (split.decode, split.decode_pressure)):
+        n = len(role_workers)
+        if n < 2 or pressure * n / (n - 1) >= rules.low:
             continue
         for worker in sorted(role_workers, key=lambda w: w.worker_id):
             if worker.home_role is not None and worker.home_role != worker.role:

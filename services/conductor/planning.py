@@ -1,11 +1,12 @@
 """The planner at work in a conductor: one replica at a time holds the planner's lease (a key
 in a NATS KV bucket whose entries expire), reads the cluster's heartbeats every interval,
-asks the policy (`planner.py`) for a move and sends it as a `RoleChange` to the worker.
+asks the policy (`planner.py`) for a decision and sends each of its moves as a `RoleChange`
+to its worker.
 
 The lease: the holder rewrites the key every interval (compare-and-set on its revision);
 the bucket's entries expire after three intervals, so when the holder dies or is cut off
-another conductor's `create` succeeds within that time. A move runs as its own task while
-the loop goes on renewing; no new move is decided until it is answered. Every move is
+another conductor's `create` succeeds within that time. A decision's moves run as one task
+while the loop goes on renewing; nothing new is decided until every move is answered. Every move is
 logged, counted (`halfmoon_planner_moves_total`) and traced (`planner.move`, with the
 pressures and the split it was decided on).
 """
@@ -103,7 +104,7 @@ class PlanningLoop:
         # conductors, so the lease holder's share shows the cluster's.
         self.slo_rejections = SloRejections()
         self._spawn = spawn
-        self._move: asyncio.Task[None] | None = None
+        self._moving: asyncio.Task[None] | None = None
         self.moves: list[tuple[Move, str]] = []  # (move, outcome), for tests and logs
 
     async def run(self) -> None:
@@ -126,7 +127,7 @@ class PlanningLoop:
             await lease.release()
 
     def plan(self) -> None:
-        """Decide once; a move goes out as its own task."""
+        """Decide once; the moves go out as their own task."""
         workers, now_s = self._view(), time.monotonic()
         rejected = self.slo_rejections.within(now_s, 2 * self.config.planning.interval_s)
         found = splits(workers, self.planner.rules, rejected)
@@ -135,11 +136,17 @@ class PlanningLoop:
                 split.prefill_pressure)
             self.metrics.planner_pressure.labels(split.model, "decode").set(
                 split.decode_pressure)
-        if self._move is not None:
-            return  # one move at a time
-        move = self.planner.decide_on(found, now_s)
-        if move is not None:
-            self._move = self._spawn(self._apply(move), f"planner.move.{move.worker_id}")
+        if self._moving is not None:
+            return  # one decision at a time
+        moves = self.planner.decide_on(found, now_s)
+        if moves:
+            self._moving = self._spawn(self._apply_all(moves), "planner.moves")
+
+    async def _apply_all(self, moves: list[Move]) -> None:
+        try:
+            await asyncio.gather(*(self._apply(move) for move in moves))
+        finally:
+            self._moving = None
 
     def _view(self) -> list[WorkerHeartbeat]:
         return [*self.workers.healthy("prefill"), *self.workers.healthy("decode")]
@@ -175,4 +182,3 @@ class PlanningLoop:
         finally:
             self.metrics.planner_moves.labels(move.to_role, outcome).inc()
             self.moves.append((move, outcome))
-            self._move = None

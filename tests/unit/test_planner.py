@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from services.conductor.planner import Planner, PlannerRules, SloRejections, splits
+from services.conductor.planner import Move, Planner, PlannerRules, SloRejections, splits
 from shared.messages import WorkerHeartbeat, WorkerRole
 
 RULES = PlannerRules(ttft_slo_s=1.0, tbt_slo_s=0.1, high=0.8, low=0.3, hold_s=2.0,
@@ -29,13 +29,12 @@ def worker(worker_id: str, role: WorkerRole, *, queued_tokens: int = 0, used_blo
 
 
 def decide_over(planner: Planner, workers: list[WorkerHeartbeat], seconds: float,
-                start_s: float = 100.0) -> Any:
-    """Decisions every half second over `seconds`; the first move, if any."""
+                start_s: float = 100.0) -> list[Move]:
+    """Decisions every half second over `seconds`; the first one's moves, if any."""
     for tick in range(int(seconds * 2) + 1):
-        move = planner.decide(workers, start_s + tick / 2)
-        if move is not None:
-            return move
-    return None
+        if moves := planner.decide(workers, start_s + tick / 2):
+            return moves
+    return []
 
 
 def test_pressures_are_shares_of_the_slos() -> None:
@@ -49,9 +48,9 @@ def test_a_sustained_prefill_queue_moves_the_idlest_decode_worker_to_prefill() -
     workers = [worker("p", "prefill", queued_tokens=2000),
                worker("d1", "decode", num_running=5), worker("d2", "decode", num_running=1)]
     planner = Planner(RULES)
-    assert planner.decide(workers, 100.0) is None
-    assert planner.decide(workers, 101.5) is None  # not held for 2 s yet
-    move = planner.decide(workers, 102.0)
+    assert planner.decide(workers, 100.0) == []
+    assert planner.decide(workers, 101.5) == []  # not held for 2 s yet
+    (move,) = planner.decide(workers, 102.0)
     assert (move.worker_id, move.from_role, move.to_role) == ("d2", "decode", "prefill")
     assert "prefill pressure 2.00" in move.reason
 
@@ -63,20 +62,20 @@ def test_a_pressure_that_lapses_starts_its_clock_over() -> None:
     planner = Planner(RULES)
     planner.decide(busy, 100.0)
     planner.decide(calm, 101.0)
-    assert planner.decide(busy, 102.0) is None
-    assert planner.decide(busy, 104.0) is not None
+    assert planner.decide(busy, 102.0) == []
+    assert planner.decide(busy, 104.0)
 
 
 def test_no_move_that_would_push_the_giving_role_over_its_mark() -> None:
     workers = [worker("p", "prefill", queued_tokens=2000),
                worker("d1", "decode", used_blocks=50), worker("d2", "decode", used_blocks=50)]
     # Decode at 0.5 now; with one worker fewer its load would be 1.0, over the 0.8 mark.
-    assert decide_over(Planner(RULES), workers, 10) is None
+    assert decide_over(Planner(RULES), workers, 10) == []
 
 
 def test_never_the_last_worker_of_a_role() -> None:
     workers = [worker("p", "prefill", queued_tokens=5000), worker("d", "decode")]
-    assert decide_over(Planner(RULES), workers, 10) is None
+    assert decide_over(Planner(RULES), workers, 10) == []
 
 
 def test_running_sequences_are_decode_pressure_reservations_waiting_for_prefill_not() -> None:
@@ -88,18 +87,44 @@ def test_running_sequences_are_decode_pressure_reservations_waiting_for_prefill_
 def test_a_full_kv_pool_moves_the_least_queued_prefill_worker_to_decode() -> None:
     workers = [worker("p1", "prefill", queued_tokens=50), worker("p2", "prefill"),
                worker("d", "decode", used_blocks=95)]
-    move = decide_over(Planner(RULES), workers, 3)
+    (move,) = decide_over(Planner(RULES), workers, 3)
     assert (move.worker_id, move.to_role) == ("p2", "decode")
+
+
+def test_a_move_takes_as_many_workers_as_the_pressed_role_needs_and_the_giver_spares() -> None:
+    # Prefill at 1.5 of its SLO over 2 workers wants 4 more to reach the marks' middle
+    # (0.55); decode, its pools a quarter full over 4 workers, spares 2 (0.25 * 4 / 2 = 0.5)
+    # and not 3 (0.25 * 4 / 1 = 1.0, over the 0.8 mark).
+    decode = [worker(f"d{i}", "decode", num_running=i, used_blocks=25) for i in range(4)]
+    workers = [worker("p1", "prefill", queued_tokens=1500),
+               worker("p2", "prefill", queued_tokens=1500), *decode]
+    moves = decide_over(Planner(RULES), workers, 3)
+    assert [(m.worker_id, m.to_role) for m in moves] == [("d0", "prefill"), ("d1", "prefill")]
+    # A pressure just over the mark wants one worker (0.81 * 2 / 0.55: 3 workers).
+    workers = [worker("p1", "prefill", queued_tokens=810),
+               worker("p2", "prefill", queued_tokens=810), *decode]
+    assert len(decide_over(Planner(RULES), workers, 3)) == 1
+
+
+def test_below_the_high_mark_workers_move_while_the_role_stays_the_more_pressed() -> None:
+    # Prefill at 0.6 over 2, decode at 0.2 over 4: after one move 0.4 against 0.27; after a
+    # second 0.3 against 0.4, the other way round: one move.
+    decode = [worker(f"d{i}", "decode") for i in range(4)]
+    workers = [worker("p1", "prefill", queued_tokens=600),
+               worker("p2", "prefill", queued_tokens=600), *decode]
+    assert [m.worker_id for m in decide_over(Planner(RULES), workers, 3)] == ["d0"]
+    # Under the low mark nothing is pressed, however uneven.
+    workers = [worker("p1", "prefill", queued_tokens=300), worker("p2", "prefill"), *decode]
+    assert decide_over(Planner(RULES), workers, 3) == []
 
 
 def test_moves_are_a_cooldown_apart() -> None:
     workers = [worker("p", "prefill", queued_tokens=3000), worker("d1", "decode"),
                worker("d2", "decode"), worker("d3", "decode")]
     planner = Planner(RULES)
-    first = decide_over(planner, workers, 3)
-    assert first is not None
-    assert decide_over(planner, workers, 4, start_s=102.5) is None  # within 5 s of it
-    assert decide_over(planner, workers, 4, start_s=107.5) is not None
+    assert decide_over(planner, workers, 3)
+    assert decide_over(planner, workers, 4, start_s=102.5) == []  # within 5 s of it
+    assert decide_over(planner, workers, 4, start_s=107.5)
 
 
 RULES_HOME = PlannerRules(ttft_slo_s=1.0, tbt_slo_s=0.1, high=0.8, low=0.3, hold_s=2.0,
@@ -110,12 +135,20 @@ def test_a_moved_worker_goes_home_once_both_roles_stayed_calm_for_long() -> None
     borrowed = worker("d2", "prefill", home="decode")
     workers = [worker("p", "prefill"), borrowed, worker("d1", "decode")]
     planner = Planner(RULES_HOME)
-    assert decide_over(planner, workers, 19) is None  # a lull between bursts, not calm yet
-    move = decide_over(planner, workers, 2, start_s=119.5)
+    assert decide_over(planner, workers, 19) == []  # a lull between bursts, not calm yet
+    (move,) = decide_over(planner, workers, 2, start_s=119.5)
     assert (move.worker_id, move.to_role, move.reason) == (
         "d2", "decode", "load back under the low mark")
     at_home = [worker("p", "prefill"), worker("d1", "decode"), worker("d2", "decode")]
-    assert decide_over(Planner(RULES_HOME), at_home, 30) is None
+    assert decide_over(Planner(RULES_HOME), at_home, 30) == []
+
+
+def test_no_worker_goes_home_where_its_role_would_rise_over_the_low_mark() -> None:
+    # Prefill at 0.2 over 2 is calm, but would be at 0.4 without the borrowed worker.
+    workers = [worker("p", "prefill", queued_tokens=200),
+               worker("d2", "prefill", home="decode", queued_tokens=200),
+               worker("d1", "decode")]
+    assert decide_over(Planner(RULES_HOME), workers, 30) == []
 
 
 def test_a_burst_in_the_lull_starts_the_calm_over() -> None:
@@ -123,10 +156,10 @@ def test_a_burst_in_the_lull_starts_the_calm_over() -> None:
     calm = [worker("p", "prefill"), worker("d2", "prefill", home="decode"),
             worker("d1", "decode")]
     burst = [worker("p", "prefill", queued_tokens=1000), calm[1], calm[2]]  # 0.5: not calm
-    assert decide_over(planner, calm, 15) is None
-    assert decide_over(planner, burst, 1, start_s=115.5) is None
-    assert decide_over(planner, calm, 15, start_s=117.0) is None  # 15 s of calm, not 20
-    assert decide_over(planner, calm, 6, start_s=132.5) is not None
+    assert decide_over(planner, calm, 15) == []
+    assert decide_over(planner, burst, 1, start_s=115.5) == []
+    assert decide_over(planner, calm, 15, start_s=117.0) == []  # 15 s of calm, not 20
+    assert decide_over(planner, calm, 6, start_s=132.5)
 
 
 def test_a_pressed_role_takes_back_its_own_worker_first() -> None:
@@ -135,7 +168,7 @@ def test_a_pressed_role_takes_back_its_own_worker_first() -> None:
     workers = [worker("p", "prefill", queued_tokens=100),
                worker("d3", "prefill", home="decode", queued_tokens=300),
                worker("d1", "decode", num_running=60), worker("d2", "decode", num_running=60)]
-    move = decide_over(Planner(RULES), workers, 3)
+    (move,) = decide_over(Planner(RULES), workers, 3)
     assert (move.worker_id, move.from_role, move.to_role) == ("d3", "prefill", "decode")
 
 
@@ -144,7 +177,7 @@ def test_each_model_is_planned_on_its_own() -> None:
                worker("b-p", "prefill", model="b"), worker("b-d1", "decode", model="b"),
                worker("b-d2", "decode", model="b")]
     # Model a is busy but has one decode worker only; b's spare decode worker is not a's.
-    assert decide_over(Planner(RULES), workers, 10) is None
+    assert decide_over(Planner(RULES), workers, 10) == []
 
 
 def test_a_calm_models_worker_is_reassigned_to_the_model_whose_load_dominates() -> None:
@@ -154,8 +187,7 @@ def test_a_calm_models_worker_is_reassigned_to_the_model_whose_load_dominates() 
                worker("b-p", "prefill", model="b", **shelf),
                worker("b-d1", "decode", model="b", **shelf),
                worker("b-d2", "decode", model="b", num_running=1, **shelf)]
-    move = decide_over(Planner(RULES), workers, 3.0)
-    assert move is not None
+    (move,) = decide_over(Planner(RULES), workers, 3.0)
     assert (move.worker_id, move.from_role, move.to_role, move.to_model) == (
         "b-d1", "decode", "prefill", "a")
     assert move.split.model == "b" and "model a prefill pressure 2.00" in move.reason
@@ -166,7 +198,7 @@ def test_no_worker_is_reassigned_without_the_model_on_its_disk() -> None:
                worker("a-d", "decode", model="a", used_blocks=90),
                worker("b-p", "prefill", model="b"), worker("b-d1", "decode", model="b"),
                worker("b-d2", "decode", model="b", models_on_disk=["b"])]
-    assert decide_over(Planner(RULES), workers, 3.0) is None
+    assert decide_over(Planner(RULES), workers, 3.0) == []
 
 
 def test_a_busy_model_gives_no_worker_away() -> None:
@@ -176,7 +208,7 @@ def test_a_busy_model_gives_no_worker_away() -> None:
                worker("b-p", "prefill", model="b", queued_tokens=500, **shelf),  # 0.5: not calm
                worker("b-d1", "decode", model="b", **shelf),
                worker("b-d2", "decode", model="b", **shelf)]
-    assert decide_over(Planner(RULES), workers, 3.0) is None
+    assert decide_over(Planner(RULES), workers, 3.0) == []
 
 
 def test_a_role_admission_keeps_rejecting_for_counts_as_at_its_slo() -> None:
@@ -186,9 +218,9 @@ def test_a_role_admission_keeps_rejecting_for_counts_as_at_its_slo() -> None:
                worker("d2", "decode")]
     (split,) = splits(workers, RULES, {("m", "prefill")})
     assert (split.prefill_pressure, split.decode_pressure) == (1.0, pytest.approx(0.2))
-    assert decide_over(Planner(RULES), workers, 5) is None
+    assert decide_over(Planner(RULES), workers, 5) == []
     planner = Planner(RULES)
-    move = next(m for tick in range(7)
+    (move,) = next(m for tick in range(7)
                 if (m := planner.decide(workers, 100 + tick / 2, {("m", "prefill")})))
     assert (move.worker_id, move.to_role) == ("d1", "prefill")
     assert "prefill pressure 1.00" in move.reason
@@ -202,7 +234,7 @@ def test_a_model_turned_away_at_its_one_worker_per_role_gets_a_calm_models_worke
                worker("b-d1", "decode", model="b", **shelf),
                worker("b-d2", "decode", model="b", **shelf)]
     planner = Planner(RULES)
-    move = next(m for tick in range(7)
+    (move,) = next(m for tick in range(7)
                 if (m := planner.decide(workers, 100 + tick / 2, {("a", "prefill")})))
     assert (move.worker_id, move.to_role, move.to_model) == ("b-d1", "prefill", "a")
 
