@@ -115,11 +115,16 @@ class Progress:
     num_attempts: int = 0
 
     def record(self, send: Send, reply: DispatchReply | HalfmoonError) -> bool:
-        """Whether `send` was accepted; a refusal excludes its worker from later attempts."""
+        """Whether `send` was accepted; a refusal excludes its worker from later attempts,
+        and a kept side that refuses (a decode worker told of a new prefill worker) is no
+        longer kept: it never named its blocks to the new one."""
+        worker_id = send.worker.worker_id
         if isinstance(reply, DispatchReply) and reply.is_accepted:
-            self.kept[send.role] = send.worker.worker_id
+            self.kept[send.role] = worker_id
             return True
-        self.excluded.add(send.worker.worker_id)
+        self.excluded.add(worker_id)
+        if self.kept.get(send.role) == worker_id:
+            del self.kept[send.role]
         return False
 
     def is_complete(self, plan: Plan) -> bool:

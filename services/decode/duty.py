@@ -4,7 +4,9 @@ A request's life here:
   1. `DecodeReservation` (request/reply): reserve blocks (the torch engine takes the
      prompt's and a block of headroom; the rest as the request grows), send the
      `KvTarget` to the named prefill worker, accept. A repeated reservation (the conductor
-     re-placed prefill) keeps the blocks and re-sends the target to the new prefill worker.
+     re-placed prefill) keeps the blocks and re-sends the target to the new prefill worker,
+     also while draining: it is not new work, and refused it would leave the new prefill
+     worker waiting for a target that never comes.
      What the request needs beyond blocks (a grammar, compiled) is readied meanwhile, off
      the reply's path: the conductor waits on the reply, and a first compile takes seconds.
   2. `KvCommitted` (request/reply): the KV is in; join the running batch (once readied).
@@ -155,7 +157,8 @@ class DecodeDuty(Duty):
 
     async def _on_reserve(self, message: DecodeReservation) -> DispatchReply:
         request = message.request
-        if self.is_draining:
+        reservation = self._reservations.get(request.request_id)
+        if self.is_draining and reservation is None:  # one it holds may still be re-pointed
             return self.worker.refusal("worker is draining")
         try:
             self.engine.check(request.sampling)
@@ -164,7 +167,6 @@ class DecodeDuty(Duty):
             return self.worker.refusal(exc.message)
         if message.is_local_prefill:
             return self._prefill_here(request)
-        reservation = self._reservations.get(request.request_id)
         if reservation is None:
             num_prompt = len(request.prompt_token_ids)
             block_ids = self.engine.reserve(

@@ -60,6 +60,16 @@ class RequestStream:
     def fail(self, error: HalfmoonError) -> None:
         self._queue.put_nowait(error)
 
+    def is_stale_failure(self, worker_id: str) -> bool:
+        """A failure from a worker the request no longer depends on: one it failed over
+        from, or, once placed, one its placement does not name (a side of an earlier
+        attempt, e.g. a decode worker whose reservation was given up for another)."""
+        if worker_id in self.lost_workers:
+            return True
+        placement = self.placement
+        return placement is not None and bool(worker_id) and worker_id not in (
+            placement.prefill_worker_id, placement.decode_worker_id)
+
     def lost_worker(self, is_alive: Callable[[str], bool]) -> str | None:
         """The worker this request still depends on that stopped heartbeating: decode
         always, prefill until decode streams (its KV may still be on the way). (A draining
@@ -132,7 +142,10 @@ class StreamTable:
             case RequestFailed(request_id=request_id, code=code, message=message,
                                retry_after_s=retry_after_s, worker_id=worker_id, param=param):
                 for stream in self._targets(request_id):
-                    if worker_id not in stream.lost_workers:
+                    if stream.is_stale_failure(worker_id):
+                        log.info("request.stale_failure_ignored", request_id=request_id,
+                                 worker_id=worker_id, error=message)
+                    else:
                         stream.fail(error_from_code(code, message, retry_after_s, param))
             case RequestPlaced(request_id=request_id):
                 for stream in self._targets(request_id):

@@ -19,8 +19,18 @@ from services.conductor.service import ConductorService
 from services.gateway.tokenizer import ByteTokenizer
 from services.worker import WorkerService
 from shared.config import PlannerSettings
-from shared.messages import DispatchReply, RoleChange, WorkerHeartbeat, WorkerRole
-from shared.nats_client import dispatch
+from shared.messages import (
+    AbortRequest,
+    DecodeReservation,
+    DispatchReply,
+    GenerateRequest,
+    KvTarget,
+    RoleChange,
+    SamplingParams,
+    WorkerHeartbeat,
+    WorkerRole,
+)
+from shared.nats_client import dispatch, encode
 from tests.stack import Stack, eventually
 
 pytestmark = pytest.mark.e2e
@@ -123,6 +133,41 @@ async def test_role_changes_sent_together_apply_in_order(nats_url: str) -> None:
         assert decode.role == "decode" and decode.duty is decode_duty  # taken up again
         assert [len(text) for text in await asyncio.gather(*streams)] == [20] * 4
         await eventually(lambda: serves(stack, decode, "decode"))
+
+
+async def test_a_draining_decode_worker_names_its_held_blocks_to_a_new_prefill_worker(
+        nats_url: str) -> None:
+    """The conductor re-placed prefill after the decode worker had started to drain: the
+    reservation it holds is re-pointed (not new work), a new one is refused."""
+    async with Stack(nats_url) as stack:
+        decode, nc = stack.decodes[0], stack.gateway.nc
+        targets: dict[str, list[KvTarget]] = {"p-old": [], "p-new": []}
+        by_subject = {decode.subjects.kv_target(prefill_id): got
+                      for prefill_id, got in targets.items()}
+
+        async def hear(msg: Any) -> None:
+            by_subject[msg.subject].append(msgspec.json.decode(msg.data, type=KvTarget))
+
+        for subject in by_subject:
+            await nc.subscribe(subject, cb=hear)
+
+        def reservation(request_id: str, prefill_id: str) -> DecodeReservation:
+            return DecodeReservation(prefill_worker_id=prefill_id, request=GenerateRequest(
+                request_id=request_id, model=MODEL, prompt_token_ids=list(range(40)),
+                sampling=SamplingParams(max_tokens=4), reply_subject="_INBOX.unused",
+                created_at_s=time.time()))
+
+        subject = decode.subjects.decode_reserve(decode.worker_id)
+        assert (await dispatch(nc, subject, reservation("r1", "p-old"), 5)).is_accepted
+        assert (await change_role(stack, decode, "prefill")).is_accepted  # decode drains
+        assert (await dispatch(nc, subject, reservation("r1", "p-new"), 5)).is_accepted
+        refused = await dispatch(nc, subject, reservation("r2", "p-new"), 5)
+        assert not refused.is_accepted and "draining" in refused.reason
+        await eventually(lambda: bool(targets["p-new"]), timeout_s=5)
+        (old,), (new,) = targets["p-old"], targets["p-new"]
+        assert new.request_id == "r1" and new.block_ids == old.block_ids
+        await nc.publish(decode.subjects.abort, encode(AbortRequest(request_id="r1")))
+        await eventually(lambda: len(decode.duties) == 1, timeout_s=5)  # then it retires
 
 
 async def test_a_role_change_to_no_role_is_refused(nats_url: str) -> None:

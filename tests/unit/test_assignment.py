@@ -77,6 +77,22 @@ def test_a_new_prefill_worker_is_told_to_the_kept_decode_worker_again() -> None:
     assert isinstance(reservation, DecodeReservation) and reservation.prefill_worker_id == "p2"
 
 
+def test_a_kept_decode_worker_that_refuses_the_new_prefill_worker_is_chosen_again() -> None:
+    """It never named its blocks to the new prefill worker: kept, the placement would be
+    complete with a prefill worker waiting for a `KvTarget` that never comes."""
+    cluster = view(worker("p1"), worker("p2"), worker("d1", "decode"), worker("d2", "decode"))
+    progress = Progress()
+    attempt(cluster, progress, REFUSE, ACCEPT)
+    second = attempt(cluster, progress, ACCEPT, REFUSE)
+    assert sent(second) == [("prefill", "p2"), ("decode", "d1")]
+    assert not progress.is_complete(second) and progress.kept == {"prefill": "p2"}
+    third = attempt(cluster, progress, ACCEPT)
+    assert sent(third) == [("decode", "d2")]
+    reservation = third.sends[0].message
+    assert isinstance(reservation, DecodeReservation) and reservation.prefill_worker_id == "p2"
+    assert progress.is_complete(third)
+
+
 def test_a_kept_side_whose_heartbeats_vanished_is_chosen_again() -> None:
     progress = Progress()
     attempt(view(worker("p1"), worker("d1", "decode")), progress, ACCEPT, REFUSE)

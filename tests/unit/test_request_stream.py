@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from services.gateway.request_stream import RequestStream, StreamTable
-from shared.errors import CapacityExhausted, ErrorCode, RequestTimeout
-from shared.messages import RequestFailed, TokenBatch, TokenDelta
+from shared.errors import CapacityExhausted, ErrorCode, RequestTimeout, TransferTimeout
+from shared.messages import RequestFailed, RequestPlaced, TokenBatch, TokenDelta
 
 
 def delta(index: int, token: int, finish: str | None = None) -> TokenDelta:
@@ -36,6 +36,23 @@ async def test_failure_reaches_the_reader_as_a_typed_error() -> None:
     table.dispatch(RequestFailed(request_id="r", code=ErrorCode.CAPACITY_EXHAUSTED,
                                  message="full"))
     with pytest.raises(CapacityExhausted, match="full"):
+        await stream.next(1.0)
+
+
+async def test_once_placed_only_the_placed_workers_can_fail_the_request() -> None:
+    """A worker of an earlier placement attempt (a decode worker whose reservation went
+    elsewhere, its lease expiring later) does not end a request served by others."""
+    table = StreamTable()
+    stream = table.open("r")
+    table.dispatch(RequestPlaced(request_id="r", prefill_worker_id="p2",
+                                 decode_worker_id="d2"))
+    table.dispatch(RequestFailed(request_id="r", code=ErrorCode.TRANSFER_TIMEOUT,
+                                 message="stale", worker_id="d1"))
+    table.dispatch(TokenBatch(worker_id="d2", items=[delta(0, 10)]))
+    assert (await stream.next(1.0)).token_ids == [10]
+    table.dispatch(RequestFailed(request_id="r", code=ErrorCode.TRANSFER_TIMEOUT,
+                                 message="placed", worker_id="d2"))
+    with pytest.raises(TransferTimeout, match="placed"):
         await stream.next(1.0)
 
 
