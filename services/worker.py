@@ -201,6 +201,8 @@ class WorkerService(Service):
         return [view for duty in self._duties.values() for view in duty.worker_views()]
 
     async def _on_abort(self, message: AbortRequest) -> DispatchReply | None:
+        if message.worker_id and message.worker_id != self.worker_id:
+            return None  # one side of a re-placed request: another worker's to drop
         for duty in list(self._duties.values()):
             duty.abort(message.request_id)
         return None

@@ -335,10 +335,11 @@ class RequestFailed(Message, frozen=True, kw_only=True):
 class AbortRequest(Message, frozen=True, kw_only=True):
     """Command on `Subjects.abort` (every worker listens): stop the request, free its blocks.
     Published by the gateway (client gone, stop string hit) or the conductor (placement
-    failed)."""
+    failed; or one side given up while the request is placed elsewhere: `worker_id`)."""
 
     request_id: str
     reason: str = ""
+    worker_id: str = ""  # only this worker drops the request; empty: every worker
 
 
 class WorkerHeartbeat(Message, frozen=True, kw_only=True):

@@ -234,11 +234,16 @@ class ConductorService(Service):
             replies = await asyncio.gather(*(
                 self._dispatch(self._subject(send), send.message) for send in chosen.sends))
             for send, reply in zip(chosen.sends, replies, strict=True):
+                worker_id = send.worker.worker_id
+                was_kept = progress.kept.get(send.role) == worker_id
                 if progress.record(send, reply):
-                    self._pending[send.worker.worker_id] = assignment.with_sent(
-                        self._pending.get(send.worker.worker_id), send)
-                else:
-                    error = self._refusal_error(send.worker.worker_id, reply)
+                    self._pending[worker_id] = assignment.with_sent(
+                        self._pending.get(worker_id), send)
+                    continue
+                error = self._refusal_error(worker_id, reply)
+                if was_kept or isinstance(reply, HalfmoonError):
+                    # It holds the request (kept), or may (no answer in time): only it drops it.
+                    await self._abort(request.request_id, error.message, worker_id=worker_id)
             if progress.is_complete(chosen):
                 self._count_placement(chosen, prefix, num_candidates=len(view.prefill))
                 return chosen
@@ -357,10 +362,11 @@ class ConductorService(Service):
         with contextlib.suppress(nats.errors.Error):
             await self.nc.publish(request.reply_subject, encode(failure))
 
-    async def _abort(self, request_id: str, reason: str) -> None:
+    async def _abort(self, request_id: str, reason: str, worker_id: str = "") -> None:
+        """Every worker (or only `worker_id`) drops the request and frees its blocks."""
         with contextlib.suppress(nats.errors.Error):
-            await self.nc.publish(self.subjects.abort,
-                                  encode(AbortRequest(request_id=request_id, reason=reason)))
+            await self.nc.publish(self.subjects.abort, encode(
+                AbortRequest(request_id=request_id, reason=reason, worker_id=worker_id)))
 
     def _worker_views(self) -> list[WorkerDirectory]:
         return [self.workers]

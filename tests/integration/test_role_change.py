@@ -135,6 +135,13 @@ async def test_role_changes_sent_together_apply_in_order(nats_url: str) -> None:
         await eventually(lambda: serves(stack, decode, "decode"))
 
 
+def reservation(request_id: str, prefill_id: str) -> DecodeReservation:
+    return DecodeReservation(prefill_worker_id=prefill_id, request=GenerateRequest(
+        request_id=request_id, model=MODEL, prompt_token_ids=list(range(40)),
+        sampling=SamplingParams(max_tokens=4), reply_subject="_INBOX.unused",
+        created_at_s=time.time()))
+
+
 async def test_a_draining_decode_worker_names_its_held_blocks_to_a_new_prefill_worker(
         nats_url: str) -> None:
     """The conductor re-placed prefill after the decode worker had started to drain: the
@@ -151,12 +158,6 @@ async def test_a_draining_decode_worker_names_its_held_blocks_to_a_new_prefill_w
         for subject in by_subject:
             await nc.subscribe(subject, cb=hear)
 
-        def reservation(request_id: str, prefill_id: str) -> DecodeReservation:
-            return DecodeReservation(prefill_worker_id=prefill_id, request=GenerateRequest(
-                request_id=request_id, model=MODEL, prompt_token_ids=list(range(40)),
-                sampling=SamplingParams(max_tokens=4), reply_subject="_INBOX.unused",
-                created_at_s=time.time()))
-
         subject = decode.subjects.decode_reserve(decode.worker_id)
         assert (await dispatch(nc, subject, reservation("r1", "p-old"), 5)).is_accepted
         assert (await change_role(stack, decode, "prefill")).is_accepted  # decode drains
@@ -168,6 +169,26 @@ async def test_a_draining_decode_worker_names_its_held_blocks_to_a_new_prefill_w
         assert new.request_id == "r1" and new.block_ids == old.block_ids
         await nc.publish(decode.subjects.abort, encode(AbortRequest(request_id="r1")))
         await eventually(lambda: len(decode.duties) == 1, timeout_s=5)  # then it retires
+
+
+async def test_an_abort_naming_one_worker_frees_the_request_there_only(
+        nats_url: str) -> None:
+    """The conductor gives up one side of a request placed elsewhere (`AbortRequest` with
+    `worker_id`): that worker frees its reservation, the others keep theirs."""
+    async with Stack(nats_url, num_decode=2) as stack:
+        nc = stack.gateway.nc
+        for decode in stack.decodes:
+            reply = await dispatch(nc, decode.subjects.decode_reserve(decode.worker_id),
+                                   reservation("r1", "p-any"), 5)
+            assert reply.is_accepted
+        given_up, kept = stack.decodes
+        await nc.publish(given_up.subjects.abort, encode(AbortRequest(
+            request_id="r1", reason="re-placed", worker_id=given_up.worker_id)))
+        await eventually(lambda: given_up.duty.is_idle(), timeout_s=5)
+        await asyncio.sleep(0.2)  # the other worker heard the same abort by now
+        assert not kept.duty.is_idle()
+        await nc.publish(kept.subjects.abort, encode(AbortRequest(request_id="r1")))
+        await eventually(lambda: kept.duty.is_idle(), timeout_s=5)
 
 
 async def test_a_role_change_to_no_role_is_refused(nats_url: str) -> None:
