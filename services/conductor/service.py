@@ -253,6 +253,10 @@ class ConductorService(Service):
         """A KV handoff failed after prefill: another decode worker for the same prefill
         worker, which still holds the KV (no recompute)."""
         request = message.request
+        if self.workers.get(message.prefill_worker_id) is None:
+            # Not kept, the request would be placed anew: its prompt computed twice.
+            return self.refusal(f"no decode worker for {request.request_id}: prefill worker "
+                                f"{message.prefill_worker_id} is not among the live workers")
         progress = assignment.Progress(kept={"prefill": message.prefill_worker_id},
                                        excluded={message.failed_decode_worker_id})
         try:

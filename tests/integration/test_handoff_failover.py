@@ -11,7 +11,14 @@ import pytest
 
 from services.decode.duty import DecodeDuty
 from services.worker import DecodeService
-from shared.messages import DispatchReply, KvCommitted
+from shared.messages import (
+    DecodeReplacement,
+    DispatchReply,
+    GenerateRequest,
+    KvCommitted,
+    SamplingParams,
+)
+from shared.nats_client import dispatch
 from tests.integration.test_events import subscriber
 from tests.stack import Stack
 
@@ -90,3 +97,18 @@ async def test_a_decode_worker_whose_transfer_listener_closed_is_bypassed(
         await deaf.stop()
         status, again = await stack.post("/v1/completions", body)
         assert first["choices"][0]["text"] == again["choices"][0]["text"]
+
+
+async def test_a_replacement_for_an_unknown_prefill_worker_is_refused_not_prefilled_anew(
+        nats_url: str) -> None:
+    """The KV lives on the asking prefill worker; one the conductor does not know cannot be
+    kept, and placing the request afresh would compute its prompt on another one."""
+    async with Stack(nats_url) as stack:
+        request = GenerateRequest(request_id="r1", model=MODEL, prompt_token_ids=list(range(40)),
+                                  sampling=SamplingParams(max_tokens=4),
+                                  reply_subject="_INBOX.unused", created_at_s=0.0)
+        reply = await dispatch(stack.gateway.nc, stack.conductor.subjects.decode_replacement,
+                               DecodeReplacement(request=request, prefill_worker_id="ghost",
+                                                 failed_decode_worker_id="gone"), 5)
+        assert not reply.is_accepted and "ghost" in reply.reason
+        assert stack.prefills[0].duty.is_idle() and stack.decodes[0].duty.is_idle()
