@@ -6,7 +6,8 @@ commands at once, and records each reply in the request's `Progress`; it stops w
   disaggregated  a prefill worker (`PrefillTask`) and a decode worker (`DecodeReservation`);
                  a side that accepted is kept, only a refusing or vanished side is chosen
                  again, and a new prefill worker means decode is told again (it re-sends its
-                 `KvTarget` to the new one);
+                 `KvTarget` to the new one); a worker given up that may hold the request
+                 (`Progress.given_up`) is told, alone, to drop it;
   local          one decode worker prefills the prompt itself (`is_local_prefill`): colocated
                  workers, or a prompt under its `local_prefill_max_tokens`.
 `admit()` is the SLO check on the first attempt's choice: reject early rather than serve
@@ -113,19 +114,31 @@ class Progress:
     kept: dict[WorkerRole, str] = field(default_factory=dict)
     excluded: set[str] = field(default_factory=set)
     num_attempts: int = 0
+    # Workers that may hold the request though they are no longer part of its placement,
+    # not yet told (each alone) to drop it: see `record`.
+    given_up: list[str] = field(default_factory=list)
 
     def record(self, send: Send, reply: DispatchReply | HalfmoonError) -> bool:
-        """Whether `send` was accepted; a refusal excludes its worker from later attempts,
-        and a kept side that refuses (a decode worker told of a new prefill worker) is no
-        longer kept: it never named its blocks to the new one."""
+        """Whether `send` was accepted; a refusal excludes its worker from later attempts.
+        A kept side that refuses (a decode worker told of a new prefill worker) is no longer
+        kept: it never named its blocks to the new one. It, and a worker that never answered
+        (it may have accepted late), is given up."""
         worker_id = send.worker.worker_id
         if isinstance(reply, DispatchReply) and reply.is_accepted:
             self.kept[send.role] = worker_id
             return True
         self.excluded.add(worker_id)
-        if self.kept.get(send.role) == worker_id:
+        was_kept = self.kept.get(send.role) == worker_id
+        if was_kept:
             del self.kept[send.role]
+        if was_kept or isinstance(reply, HalfmoonError):
+            self.given_up.append(worker_id)
         return False
+
+    def take_given_up(self) -> list[str]:
+        """The workers given up since the last call."""
+        taken, self.given_up = self.given_up, []
+        return taken
 
     def is_complete(self, plan: Plan) -> bool:
         if plan.path == "local":

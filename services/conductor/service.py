@@ -234,16 +234,13 @@ class ConductorService(Service):
             replies = await asyncio.gather(*(
                 self._dispatch(self._subject(send), send.message) for send in chosen.sends))
             for send, reply in zip(chosen.sends, replies, strict=True):
-                worker_id = send.worker.worker_id
-                was_kept = progress.kept.get(send.role) == worker_id
                 if progress.record(send, reply):
-                    self._pending[worker_id] = assignment.with_sent(
-                        self._pending.get(worker_id), send)
-                    continue
-                error = self._refusal_error(worker_id, reply)
-                if was_kept or isinstance(reply, HalfmoonError):
-                    # It holds the request (kept), or may (no answer in time): only it drops it.
-                    await self._abort(request.request_id, error.message, worker_id=worker_id)
+                    self._pending[send.worker.worker_id] = assignment.with_sent(
+                        self._pending.get(send.worker.worker_id), send)
+                else:
+                    error = self._refusal_error(send.worker.worker_id, reply)
+            for worker_id in progress.take_given_up():
+                await self._abort(request.request_id, "placed elsewhere", worker_id=worker_id)
             if progress.is_complete(chosen):
                 self._count_placement(chosen, prefix, num_candidates=len(view.prefill))
                 return chosen

@@ -9,7 +9,7 @@ import pytest
 from services.conductor import assignment
 from services.conductor.assignment import ClusterView, Progress, Rules
 from services.conductor.cost_model import Slo
-from shared.errors import SloViolation, WorkerUnavailable
+from shared.errors import HalfmoonError, SloViolation, WorkerUnavailable
 from shared.messages import (
     DecodeReservation,
     DispatchReply,
@@ -34,7 +34,7 @@ def view(*workers: WorkerHeartbeat) -> ClusterView:
                        known=lambda worker_id: by_id.get(worker_id or ""))
 
 
-def attempt(cluster: ClusterView, progress: Progress, *replies: DispatchReply
+def attempt(cluster: ClusterView, progress: Progress, *replies: DispatchReply | HalfmoonError
             ) -> assignment.Plan:
     chosen = assignment.plan(REQUEST, cluster, progress, Rules(), prefix=None, turn=0)
     for send, reply in zip(chosen.sends, replies, strict=True):
@@ -86,11 +86,21 @@ def test_a_kept_decode_worker_that_refuses_the_new_prefill_worker_is_chosen_agai
     second = attempt(cluster, progress, ACCEPT, REFUSE)
     assert sent(second) == [("prefill", "p2"), ("decode", "d1")]
     assert not progress.is_complete(second) and progress.kept == {"prefill": "p2"}
+    assert progress.take_given_up() == ["d1"]  # it holds blocks for p1: told to drop them
     third = attempt(cluster, progress, ACCEPT)
     assert sent(third) == [("decode", "d2")]
     reservation = third.sends[0].message
     assert isinstance(reservation, DecodeReservation) and reservation.prefill_worker_id == "p2"
     assert progress.is_complete(third)
+
+
+def test_a_worker_that_never_answered_is_given_up_and_a_plain_refusal_is_not() -> None:
+    cluster = view(worker("p1"), worker("d1", "decode"), worker("d2", "decode"))
+    progress = Progress()
+    attempt(cluster, progress, REFUSE, WorkerUnavailable("no answer within 2s"))
+    assert progress.take_given_up() == ["d1"]  # it may have accepted late
+    assert progress.take_given_up() == []
+    assert progress.excluded == {"p1", "d1"}
 
 
 def test_a_kept_side_whose_heartbeats_vanished_is_chosen_again() -> None:
