@@ -1,13 +1,14 @@
 """The conductor: takes requests off the JetStream work queue and places them.
 
-Replicas share one durable pull consumer, so each request is placed once. Per request:
+Replicas share one durable pull consumer (`intake`), so each request is placed once. Per request:
 pick a prefill and a decode worker from live heartbeats (or one decode worker that prefills
 it itself), send their commands at the same time, and ack the request once every side
 accepted. The decisions are pure functions (`assignment`, `placement`, `cost_model`); this
 module sends and receives. When one side refuses or is gone, only that side is placed again
 (up to `max_placement_attempts`), the accepted side is kept; when placement is impossible
 the gateway gets `RequestFailed` (429 for capacity, 503 for no workers) and any accepted
-side is aborted. The global prefix index follows the workers' KV events
+side is aborted; a request for a model no worker of a role serves is held while one loads it
+(`model_loader`). The global prefix index follows the workers' KV events
 (`prefix_follower`).
 """
 
@@ -24,12 +25,12 @@ import msgspec
 import nats.errors
 import structlog
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig
 from opentelemetry import trace
 
 from services.conductor import assignment, holding
 from services.conductor.assignment import Plan
-from services.conductor.model_loads import ModelLoads, pick_loader
+from services.conductor.intake import RequestIntake
+from services.conductor.model_loader import ModelLoader
 from services.conductor.placement import PendingWork, PrefixView, prefix_view
 from services.conductor.planning import PlanningLoop
 from services.conductor.prefix_follower import PrefixIndexFollower
@@ -40,7 +41,6 @@ from shared.errors import (
     ErrorCode,
     HalfmoonError,
     KvShortage,
-    ModelLoading,
     NoHealthyWorker,
     SloViolation,
     WorkerUnavailable,
@@ -53,24 +53,11 @@ from shared.messages import (
     GenerateRequest,
     RequestFailed,
     RequestPlaced,
-    RoleChange,
     WorkerHeartbeat,
-    WorkerRole,
 )
 from shared.metrics import ConductorMetrics
-from shared.nats_client import (
-    ASSET_WAIT_S,
-    UNANSWERED_ERRORS,
-    answered,
-    dispatch,
-    encode,
-    ensure_work_queue,
-    read_registry,
-)
+from shared.nats_client import dispatch, encode, ensure_work_queue, read_registry
 from shared.service import Service
-
-FETCH_RETRY_S = 0.25
-
 
 _request_decoder = msgspec.json.Decoder(GenerateRequest)
 
@@ -90,12 +77,11 @@ class ConductorService(Service):
         self._rules = assignment.Rules.from_config(config)
         self.rejections: Counter[str] = Counter()  # by reason (also in the metrics)
         self._pending: dict[str, PendingWork] = {}
-        self._num_placing = 0
-        self._is_fetching = False
-        self._js_subscriptions: list[Any] = []
+        self.intake: RequestIntake | None = None
         self.prefix_follower: PrefixIndexFollower | None = None
         self.planning: PlanningLoop | None = None  # --planner slo
-        self.model_loads = ModelLoads()  # models no worker of a role serves, being loaded
+        self.model_loader = ModelLoader(self.subjects, self.workers, config, self.instance_id,
+                                        self._dispatch, self.spawn)
         # Gauges read at scrape time, not kept up to date on every heartbeat.
         for role in ("prefill", "decode"):
             self.metrics.workers.labels(role).set_function(
@@ -123,44 +109,13 @@ class ConductorService(Service):
                                          self.metrics, f"conductor-{uuid.uuid4().hex[:8]}",
                                          self.spawn)
             self.spawn(self.planning.run(), "planner")
-        consumer = ConsumerConfig(
-            durable_name=self.subjects.conductor_consumer, ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=10.0, max_deliver=holding.MAX_DELIVER, max_ack_pending=4096,
-        )
-        self._is_fetching = True
-        for i in range(self.config.num_fetchers):
-            subscription = await answered(lambda: js.pull_subscribe(
-                self.subjects.requests, durable=self.subjects.conductor_consumer,
-                stream=self.subjects.requests_stream, config=consumer,
-            ), "the conductors' consumer", within_s=ASSET_WAIT_S)
-            self._js_subscriptions.append(subscription)
-            self.spawn(self._fetch_loop(subscription), f"fetch.{i}")
+        self.intake = RequestIntake(js, self.subjects, self._handle)
+        await self.intake.start(self.config.num_fetchers, self.spawn)
 
     async def _on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         self.workers.observe(heartbeat)
         self._pending.pop(heartbeat.worker_id, None)
-        self.model_loads.observe(heartbeat)
-
-    async def _fetch_loop(self, subscription: Any) -> None:
-        # Each fetcher keeps one pull open; several fetchers place requests concurrently.
-        while self._is_fetching:
-            try:
-                messages = await subscription.fetch(1, timeout=1.0)
-            except (nats.errors.TimeoutError, TimeoutError):
-                continue
-            except nats.errors.ConnectionClosedError:
-                return
-            except UNANSWERED_ERRORS as exc:
-                # The stream's leader moves (a NATS node lost): pull again once it is back.
-                self.log.info("requests.fetch_retry", error=repr(exc))
-                await asyncio.sleep(FETCH_RETRY_S)
-                continue
-            for message in messages:
-                self._num_placing += 1
-                try:
-                    await self._handle(message)
-                finally:
-                    self._num_placing -= 1
+        self.model_loader.observe(heartbeat)
 
     async def _handle(self, msg: Msg) -> None:
         """Error boundary: decode -> place -> ack; invalid -> term; unexpected -> nak."""
@@ -226,7 +181,7 @@ class ConductorService(Service):
             except NoHealthyWorker as exc:
                 # Every worker left refused: a KV refusal says more than "none healthy".
                 if not isinstance(error, KvShortage):
-                    error = self._load_model(request, view) or exc
+                    error = self.model_loader.hold(request, view) or exc
                 break
             except HalfmoonError as exc:
                 error = exc
@@ -272,41 +227,6 @@ class ConductorService(Service):
             prefill_worker_id=message.prefill_worker_id, decode_worker_id=decode_id,
             lost_worker_id=message.failed_decode_worker_id, error=message.reason)
         return self.accept()
-
-    def _load_model(self, request: GenerateRequest, view: assignment.ClusterView
-                    ) -> ModelLoading | None:
-        """No healthy worker of a role serves the request's model: have one with the model
-        on its disk load it (`model_loads`), and hold the request meanwhile."""
-        role: WorkerRole = "decode" if not view.decode else "prefill"
-        if role == "prefill" and assignment.local_candidates(request, view.decode):
-            return None
-        model = request.model
-        load = self.model_loads.in_flight(model, role)
-        if load is None:
-            everyone = [*self.workers.healthy("prefill"), *self.workers.healthy("decode")]
-            loader = pick_loader(model, role, everyone, len(request.prompt_token_ids),
-                                 self.config.default_prefill_tokens_per_s)
-            if loader is None:
-                return None
-            load = self.model_loads.start(model, role, loader)
-            self.spawn(self._ask_to_load(loader, model, role), f"load.{loader.worker_id}")
-        return ModelLoading(f"no healthy {role} worker serves {model}; {load.worker_id} is "
-                            f"loading it (about {load.load_s:.0f} s)", load_s=load.load_s)
-
-    async def _ask_to_load(self, loader: WorkerHeartbeat, model: str, role: WorkerRole
-                           ) -> None:
-        reason = f"no healthy {role} worker serves {model}"
-        self.log.info("model.load_requested", worker=loader.worker_id, model=model, role=role,
-                      from_model=loader.model, load_s=loader.model_load_s)
-        with tracing.span(__name__, "conductor.model_load", attributes={
-                "halfmoon.worker": loader.worker_id, "halfmoon.model": model,
-                "halfmoon.role": role, "halfmoon.from_model": loader.model}):
-            reply = await self._dispatch(self.subjects.role_change(loader.worker_id),
-                                         RoleChange(role=role, model=model, reason=reason,
-                                                    requested_by=self.instance_id))
-        if not (isinstance(reply, DispatchReply) and reply.is_accepted):
-            self.log.warning("model.load_refused", worker=loader.worker_id, model=model,
-                             reason=self._refusal_error(loader.worker_id, reply).message)
 
     def _view(self, model: str) -> assignment.ClusterView:
         """The workers of the request's model only: a request is never placed, and its
@@ -373,19 +293,15 @@ class ConductorService(Service):
         return [self.workers]
 
     async def _stop_intake(self) -> None:
-        self._is_fetching = False
+        if self.intake is not None:
+            self.intake.stop()
 
     async def _drain(self) -> None:
-        await self.wait_until(lambda: self._num_placing == 0)
+        await self.wait_until(lambda: self.intake is None or self.intake.num_in_hand == 0)
 
     async def _close(self) -> None:
-        # A pull subscription may hold a message delivered to a fetch that was cancelled;
-        # unsubscribing hands it back to the stream (it is redelivered after ack_wait) and
-        # keeps the NATS drain from waiting on it. It also ends the ordered consumer's
-        # heartbeat task.
-        for subscription in self._js_subscriptions:
-            with contextlib.suppress(Exception):
-                await subscription.unsubscribe()
+        if self.intake is not None:
+            await self.intake.close()
         if self.prefix_follower is not None:
             with contextlib.suppress(Exception):
                 await self.prefix_follower.stop()

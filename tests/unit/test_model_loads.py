@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import msgspec
+
+from services.conductor.assignment import ClusterView
+from services.conductor.model_loader import ModelLoader
 from services.conductor.model_loads import UNMEASURED_LOAD_S, ModelLoads, pick_loader
-from shared.messages import WorkerHeartbeat, WorkerRole
+from shared.config import ConductorConfig
+from shared.heartbeats import WorkerDirectory
+from shared.messages import DispatchReply, RoleChange, WorkerHeartbeat, WorkerRole
+from shared.subjects import Subjects
+from tests.unit.test_assignment import REQUEST
 
 SHELF = ["a", "b"]
 
@@ -66,3 +75,27 @@ def test_a_load_another_conductor_asked_for_is_in_flight_here_too() -> None:
     assert loads.in_flight("b", "prefill", now_s=101.0) is None
     loads.observe(worker("a-d1", "b", "decode"), now_s=106.0)  # loaded: it serves b now
     assert loads.in_flight("b", "decode", now_s=106.0) is None
+
+
+async def test_a_held_request_asks_one_worker_to_load_its_model_once() -> None:
+    asked: list[tuple[str, RoleChange]] = []
+
+    async def dispatch(subject: str, change: RoleChange) -> DispatchReply:
+        asked.append((subject, change))
+        return DispatchReply(is_accepted=True, worker_id="a-d2")
+
+    tasks: list[asyncio.Task[None]] = []
+    workers = WorkerDirectory(timeout_s=5.0)
+    for heartbeat in (worker("a-p", "a", "prefill"), worker("a-d1", "a", "decode"),
+                      worker("a-d2", "a", "decode", model_load_s=1.0)):
+        workers.observe(heartbeat)
+    loader = ModelLoader(Subjects("t"), workers, ConductorConfig(), "conductor", dispatch,
+                         lambda coro, name: tasks.append(asyncio.create_task(coro)))
+    request = msgspec.structs.replace(REQUEST, model="b")
+    view = ClusterView(prefill=[], decode=[], pending={}, known=workers.get)
+    first, second = loader.hold(request, view), loader.hold(request, view)
+    await asyncio.gather(*tasks)
+    assert first is not None and second is not None and first.load_s == 1.0
+    assert "a-d2 is loading it" in first.message
+    assert [(s, c.model, c.role) for s, c in asked] == [
+        (Subjects("t").role_change("a-d2"), "b", "decode")]
