@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from services.kv_handoff import KvHandoff
 from shared.heartbeats import WorkerDirectory
 from shared.messages import Message, WorkerRole
-from transfer_engine.batch import Notification
 
 if TYPE_CHECKING:
     from services.worker import WorkerService
@@ -100,9 +99,6 @@ class Duty(abc.ABC):
 
     def num_waiting(self) -> int:
         return self.engine.stats().num_waiting
-
-    def on_kv_notice(self, notification: Notification) -> None:
-        """A handoff's last write landed in this worker's pool."""
 
     def worker_views(self) -> list[WorkerDirectory]:
         """The worker directories this role judges by heartbeats."""

@@ -15,8 +15,10 @@ layer-wise streaming is measured against). The decode side's `KvTarget` (its blo
 layout) may arrive while prefill computes; layers wait for it, compute does not.
 
 When tracing, the stream's `kv.transfer` span runs from the first write to the last byte
-landed, and the last write carries a `HandoffNotice` notification with the span's context, so
-the decode side's spans join the request's trace through the transfer engine itself.
+landed; the report carries its context, and `KvCommitted` carries that in its headers, so the
+decode side's `decode.stream` follows the transfer in the request's trace. (No notification
+crosses the transfer engine for it: on shared memory that would be a TCP round trip of its
+own per request.)
 """
 
 from __future__ import annotations
@@ -29,30 +31,20 @@ from typing import Protocol
 
 import msgspec
 import numpy as np
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
 
 from engine.protocol import PrefillResult
 from engine.sim_link import SimulatedLink
 from shared import tracing
-from shared.messages import HandoffNotice, KvPoolLayout, KvTarget
-from shared.nats_client import encode
+from shared.messages import KvPoolLayout, KvTarget
 from transfer_engine.batch import PieceArrays
 from transfer_engine.engine import TransferEngine
 from transfer_engine.errors import InvalidTransfer, TransferTimeout
 from transfer_engine.wire import Compression
 
 KV_SEGMENT = "kv"
-
-_notice_decoder = msgspec.json.Decoder(HandoffNotice)
-
-
-def decode_notice(payload: bytes) -> HandoffNotice | None:
-    try:
-        return _notice_decoder.decode(payload)
-    except msgspec.DecodeError:
-        return None
-
 
 @dataclass(frozen=True)
 class HandoffReport:
@@ -62,6 +54,8 @@ class HandoffReport:
     tail_s: float = 0.0  # from the last layer computed to its KV landed at decode
     compression: str = "none"  # on the wire: `fp8`, `int8` (TCP only) or none
     wire_bytes: int = 0  # what crossed: `num_bytes` unless compressed
+    # The `kv.transfer` span, as the context `KvCommitted` goes out in (when tracing).
+    trace_context: otel_context.Context | None = None
 
 
 class KvStream(Protocol):
@@ -176,6 +170,7 @@ class _LayerStream:
         self._num_bytes = 0
         self._transport = "none"
         self._first_write_at = 0.0
+        self._span: Span | None = None  # kv.transfer, when tracing
         self._task = self._loop.create_task(self._run())
 
     def on_layer(self, layer: int, block_ids: list[int]) -> None:
@@ -195,7 +190,9 @@ class _LayerStream:
                              seconds=landed_at - self._first_write_at,
                              transport=self._transport,
                              tail_s=max(0.0, landed_at - self._last_layer_at),
-                             compression=self._applied, wire_bytes=self._wire_bytes)
+                             compression=self._applied, wire_bytes=self._wire_bytes,
+                             trace_context=None if self._span is None
+                             else trace.set_span_in_context(self._span))
 
     def cancel(self) -> None:
         self._task.cancel()
@@ -205,35 +202,24 @@ class _LayerStream:
         remote = peer_layout(self._layout, target.decode_worker_id, target.kv_layout,
                              target.kv_num_blocks, target.kv_block_bytes)
         pending: list[tuple[int, list[int]]] = []
-        span: Span | None = None
         try:
-            for layer in range(self._layout.num_layers):
+            for _ in range(self._layout.num_layers):
                 pending.append(await self._layers.get())
                 if self._is_layerwise or len(pending) == self._layout.num_layers:
-                    if span is None and tracing.is_enabled():
-                        span = tracing.tracer(__name__).start_span("kv.transfer")
-                    is_last = layer == self._layout.num_layers - 1
-                    await self._write(pending, target, remote,
-                                      self._notice(span) if is_last else None)
+                    if self._span is None and tracing.is_enabled():
+                        self._span = tracing.tracer(__name__).start_span("kv.transfer")
+                    await self._write(pending, target, remote)
                     pending = []
         except BaseException as exc:
-            if span is not None:
-                span.record_exception(exc)
-                span.set_status(StatusCode.ERROR)
+            if self._span is not None:
+                self._span.record_exception(exc)
+                self._span.set_status(StatusCode.ERROR)
             raise
         finally:
-            if span is not None:
-                self._describe(span, target)
-                span.end()
+            if self._span is not None:
+                self._describe(self._span, target)
+                self._span.end()
         return time.perf_counter()
-
-    def _notice(self, span: Span | None) -> bytes | None:
-        """The trace context of the transfer, for the decode side; None when not tracing."""
-        if span is None:
-            return None
-        with tracing.attached(trace.set_span_in_context(span)):
-            carrier = tracing.inject() or {}
-        return encode(HandoffNotice(request_id=self._request_id, trace_context=carrier))
 
     def _describe(self, span: Span, target: KvTarget) -> None:
         seconds = time.perf_counter() - self._first_write_at if self._first_write_at else 0.0
@@ -248,7 +234,7 @@ class _LayerStream:
         })
 
     async def _write(self, layers: list[tuple[int, list[int]]], target: KvTarget,
-                     remote: KvPoolLayout, notice: bytes | None = None) -> None:
+                     remote: KvPoolLayout) -> None:
         """One transfer of these layers' K and V pieces into decode's reserved blocks."""
         for _, block_ids in layers:
             if len(block_ids) > len(target.block_ids):
@@ -258,7 +244,7 @@ class _LayerStream:
             (layer, block_ids, target.block_ids[:len(block_ids)]) for layer, block_ids in layers])
         started_at = time.perf_counter()
         self._first_write_at = self._first_write_at or started_at
-        result = await self._transfer.write(target.decode_worker_id, pieces, notify=notice,
+        result = await self._transfer.write(target.decode_worker_id, pieces,
                                             compression=self._compression)
         if self._link is not None:
             await self._link.carry(result.wire_bytes, started_at)

@@ -61,7 +61,6 @@ from shared.nats_client import (
     publish_to_stream,
 )
 from shared.service import Service, ServiceState
-from transfer_engine.batch import Notification
 from transfer_engine.engine import TransferEngine
 
 # Registry entries outlive a few missed heartbeats, then the bucket drops them.
@@ -143,8 +142,7 @@ class WorkerService(Service):
     async def _setup(self) -> None:
         loading_since = time.monotonic()
         parts = await assemble(self.config, self.worker_id, self.nc, self.subjects,
-                               self.metrics, self.leases, self._on_kv_notice,
-                               engine=self._engine)
+                               self.metrics, self.leases, engine=self._engine)
         self._engine, self.handoff = parts.engine, parts.handoff
         self._model_path = model_files_dir(self.config.engine)
         self.transfer, self.prefix_sharing = parts.transfer, parts.prefix_sharing
@@ -189,10 +187,6 @@ class WorkerService(Service):
     def _publish_lease_event(self, event: KvLeaseEvent) -> None:
         if self._nc is not None and not self._nc.is_closed:
             self.spawn(self.events.lease(event), f"lease.{event.request_id}")
-
-    def _on_kv_notice(self, notification: Notification) -> None:
-        for duty in list(self._duties.values()):
-            duty.on_kv_notice(notification)
 
     def _num_waiting(self) -> int:
         return sum(duty.num_waiting() for duty in self._duties.values())

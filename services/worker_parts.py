@@ -2,7 +2,7 @@
 pool, the transfer engine that holds the pool, the KV handoff to decode workers and prefix
 sharing between prefill workers, with the wire compression the worker's KV goes out with.
 
-    parts = await assemble(config, worker_id, nc, subjects, metrics, on_notification)
+    parts = await assemble(config, worker_id, nc, subjects, metrics, leases)
 
 The KV pool lives in the transfer engine's shared memory (segment `kv`): same-host peers
 write into it one-sidedly, others land in it straight from their sockets. An engine without
@@ -13,7 +13,6 @@ fails, whatever was started is closed before the error propagates.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NatsClient
@@ -48,8 +47,7 @@ class WorkerParts:
 
 
 async def assemble(config: WorkerConfig, worker_id: str, nc: NatsClient,
-                   subjects: Subjects, metrics: PrefillMetrics, leases: LeaseTable,
-                   on_notification: Callable[[Notification], None], *,
+                   subjects: Subjects, metrics: PrefillMetrics, leases: LeaseTable, *,
                    engine: Engine | None = None) -> WorkerParts:
     """Build (or take) the engine and, when it has a KV pool, everything that moves it."""
     if engine is None:  # reads (or writes) model files: off the event loop
@@ -58,7 +56,7 @@ async def assemble(config: WorkerConfig, worker_id: str, nc: NatsClient,
     if layout is None:
         return WorkerParts(engine, NoKvHandoff())
     compression = wire_compression(config.transfer.kv_transfer_dtype, layout)
-    transfer = await start_transfer_engine(config, worker_id, nc, subjects, on_notification)
+    transfer = await start_transfer_engine(config, worker_id, nc, subjects)
     try:
         if engine.kv_device == "cpu":  # else registered once started (`register_device_kv`)
             engine.use_kv_buffer(await transfer.allocate(KV_SEGMENT, layout.size_bytes))
@@ -169,9 +167,7 @@ def simulated_link(config: WorkerConfig) -> SimulatedLink | None:
 
 
 async def start_transfer_engine(config: WorkerConfig, worker_id: str, nc: NatsClient,
-                                subjects: Subjects,
-                                on_notification: Callable[[Notification], None]
-                                ) -> TransferEngine:
+                                subjects: Subjects) -> TransferEngine:
     if not config.transfer.secret:
         raise ConfigError("set transfer_secret (HALFMOON_TRANSFER_SECRET): the secret every "
                           "worker of the cluster shares to authenticate KV transfers "
@@ -184,6 +180,12 @@ async def start_transfer_engine(config: WorkerConfig, worker_id: str, nc: NatsCl
         advertise_host=config.transfer.advertise_host,
         transports=tuple(t.strip() for t in config.transfer.transports.split(",")),
         timeout_s=config.transfer.kv_wait_timeout_s,
-    ), registry, on_notification=on_notification)
+    ), registry, on_notification=_drop_notification)
     await transfer.start()
     return transfer
+
+
+def _drop_notification(notification: Notification) -> None:
+    """Workers send no transfer notifications (`KvCommitted` says a handoff is done and
+    carries its trace context); one from a peer of an older version (its `HandoffNotice`)
+    is dropped rather than queued for no reader."""

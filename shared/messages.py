@@ -260,15 +260,6 @@ class KvCommitted(Message, frozen=True, kw_only=True):
     finished_choices: list[int] = []
 
 
-class HandoffNotice(Message, frozen=True, kw_only=True):
-    """Rides, as the transfer engine's notification, on the last write of a KV handoff (no
-    subject: prefill's transfer engine delivers it to decode's): whose KV landed, and the
-    W3C trace context of the `kv.transfer` span so decode's spans join the request's trace."""
-
-    request_id: str
-    trace_context: dict[str, str] = {}
-
-
 class PrefixFetch(Message, frozen=True, kw_only=True):
     """Command from one prefill worker to another (`Subjects.prefix_fetch`), sent as a
     request: write the KV of the cached blocks `block_hashes` (hex chain hashes, consecutive

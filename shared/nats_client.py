@@ -342,13 +342,17 @@ async def read_registry(js: JetStreamContext, bucket: str) -> list[WorkerHeartbe
 
 
 async def dispatch(
-    nc: NatsClient, subject: str, message: Message, timeout_s: float
+    nc: NatsClient, subject: str, message: Message, timeout_s: float, *,
+    trace_headers: dict[str, str] | None = None,
 ) -> DispatchReply:
-    """Send a command to one worker and wait for its `DispatchReply`.
+    """Send a command to one worker and wait for its `DispatchReply`. The headers carry
+    the current trace context, or `trace_headers` when given (the same context, injected
+    once for several commands).
 
     Raises `WorkerUnavailable` when nobody listens or nobody answers in time.
     """
-    return _reply_decoder.decode(await _request(nc, subject, message, timeout_s))
+    return _reply_decoder.decode(await _request(nc, subject, message, timeout_s,
+                                                trace_headers))
 
 
 async def fetch_prefix(nc: NatsClient, subject: str, message: PrefixFetch, timeout_s: float
@@ -360,10 +364,11 @@ async def fetch_prefix(nc: NatsClient, subject: str, message: PrefixFetch, timeo
     return reply
 
 
-async def _request(nc: NatsClient, subject: str, message: Message, timeout_s: float) -> bytes:
+async def _request(nc: NatsClient, subject: str, message: Message, timeout_s: float,
+                   trace_headers: dict[str, str] | None = None) -> bytes:
     try:
         reply = await nc.request(subject, encode(message), timeout=timeout_s,
-                                 headers=tracing.inject())
+                                 headers=trace_headers or tracing.inject())
     except nats.errors.NoRespondersError as exc:
         raise WorkerUnavailable(f"no worker listens on {subject}") from exc
     except nats.errors.TimeoutError as exc:

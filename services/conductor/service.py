@@ -186,8 +186,10 @@ class ConductorService(Service):
             except HalfmoonError as exc:
                 error = exc
                 break
+            headers = tracing.inject()  # once for both sides: the same context
             replies = await asyncio.gather(*(
-                self._dispatch(self._subject(send), send.message) for send in chosen.sends))
+                self._dispatch(self._subject(send), send.message, headers)
+                for send in chosen.sends))
             for send, reply in zip(chosen.sends, replies, strict=True):
                 if progress.record(send, reply):
                     self._pending[send.worker.worker_id] = assignment.with_sent(
@@ -247,9 +249,12 @@ class ConductorService(Service):
                            self.prefix_index, policy=self.config.policy,
                            is_fetch_enabled=self.config.prefix_fetch)
 
-    async def _dispatch(self, subject: str, message: Any) -> DispatchReply | HalfmoonError:
+    async def _dispatch(self, subject: str, message: Any,
+                        trace_headers: dict[str, str] | None = None
+                        ) -> DispatchReply | HalfmoonError:
         try:
-            return await dispatch(self.nc, subject, message, self.config.dispatch_timeout_s)
+            return await dispatch(self.nc, subject, message, self.config.dispatch_timeout_s,
+                                  trace_headers=trace_headers)
         except HalfmoonError as exc:
             return exc
 

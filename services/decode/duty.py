@@ -35,7 +35,6 @@ from opentelemetry.trace import Span, StatusCode
 from engine.protocol import DecodeRequest, PrefillRequest, TokenOutput
 from services.decode.sent_tokens import SentTokens
 from services.duty import Duty, Handler
-from services.kv_handoff import decode_notice
 from services.kv_leases import Lease
 from shared import tracing
 from shared.errors import HalfmoonError, InvalidRequest, RequestAborted, TransferTimeout
@@ -56,7 +55,6 @@ from shared.messages import (
     choice_id,
 )
 from shared.nats_client import encode
-from transfer_engine.batch import Notification
 
 if TYPE_CHECKING:
     from services.worker import WorkerService
@@ -76,7 +74,8 @@ class Reservation:
 
 class DecodeSpans:
     """Each running request's `decode.stream` span (join to last token), a child of the
-    context current at the join (the prefill side's, from `KvCommitted`'s headers). The
+    context current at the join: the prefill side's `kv.transfer` (or `prefill.request` when
+    no KV moved), from `KvCommitted`'s headers. The
     reservation and the first step are events on it, not spans of their own: tracing at
     100 % costs per span. Nothing is kept when not tracing."""
 
@@ -306,18 +305,6 @@ class DecodeDuty(Duty):
             self._last_step_at = now if self._active else None
             self.metrics.generated_tokens.inc(len(outputs))
             await self._publish_step(outputs)
-
-    def on_kv_notice(self, notification: Notification) -> None:
-        """The KV of a request landed: a `kv.received` span, child of the prefill side's
-        `kv.transfer`, whose context came with the transfer engine's notification."""
-        notice = decode_notice(notification.payload)
-        if notice is None or not tracing.is_enabled():
-            return
-        with tracing.attached(tracing.extract(notice.trace_context)):
-            now = time.perf_counter()
-            tracing.record_span(__name__, "kv.received", now, now, {
-                "halfmoon.request_id": notice.request_id, "halfmoon.worker": self.worker_id,
-                "halfmoon.prefill_worker": notification.peer_id})
 
     async def _publish_step(self, outputs: list[TokenOutput]) -> None:
         by_gateway: dict[str, list[TokenDelta]] = defaultdict(list)

@@ -29,7 +29,7 @@ from opentelemetry import trace
 
 from engine.protocol import FirstToken, PrefillRequest, PrefillResult
 from services.duty import Duty, Handler
-from services.kv_handoff import KvStream
+from services.kv_handoff import HandoffReport, KvStream
 from shared import tracing
 from shared.errors import (
     EngineFailure,
@@ -273,19 +273,8 @@ class PrefillDuty(Duty):
                       target: KvTarget) -> None:
         """Wait until the KV landed in `target`'s blocks, then tell its decode worker."""
         report = await stream.finish(result, self.config.transfer.kv_wait_timeout_s)
-        reply = await dispatch(
-            self.nc, self.subjects.kv_commit(target.decode_worker_id),
-            KvCommitted(
-                request_id=request.request_id, prefill_worker_id=self.worker_id,
-                first_token_id=result.first_token_id,
-                num_prompt_tokens=len(request.prompt_token_ids),
-                num_kv_bytes=report.num_bytes, transport=report.transport,
-                kv_compression=report.compression, num_kv_wire_bytes=report.wire_bytes,
-                first_logprob=_asked_logprob(request, result),
-                **_choices_commit(request, result),
-            ),
-            COMMIT_TIMEOUT_S,
-        )
+        with tracing.attached(report.trace_context):  # decode's spans follow the transfer's
+            reply = await self._send_commit(request, result, report, target)
         if not reply.is_accepted:
             raise WorkerUnavailable(f"decode worker refused the commit: {reply.reason}")
         if report.num_bytes:
@@ -302,6 +291,22 @@ class PrefillDuty(Duty):
                       kv_wire_bytes=report.wire_bytes, kv_compression=report.compression,
                       transport=report.transport, kv_seconds=round(report.seconds, 6),
                       kv_tail_seconds=round(report.tail_s, 6))
+
+    async def _send_commit(self, request: GenerateRequest, result: PrefillResult,
+                           report: HandoffReport, target: KvTarget) -> DispatchReply:
+        return await dispatch(
+            self.nc, self.subjects.kv_commit(target.decode_worker_id),
+            KvCommitted(
+                request_id=request.request_id, prefill_worker_id=self.worker_id,
+                first_token_id=result.first_token_id,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_kv_bytes=report.num_bytes, transport=report.transport,
+                kv_compression=report.compression, num_kv_wire_bytes=report.wire_bytes,
+                first_logprob=_asked_logprob(request, result),
+                **_choices_commit(request, result),
+            ),
+            COMMIT_TIMEOUT_S,
+        )
 
     def _observe_prefill(self, request: GenerateRequest, result: PrefillResult, started: float,
                          layers: list[tuple[int, float]]) -> None:

@@ -59,7 +59,7 @@ async def test_a_request_is_one_connected_trace_across_every_service_and_the_tra
     trace = trace_of(finished, "gateway.request")
     names = {s.name for s in trace}
     assert names >= {"gateway.request", "conductor.schedule", "prefill.request",
-                     "kv.transfer", "kv.received", "decode.stream"}
+                     "kv.transfer", "decode.stream"}
     # Queueing, compute, the reservation and the first step are attributes and events.
     assert not names & {"prefill.queue", "prefill.compute", "decode.reserve",
                         "decode.first_step"}
@@ -73,8 +73,9 @@ async def test_a_request_is_one_connected_trace_across_every_service_and_the_tra
     transfer = by_name["kv.transfer"].attributes or {}
     assert transfer["kv.bytes"] > 0 and transfer["kv.transport"] == "shm"
     assert transfer["kv.gbps"] > 0 and transfer["kv.compression"] == "none"
-    # The decode side learnt the transfer's context from the transfer engine's notification.
-    assert by_name["kv.received"].parent.span_id == by_name["kv.transfer"].context.span_id
+    # Decode's span follows the transfer: `KvCommitted` carried the transfer span's context.
+    assert by_name["decode.stream"].parent.span_id == by_name["kv.transfer"].context.span_id
+    assert by_name["kv.transfer"].parent.span_id == by_name["prefill.request"].context.span_id
     layers = [e for e in by_name["prefill.request"].events if e.name == "layer"]
     num_layers = torch_stack.prefills[0].engine.kv_layout().num_layers  # type: ignore[union-attr]
     assert [e.attributes["layer"] for e in layers] == list(range(num_layers))  # type: ignore[index]

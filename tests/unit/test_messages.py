@@ -20,7 +20,6 @@ from shared.messages import (
     DispatchReply,
     GatewayEvent,
     GenerateRequest,
-    HandoffNotice,
     KvBlockEvent,
     KvCommitted,
     KvEventBatch,
@@ -72,8 +71,6 @@ SAMPLES: dict[str, Message] = {
                                     code="capacity_exhausted"),
     "kv_target": KvTarget(request_id="cmpl-1", decode_worker_id="decode-b", block_ids=[3, 4],
                           kv_num_blocks=4096, kv_block_bytes=8192, kv_layout=LAYOUT),
-    "handoff_notice": HandoffNotice(request_id="cmpl-1", trace_context={
-        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}),
     "transfer_endpoint": TransferEndpoint(
         engine_id="decode-b", host_id="h1/boot", tcp_host="10.0.0.7", tcp_port=7100,
         segments=[SegmentInfo(name="kv", segment_id=1, size_bytes=1 << 30,
@@ -166,12 +163,6 @@ def test_a_kv_target_from_before_kv_layout_decodes_without_it() -> None:
     decoded = msgspec.json.decode(json.dumps(payload), type=KvTarget)
     assert decoded.kv_layout is None
     assert (decoded.kv_num_blocks, decoded.kv_block_bytes) == (4096, 8192)
-
-
-def test_a_handoff_notice_from_before_it_was_tagged_still_decodes() -> None:
-    decoded = msgspec.json.decode(b'{"request_id": "cmpl-1", "trace_context": {}}',
-                                  type=HandoffNotice)
-    assert decoded == HandoffNotice(request_id="cmpl-1")
 
 
 def test_pool_layout_names_each_size() -> None:
