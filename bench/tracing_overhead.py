@@ -6,13 +6,15 @@ once with every service exporting every span to the collector (`--tracing otlp-g
 `--trace-sample-ratio`, 1 by default), in the order ABBA so drift falls on both alike; each
 stack is warmed up, then driven by `--concurrency` streaming clients for `--duration-s`.
 Prints requests/s and TTFT per mode, the traced/untraced ratios of the means and the median
-of the per-round throughput ratios (robust to one slow spell). This machine is shared and
-noisy, and a stack that runs slower also coalesces fewer tokens per message, so one window
-can be 10-20 % off the next: `--control` runs tracing off against tracing off, the same
-way, to show the noise floor of the ratio; `--against-sdk` runs both stacks traced, the
-SDK's tracer (`--tracer sdk`, the baseline) against the lean one. `--live` starts each
-stack once and keeps both up, measuring them in turn in short windows (drift then falls on
-both within seconds, and no window pays for a stack's start): use many rounds.
+of the per-round throughput ratios (robust to one slow spell), and each process's CPU per
+request in each mode (`/proc`, main thread and other threads apart: `bench.process_cpu`).
+This machine is shared and noisy, and a stack that runs slower also coalesces fewer tokens
+per message, so one window can be 10-20 % off the next: `--control` runs tracing off against
+tracing off, the same way, to show the noise floor of the ratio; `--against-sdk` runs both
+stacks traced, the SDK's tracer (`--tracer sdk`, the baseline) against the lean one.
+`--live` starts each stack once and keeps both up, measuring them in turn in short windows
+(drift then falls on both within seconds, and no window pays for a stack's start): use many
+rounds.
 
     python -m bench.tracing_overhead --rounds 6 --duration-s 6 [--control]
     python -m bench.tracing_overhead --live --rounds 30 --duration-s 2 [--control | --against-sdk]
@@ -29,12 +31,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import rotel
 
 from bench.control_path import LevelResult, free_port, launch, run_level
+from bench.process_cpu import stack_cpu_s
 
 ROTEL_AGENT = Path(rotel.__file__).parent / "rotel-agent"  # the collector's binary
 
@@ -49,61 +54,73 @@ def start_collector(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
     return process, grpc_port
 
 
+@dataclass(frozen=True)
+class Window:
+    result: LevelResult
+    cpu_s: Counter[str]  # CPU seconds the stack's processes spent in the window, by role
+
+
 def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
 @contextlib.contextmanager
-def stack(up_args: list[str], args: argparse.Namespace) -> Iterator[str]:
-    """`halfmoon up --engine fake` with these flags, warmed up; its URL."""
+def stack(up_args: list[str], args: argparse.Namespace) -> Iterator[tuple[str, int]]:
+    """`halfmoon up --engine fake` with these flags, warmed up; its URL and pid."""
     process, url = launch("--engine", "fake", "--log-level", "warning", *up_args)
     try:
         asyncio.run(run_level(url, args.concurrency, 1.0, args.max_tokens))  # warm-up
-        yield url
+        yield url, process.pid
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
 
 
-def window(url: str, args: argparse.Namespace) -> LevelResult:
-    return asyncio.run(run_level(url, args.concurrency, args.duration_s, args.max_tokens))
+def window(url: str, pid: int, args: argparse.Namespace) -> Window:
+    before = stack_cpu_s(pid)
+    result = asyncio.run(run_level(url, args.concurrency, args.duration_s, args.max_tokens))
+    spent = stack_cpu_s(pid)
+    spent.subtract(before)
+    return Window(result, spent)
 
 
-def measure(up_args: list[str], args: argparse.Namespace) -> LevelResult:
-    with stack(up_args, args) as url:
-        return window(url, args)
+def measure(up_args: list[str], args: argparse.Namespace) -> Window:
+    with stack(up_args, args) as (url, pid):
+        return window(url, pid, args)
 
 
 def run_rounds(modes: dict[str, list[str]], args: argparse.Namespace
-               ) -> dict[str, list[LevelResult]]:
+               ) -> dict[str, list[Window]]:
     """`args.rounds` rounds, alternating which mode goes first: a fresh stack per mode
     and round, or (`--live`) one stack per mode, up throughout."""
     with contextlib.ExitStack() as stacks:
-        take: dict[str, Callable[[], LevelResult]]
+        take: dict[str, Callable[[], Window]]
         if args.live:
-            urls = {mode: stacks.enter_context(stack(flags, args))
-                    for mode, flags in modes.items()}
-            take = {mode: functools.partial(window, url, args) for mode, url in urls.items()}
+            up = {mode: stacks.enter_context(stack(flags, args)) for mode, flags in modes.items()}
+            take = {mode: functools.partial(window, url, pid, args)
+                    for mode, (url, pid) in up.items()}
         else:
             take = {mode: functools.partial(measure, flags, args)
                     for mode, flags in modes.items()}
         return _alternate(take, args.rounds)
 
 
-def _alternate(take: dict[str, Callable[[], LevelResult]], rounds: int
-               ) -> dict[str, list[LevelResult]]:
-    results: dict[str, list[LevelResult]] = {mode: [] for mode in take}
+def _alternate(take: dict[str, Callable[[], Window]], rounds: int
+               ) -> dict[str, list[Window]]:
+    results: dict[str, list[Window]] = {mode: [] for mode in take}
     for round_number in range(rounds):
         order = list(take) if round_number % 2 == 0 else list(reversed(take))
         for mode in order:
-            result = take[mode]()
-            results[mode].append(result)
+            taken = take[mode]()
+            results[mode].append(taken)
+            result = taken.result
             print(f"round {round_number + 1} tracing {mode}: {result.requests_per_s:.1f} "
                   f"req/s, TTFT p50 {result.ttft_p50_ms:.2f} ms", file=sys.stderr)
     return results
 
 
-def print_summary(results: dict[str, list[LevelResult]]) -> None:
+def print_summary(windows: dict[str, list[Window]]) -> None:
+    results = {mode: [w.result for w in taken] for mode, taken in windows.items()}
     print(f"{'tracing':>11} {'req/s':>8} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9}")
     summary = {}
     for mode, rounds in results.items():
@@ -122,6 +139,25 @@ def print_summary(results: dict[str, list[LevelResult]]) -> None:
     print(f"{measured} / {baseline}: throughput {on_rps / off_rps:.3f}x (median of pairs "
           f"{pair_median:.3f}x), TTFT p50 {on_p50 / off_p50:.3f}x, TTFT p99 "
           f"{on_p99 / off_p99:.3f}x (throughput cost {100 * (1 - on_rps / off_rps):.1f} %)")
+    print_cpu(windows)
+
+
+def print_cpu(windows: dict[str, list[Window]]) -> None:
+    """CPU per request of each process (and of its other threads), in each mode."""
+    per_request: dict[str, dict[str, float]] = {}
+    for mode, taken in windows.items():
+        total: Counter[str] = Counter()
+        for w in taken:
+            total.update(w.cpu_s)
+        num_requests = max(1, sum(w.result.num_requests for w in taken))
+        per_request[mode] = {key: 1e6 * s / num_requests for key, s in total.items()}
+    (baseline, off), (measured, on) = per_request.items()
+    keys = sorted(k for k in off.keys() | on.keys() if max(off.get(k, 0), on.get(k, 0)) >= 1)
+    print(f"CPU per request (us) {baseline:>12} {measured:>12} {'delta':>8}")
+    for key in [*keys, "all"]:
+        a = sum(off.values()) if key == "all" else off.get(key, 0.0)
+        b = sum(on.values()) if key == "all" else on.get(key, 0.0)
+        print(f"{key:<20} {a:>12.0f} {b:>12.0f} {b - a:>+8.0f}")
 
 
 def main() -> None:

@@ -28,3 +28,7 @@ def test_tracing_overhead_prints_both_modes_and_their_ratio(flags: list[str],
     baseline, measured = modes
     assert float(rows[baseline][-4]) > 0 and float(rows[measured][-4]) > 0  # req/s of each
     assert re.search(r"throughput \d\.\d{3}x \(median of pairs \d\.\d{3}x\)", done.stdout)
+    cpu = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()
+           if line.split() and line.split()[0] in ("gateway", "decode", "all")}
+    assert set(cpu) == {"gateway", "decode", "all"}  # CPU per request, each mode and delta
+    assert float(cpu["all"][0]) > float(cpu["gateway"][0]) > 0
