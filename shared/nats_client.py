@@ -347,7 +347,7 @@ async def dispatch(
 ) -> DispatchReply:
     """Send a command to one worker and wait for its `DispatchReply`. The headers carry
     the current trace context, or `trace_headers` when given (the same context, injected
-    once for several commands).
+    once for several commands; `{}`: none, for a receiver that makes no span of it).
 
     Raises `WorkerUnavailable` when nobody listens or nobody answers in time.
     """
@@ -368,7 +368,8 @@ async def _request(nc: NatsClient, subject: str, message: Message, timeout_s: fl
                    trace_headers: dict[str, str] | None = None) -> bytes:
     try:
         reply = await nc.request(subject, encode(message), timeout=timeout_s,
-                                 headers=trace_headers or tracing.inject())
+                                 headers=tracing.inject() if trace_headers is None
+                                 else trace_headers or None)
     except nats.errors.NoRespondersError as exc:
         raise WorkerUnavailable(f"no worker listens on {subject}") from exc
     except nats.errors.TimeoutError as exc:

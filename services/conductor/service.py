@@ -51,6 +51,7 @@ from shared.messages import (
     DecodeReplacement,
     DispatchReply,
     GenerateRequest,
+    PrefillTask,
     RequestFailed,
     RequestPlaced,
     WorkerHeartbeat,
@@ -60,6 +61,13 @@ from shared.nats_client import dispatch, encode, ensure_work_queue, read_registr
 from shared.service import Service
 
 _request_decoder = msgspec.json.Decoder(GenerateRequest)
+
+
+def _makes_span(send: assignment.Send) -> bool:
+    """Whether the receiver makes a span under the command's trace context: a prefill task
+    does, and so does a decode worker prefilling itself; a paired decode reservation's
+    span comes later, a child of prefill's (`KvCommitted` carries that context)."""
+    return isinstance(send.message, PrefillTask) or send.message.is_local_prefill
 
 
 class ConductorService(Service):
@@ -186,9 +194,10 @@ class ConductorService(Service):
             except HalfmoonError as exc:
                 error = exc
                 break
-            headers = tracing.inject()  # once for both sides: the same context
+            headers = tracing.inject() or {}  # once for both sides: the same context
             replies = await asyncio.gather(*(
-                self._dispatch(self._subject(send), send.message, headers)
+                self._dispatch(self._subject(send), send.message,
+                               headers if _makes_span(send) else {})
                 for send in chosen.sends))
             for send, reply in zip(chosen.sends, replies, strict=True):
                 if progress.record(send, reply):

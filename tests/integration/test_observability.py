@@ -90,6 +90,22 @@ async def test_a_request_is_one_connected_trace_across_every_service_and_the_tra
     assert schedule["halfmoon.decode_worker"] == torch_stack.decodes[0].worker_id
 
 
+async def test_a_decode_worker_that_prefills_itself_joins_the_trace_under_the_conductor(
+        spans: InMemorySpanExporter, nats_url: str) -> None:
+    async with Stack(nats_url, num_prefill=0, worker={"local_prefill_max_tokens": 1 << 20}
+                     ) as stack:
+        status, body = await stack.post("/v1/completions", {
+            "model": MODEL, "prompt": "hello", "max_tokens": 3})
+        assert status == 200, body
+        await eventually(lambda: any(s.name == "decode.stream"
+                                     for s in spans.get_finished_spans()))
+    by_name = {s.name: s for s in trace_of(list(spans.get_finished_spans()),
+                                           "gateway.request")}
+    # Its reservation carried the conductor's context (a paired one goes without).
+    schedule, stream = by_name["conductor.schedule"], by_name["decode.stream"]
+    assert stream.parent is not None and stream.parent.span_id == schedule.context.span_id
+
+
 async def test_with_tracing_off_no_span_is_made_and_no_header_sent(stack: Stack) -> None:
     assert not tracing.is_enabled()
     assert tracing.inject() is None
