@@ -9,10 +9,11 @@ own and records `ok` or its error, so one failure does not hide the rest:
 * `decode`: decode tokens/s at batch 1 and 32 (bf16 on CUDA, fp32 on CPU) against
   transformers' `generate`, same weights.
 * `serving`: `halfmoon up` with 1 prefill + 1 decode worker moving KV over TCP (a device
-  pool moves through the transfer engine's pinned host mirror), against a colocated worker:
-  the greedy outputs of 8 prompts must be equal. CUDA IPC is not built (recorded as such).
-* `kv_transfer`: GB/s of one 256 MiB write between two transfer engines over TCP, device
-  memory to device memory (through the mirrors).
+  pool moves through the transfer engine's pinned host mirror) and over CUDA IPC (device to
+  device), each against a colocated worker: the greedy outputs of 8 prompts must be equal;
+  the transports the decode worker's commits name are recorded.
+* `kv_transfer`: GB/s of one 256 MiB write into another process's device memory, over TCP
+  (through both mirrors) and over CUDA IPC; the bytes read back must be equal.
 
     python -m bench.gpu_check [--device cuda] [--out gpu_check.json]
 """
@@ -25,6 +26,7 @@ import json
 import os
 import platform
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -181,58 +183,108 @@ async def check_serving(tmp: Path, device: torch.device) -> dict[str, Any]:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (model_dir / name).write_bytes((builtin / name).read_bytes())
     common = ["--model", str(model_dir), "--device", str(device)]
-    outputs = {}
-    for name, args in (("colocated", ["--mode", "colocated", "--workers", "1"]),
-                       ("disaggregated_tcp", ["--prefill", "1", "--decode", "1",
-                                              "--transfer-transports", "tcp"])):
-        process, url = launch(*common, *args, logs=[])
+    outputs, transports = {}, {}
+    for name, args in SERVING_SETUPS.items():
+        logs: list[str] = []
+        process, url = launch(*common, *args, logs=logs)
         try:
-            async with aiohttp.ClientSession() as session:
-                texts = []
-                for prompt in PROMPTS:
-                    async with session.post(f"{url}/v1/completions", json={
-                            "model": model_dir.name, "prompt": prompt, "max_tokens": 16,
-                            "temperature": 0, "ignore_eos": True}) as response:
-                        body = await response.json()
-                        if response.status != 200:
-                            raise RuntimeError(f"{name}: {response.status} {body}")
-                        texts.append(body["choices"][0]["text"])
-                outputs[name] = texts
+            outputs[name] = await complete_prompts(url, model_dir.name, name)
         finally:
             os.kill(process.pid, signal.SIGINT)
             process.wait(timeout=60)
-    return {"disaggregated_tcp_equals_colocated":
-            outputs["disaggregated_tcp"] == outputs["colocated"],
-            "cuda_ipc": "not built"}
+        if name != "colocated":
+            transports[name] = sorted({json.loads(line)["transport"] for line in logs
+                                       if "decode.kv_committed" in line
+                                       and line.startswith("{")})
+    return {f"{name}_equals_colocated": outputs[name] == outputs["colocated"]
+            for name in SERVING_SETUPS if name != "colocated"} | {
+        "kv_transports_seen": transports}
+
+
+# On a CUDA device the second moves KV device to device (CUDA IPC), the first through the
+# pinned host mirrors over TCP; on a CPU both move it over TCP.
+SERVING_SETUPS = {
+    "colocated": ["--mode", "colocated", "--workers", "1"],
+    "disaggregated_tcp": ["--prefill", "1", "--decode", "1", "--transfer-transports", "tcp",
+                          "--log-format", "json"],
+    "disaggregated_cuda_ipc": ["--prefill", "1", "--decode", "1", "--transfer-transports",
+                               "cuda,tcp", "--log-format", "json"],
+}
+
+
+async def complete_prompts(url: str, model: str, setup: str) -> list[str]:
+    async with aiohttp.ClientSession() as session:
+        texts = []
+        for prompt in PROMPTS:
+            async with session.post(f"{url}/v1/completions", json={
+                    "model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                    "ignore_eos": True}) as response:
+                body = await response.json()
+                if response.status != 200:
+                    raise RuntimeError(f"{setup}: {response.status} {body}")
+                texts.append(body["choices"][0]["text"])
+        return texts
+
+
+KV_BYTES = 256 * 2**20
 
 
 async def check_kv_transfer(device: torch.device) -> dict[str, Any]:
+    """256 MiB from a tensor on `device` into one on the same device in another process
+    (CUDA IPC needs two): over TCP through both mirrors, and over the cuda transport (on a
+    CPU that one falls back to TCP and says so)."""
     from transfer_engine.batch import TransferPiece
     from transfer_engine.config import TransferConfig
     from transfer_engine.engine import TransferEngine
 
-    size = 256 * 2**20
-    source = torch.randint(0, 255, (size,), dtype=torch.uint8, device=device)
-    target = torch.zeros(size, dtype=torch.uint8, device=device)
-    engines = [TransferEngine(TransferConfig(engine_id=f"gpu-check-{i}", secret=b"gpu-check",
-                                             transports=("tcp",)))
-               for i in range(2)]
-    for engine in engines:
-        await engine.start()
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.gpu_check", "--serve-kv", "--device", str(device),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    assert child.stdout is not None and child.stdin is not None
+    rows: dict[str, Any] = {"bytes": KV_BYTES}
     try:
-        await engines[0].register("kv", source)
-        await engines[1].register("kv", target)
-        endpoint = await engines[0].connect("127.0.0.1", engines[1].endpoint().tcp_port)
-        pieces = [TransferPiece("kv", 0, "kv", 0, size)]
-        await engines[0].write(endpoint, pieces)  # warm-up: connections, mirrors
-        started = time.perf_counter()
-        await engines[0].write(endpoint, pieces)
-        seconds = time.perf_counter() - started
+        port = int(await child.stdout.readline())
+        source = torch.randint(0, 255, (KV_BYTES,), dtype=torch.uint8, device=device)
+        for name, transports in (("tcp", ("tcp",)), ("cuda_ipc", ("cuda", "tcp"))):
+            engine = TransferEngine(TransferConfig(engine_id=f"gpu-check-{name}",
+                                                   secret=b"gpu-check", transports=transports))
+            await engine.start()
+            try:
+                await engine.register("kv", source)
+                peer = await engine.connect("127.0.0.1", port)
+                pieces = [TransferPiece("kv", 0, "kv", 0, KV_BYTES)]
+                await engine.write(peer, pieces)  # warm-up: connections, mirrors, mappings
+                started = time.perf_counter()
+                result = await engine.write(peer, pieces)
+                seconds = time.perf_counter() - started
+                back = torch.zeros_like(source)
+                await engine.register("back", back)
+                await engine.read(peer, [TransferPiece("back", 0, "kv", 0, KV_BYTES)])
+                rows[name] = {"transport": result.transport, "gb_per_s": KV_BYTES / seconds / 1e9,
+                              "equal": bool(torch.equal(source, back))}
+            finally:
+                await engine.close()
     finally:
-        for engine in engines:
-            await engine.close()
-    return {"bytes": size, "gb_per_s": size / seconds / 1e9, "equal": bool(torch.equal(
-        source, target))}
+        child.stdin.close()
+        await asyncio.wait_for(child.wait(), 60)
+    return rows
+
+
+async def serve_kv(device: torch.device) -> None:
+    """The receiving process of `check_kv_transfer`: a `kv` tensor on `device`, served until
+    stdin closes; its port on stdout."""
+    from shared.logs import configure_logging
+    from transfer_engine.config import TransferConfig
+    from transfer_engine.engine import TransferEngine
+
+    configure_logging("warning")  # stdout carries the port alone
+    engine = TransferEngine(TransferConfig(engine_id="gpu-check-target", secret=b"gpu-check",
+                                           transports=("cuda", "tcp")))
+    await engine.start()
+    await engine.register("kv", torch.zeros(KV_BYTES, dtype=torch.uint8, device=device))
+    print(engine.endpoint().tcp_port, flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+    await engine.close()
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -268,7 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="gpu_check.json")
     parser.add_argument("--hidden", type=int, default=1024, help="the decode section's model")
     parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--serve-kv", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.serve_kv:
+        asyncio.run(serve_kv(torch.device(args.device)))
+        return 0
     report = asyncio.run(run(args))
     Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     print(f"wrote {args.out}")

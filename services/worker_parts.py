@@ -77,8 +77,9 @@ async def assemble(config: WorkerConfig, worker_id: str, nc: NatsClient,
 
 async def register_device_kv(parts: WorkerParts) -> None:
     """After the engine started: a pool in device memory (CUDA) becomes the transfer
-    engine's `kv` segment, moved through a pinned host mirror (over TCP: shared memory
-    would write the mirror unseen). Written for CUDA; not run here (no GPU)."""
+    engine's `kv` segment: same-host peers that see the GPU copy device to device (the cuda
+    transport, CUDA IPC), others reach it over TCP through a pinned host mirror (shared
+    memory would write the mirror unseen). Written for CUDA; not run here (no GPU)."""
     if parts.transfer is not None and parts.engine.kv_device != "cpu":
         await parts.transfer.register(KV_SEGMENT, parts.engine.kv_pool_tensor())
 

@@ -169,7 +169,8 @@ class TransferSettings(msgspec.Struct, frozen=True, kw_only=True):
     host: str = msgspec.field(default="127.0.0.1", name="transfer_host")
     port: int = msgspec.field(default=0, name="transfer_port")
     advertise_host: str | None = msgspec.field(default=None, name="transfer_advertise_host")
-    transports: str = msgspec.field(default="shm,tcp", name="transfer_transports")
+    # cuda (GPU memory to GPU memory on one host) is used only where the pool is on a GPU.
+    transports: str = msgspec.field(default="cuda,shm,tcp", name="transfer_transports")
     secret: str = msgspec.field(default="", name="transfer_secret")
     kv_streaming: Literal["layerwise", "whole"] = "layerwise"
     # KV this worker sends (handoffs, prefix fetches it serves) quantized on the wire, per

@@ -549,10 +549,22 @@ class RequestEvent(Message, frozen=True, kw_only=True):
     error: str = ""
 
 
+class CudaIpcHandle(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a segment in GPU memory is, for a process of the same host that sees that GPU:
+    the device (`device_uuid`, hex, as the CUDA driver reports it), the CUDA IPC handle of
+    the allocation holding the segment (`handle`, 64 bytes, hex) and the segment's offset in
+    that allocation."""
+
+    device_uuid: str
+    handle: str
+    offset_bytes: int = 0
+
+
 class SegmentInfo(msgspec.Struct, frozen=True, kw_only=True):
     """One memory region a transfer engine registered: peers address it by `segment_id` and
     byte offsets. `shm_name` is set when it lives in POSIX shared memory (a same-host peer may
-    map it); `rdma_addr`/`rdma_rkey` when it is an RDMA memory region."""
+    map it); `rdma_addr`/`rdma_rkey` when it is an RDMA memory region; `cuda_ipc` when it is
+    GPU memory that a same-host peer may open (the `cuda` transport)."""
 
     name: str
     segment_id: int
@@ -560,6 +572,7 @@ class SegmentInfo(msgspec.Struct, frozen=True, kw_only=True):
     shm_name: str | None = None
     rdma_addr: int | None = None
     rdma_rkey: int | None = None
+    cuda_ipc: CudaIpcHandle | None = None
 
 
 class RdmaPort(msgspec.Struct, frozen=True, kw_only=True):

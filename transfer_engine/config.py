@@ -31,7 +31,7 @@ class TransferConfig:
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
     advertise_host: str | None = None  # what peers dial; defaults to listen_host
-    transports: tuple[str, ...] = ("rdma", "shm", "tcp")  # preference order
+    transports: tuple[str, ...] = ("cuda", "rdma", "shm", "tcp")  # preference order
     timeout_s: float = 30.0
     rdma_device: str | None = None  # default: the first device found
     rdma_port_num: int = 1

@@ -53,7 +53,7 @@ from transfer_engine.wire import Compression
 
 log = structlog.get_logger(__name__)
 
-TRANSPORTS = ("rdma", "shm", "tcp", "loopback")
+TRANSPORTS = ("cuda", "rdma", "shm", "tcp", "loopback")
 _UNPUBLISH_TIMEOUT_S = 1.0
 Peer = str | TransferEndpoint  # an engine id, "tcp://host:port", or a descriptor
 Batch = Sequence[TransferPiece | tuple[str, int, str, int, int]] | PieceArrays
@@ -108,6 +108,10 @@ class TransferEngine:
                 return ShmTransport(self.config.host_id, tcp)
             case "loopback":
                 return LoopbackTransport(self.config.engine_id, self._memory, self._deliver)
+            case "cuda":
+                from transfer_engine import cuda_ipc
+
+                return cuda_ipc.open_transport(self.config.host_id, tcp)
             case "rdma":
                 from transfer_engine import rdma
 
@@ -205,13 +209,16 @@ class TransferEngine:
             endpoint = await self._resolve(peer, set())
             candidates = self._reaching(endpoint, [])
         staged = [run for run in runs if run.local.staging is not None]
-        if staged and is_write:
-            await asyncio.to_thread(_stage, staged, to_device=False)
+        is_mirrored = False  # the staged runs' device bytes are in their mirrors
         # A transfer that fails on one transport is tried once more on the next one the pair
         # can use (e.g. shm -> tcp); what is wrong with the batch itself fails at once.
         for attempt, transport in enumerate(candidates[:2]):
             plan = self._plan_for(transport, endpoint, runs, notifications, compression,
                                   timeout_s)
+            uses_mirror = bool(staged) and not transport.moves_device_memory
+            if uses_mirror and is_write and not is_mirrored:
+                await asyncio.to_thread(_stage, staged, to_device=False)
+                is_mirrored = True
             try:
                 await (transport.write(plan) if is_write else transport.read(plan))
                 break
@@ -222,7 +229,7 @@ class TransferEngine:
                 log.warning("transfer.retry_on_next_transport", peer=endpoint.engine_id,
                             failed=transport.name, next=candidates[attempt + 1].name,
                             error=repr(exc))
-        if staged and not is_write:
+        if uses_mirror and not is_write:
             await asyncio.to_thread(_stage, staged, to_device=True)
         wire_bytes = plan.num_bytes
         if plan.compression is not None:

@@ -19,6 +19,7 @@ _HUB: dict[str, tuple[LocalMemory, Deliver]] = {}
 class LoopbackTransport:
     name = "loopback"
     is_one_sided = False
+    moves_device_memory = False
 
     def __init__(self, engine_id: str, memory: LocalMemory, deliver: Deliver) -> None:
         self._engine_id = engine_id

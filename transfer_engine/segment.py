@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from shared.child_process import is_alive
-from shared.messages import SegmentInfo
+from shared.messages import CudaIpcHandle, SegmentInfo
 from transfer_engine.errors import InvalidTransfer
 from transfer_engine.staging import DeviceStaging
 
@@ -80,6 +80,7 @@ class Segment:
     rdma_addr: int | None = None
     rdma_rkey: int | None = None
     staging: DeviceStaging | None = None  # device memory behind a host mirror (`data`)
+    cuda_ipc: CudaIpcHandle | None = None  # set by the cuda transport for GPU memory
     _address: int | None = field(default=None, repr=False)
 
     @property
@@ -100,7 +101,8 @@ class Segment:
     def info(self) -> SegmentInfo:
         return SegmentInfo(name=self.name, segment_id=self.segment_id,
                            size_bytes=self.size_bytes, shm_name=self.shm_name,
-                           rdma_addr=self.rdma_addr, rdma_rkey=self.rdma_rkey)
+                           rdma_addr=self.rdma_addr, rdma_rkey=self.rdma_rkey,
+                           cuda_ipc=self.cuda_ipc)
 
 
 def check_bounds(name: str, size_bytes: int, offset: int, length: int) -> None:

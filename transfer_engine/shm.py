@@ -32,6 +32,7 @@ _INLINE_COPY_BYTES = 4 << 20
 class ShmTransport:
     name = "shm"
     is_one_sided = True
+    moves_device_memory = False
 
     def __init__(self, host_id: str, tcp: TcpTransport) -> None:
         self._host_id = host_id

@@ -4,8 +4,8 @@ The transports move host bytes, so a device tensor is registered as a host mirro
 same size plus this staging object. The engine copies the pieces a transfer touches between
 device and mirror: before it sends them (device to host), after bytes land in them (host to
 device), and before it serves a peer's read. Peers then reach such a segment over tcp (not
-shm or rdma, which would write the mirror without the owner noticing). GPUDirect RDMA and
-CUDA IPC would skip the mirror; they are not built.
+shm or rdma, which would write the mirror without the owner noticing). Same-host peers that
+see the GPU skip the mirror: the cuda transport (cuda_ipc.py) copies device to device.
 """
 
 from __future__ import annotations
@@ -24,6 +24,11 @@ class DeviceStaging:
         self._mirror = torch.empty(self._device_bytes.numel(), dtype=torch.uint8,
                                    pin_memory=tensor.device.type == "cuda")
         self.host = memoryview(self._mirror.numpy())
+
+    @property
+    def device_bytes(self) -> Any:
+        """The registered tensor itself, as flat bytes (a uint8 view, no copy)."""
+        return self._device_bytes
 
     def to_host(self, offsets: np.ndarray, lengths: np.ndarray) -> None:
         """Device to mirror, for the pieces about to be sent."""

@@ -297,6 +297,7 @@ class TcpTransport:
 
     name = "tcp"
     is_one_sided = False
+    moves_device_memory = False
 
     def __init__(self, engine_id: str, secret: bytes, memory: LocalMemory, deliver: Deliver,
                  endpoint: Callable[[], TransferEndpoint], options: TcpOptions) -> None:

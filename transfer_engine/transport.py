@@ -44,6 +44,9 @@ class Transport(Protocol):
     # One-sided transports land bytes with no receiver CPU; nothing there could dequantize,
     # so they move payloads as they are and ignore compression.
     is_one_sided: bool
+    # Whether it reads and writes device segments in place; the others move their pinned
+    # host mirrors, which the engine fills before a write and empties after a read.
+    moves_device_memory: bool
 
     def can_reach(self, peer: TransferEndpoint, remote: list[SegmentInfo]) -> bool:
         """Whether this transport can carry a transfer to these segments of `peer`."""

@@ -22,5 +22,12 @@ async def test_the_gpu_check_runs_every_section_on_the_cpu(tmp_path: Path) -> No
     assert report["device"] == "cpu"
     assert report["logits"]["logits_ok"] and report["logits"]["greedy_32_equal"]
     assert report["decode"]["batch_32"]["halfmoon_tok_s"] > 0
-    assert report["serving"]["disaggregated_tcp_equals_colocated"]
-    assert report["kv_transfer"]["equal"] and report["kv_transfer"]["gb_per_s"] > 0
+    serving = report["serving"]
+    assert serving["disaggregated_tcp_equals_colocated"]
+    assert serving["disaggregated_cuda_ipc_equals_colocated"]
+    # No GPU: the cuda transport is not opened and the KV goes over TCP.
+    assert serving["kv_transports_seen"] == {"disaggregated_tcp": ["tcp"],
+                                             "disaggregated_cuda_ipc": ["tcp"]}
+    for name in ("tcp", "cuda_ipc"):
+        row = report["kv_transfer"][name]
+        assert (row["transport"], row["equal"]) == ("tcp", True) and row["gb_per_s"] > 0

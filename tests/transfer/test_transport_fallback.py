@@ -18,6 +18,7 @@ class BrokenTransport:
 
     name = "broken"
     is_one_sided = True
+    moves_device_memory = False
 
     def __init__(self, error: TransferFailed) -> None:
         self.error = error

@@ -16,6 +16,7 @@ import pytest
 from shared.errors import ErrorCode
 from shared.messages import (
     AbortRequest,
+    CudaIpcHandle,
     DecodeReservation,
     DispatchReply,
     GatewayEvent,
@@ -74,7 +75,11 @@ SAMPLES: dict[str, Message] = {
     "transfer_endpoint": TransferEndpoint(
         engine_id="decode-b", host_id="h1/boot", tcp_host="10.0.0.7", tcp_port=7100,
         segments=[SegmentInfo(name="kv", segment_id=1, size_bytes=1 << 30,
-                              shm_name="halfmoon-te-42-decode-b-1")],
+                              shm_name="halfmoon-te-42-decode-b-1"),
+                  SegmentInfo(name="kv-gpu", segment_id=2, size_bytes=1 << 30,
+                              cuda_ipc=CudaIpcHandle(
+                                  device_uuid="5f0e3c8a9b1d4e2f8a7b6c5d4e3f2a1b",
+                                  handle="ab" * 64, offset_bytes=2 << 20))],
         rdma=RdmaPort(device="mlx5_0", port_num=1, lid=0, gid="fe80::1")),
     "kv_committed": KvCommitted(request_id="cmpl-1", prefill_worker_id="prefill-a",
                                 first_token_id=97, num_prompt_tokens=2),
