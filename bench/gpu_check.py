@@ -7,7 +7,9 @@ own and records `ok` or its error, so one failure does not hide the rest:
 * `logits`: our model against transformers on the same random Llama (fp32): relative
   logit error on a mixed batch, and 32 greedy tokens for 4 prompts.
 * `decode`: decode tokens/s at batch 1 and 32 (bf16 on CUDA, fp32 on CPU) against
-  transformers' `generate`, same weights.
+  transformers' `generate`, same weights; and with decode steps as CUDA graphs
+  (`--cuda-graphs`; on a CPU their static buffers run without a graph), whose greedy tokens
+  are compared with the plain engine's.
 * `serving`: `halfmoon up` with 1 prefill + 1 decode worker moving KV over TCP (a device
   pool moves through the transfer engine's pinned host mirror) and over CUDA IPC (device to
   device), each against a colocated worker: the greedy outputs of 8 prompts must be equal;
@@ -144,14 +146,24 @@ async def check_decode(tmp: Path, device: torch.device, hidden: int, layers: int
     engine = TorchEngine(EngineOptions(model_dir=tmp / "big", dtype=dtype, device=str(device),
                                        num_blocks=4096, max_batch_size=64, max_wait_s=0.0,
                                        is_prefix_caching=False))
+    # The same engine with decode steps as CUDA graphs (on a CPU: their buffers, no graph).
+    graphed = TorchEngine(EngineOptions(model_dir=tmp / "big", dtype=dtype, device=str(device),
+                                        num_blocks=4096, max_batch_size=64, max_wait_s=0.0,
+                                        is_prefix_caching=False, attention_backend="torch",
+                                        decode_graphs="cuda" if device.type == "cuda"
+                                        else "eager"))
     await engine.start()
+    await graphed.start()
     sampling = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     rows = {}
     try:
-        await generate(engine, [PROMPTS[0]], SamplingParams(max_tokens=2, ignore_eos=True))
+        for warmed in (engine, graphed):
+            await generate(warmed, [PROMPTS[0]], SamplingParams(max_tokens=2, ignore_eos=True))
         for batch in (1, 32):
             prompts = [[(7 * i + j) % 900 + 20 for j in range(128)] for i in range(batch)]
-            _, ours = await generate(engine, prompts, sampling)
+            tokens, ours = await generate(engine, prompts, sampling)
+            await generate(graphed, prompts, sampling)  # captures this batch's graphs
+            graph_tokens, with_graphs = await generate(graphed, prompts, sampling)
             ids = torch.tensor(prompts, device=device)
             clock = FirstTokenClock()
             with torch.inference_mode():
@@ -164,9 +176,13 @@ async def check_decode(tmp: Path, device: torch.device, hidden: int, layers: int
             assert clock.first_token_at is not None
             theirs = batch * 31 / (time.perf_counter() - clock.first_token_at)
             rows[f"batch_{batch}"] = {"halfmoon_tok_s": ours, "transformers_tok_s": theirs,
-                                      "ratio": ours / theirs}
+                                      "ratio": ours / theirs,
+                                      "halfmoon_graphs_tok_s": with_graphs,
+                                      "graphs_ratio": with_graphs / theirs,
+                                      "graphs_tokens_equal": graph_tokens == tokens}
     finally:
         await engine.close()
+        await graphed.close()
     return {"dtype": str(dtype), "hidden": hidden, "layers": layers, **rows}
 
 

@@ -113,6 +113,9 @@ class PaddedPlan:
     slots: torch.Tensor  # [B, Lmax]
     mask: torch.Tensor | None  # [B, 1, Qmax, Lmax]; None: one sequence, plainly causal
     is_causal: bool
+    # Every row has Qmax queries (a decode batch): outputs are reshaped, not picked by a
+    # boolean index, whose data-dependent shape costs a device sync (and breaks graphs).
+    is_dense: bool = False
 
 
 @dataclass(frozen=True)
@@ -148,16 +151,17 @@ class TorchAttention:
         offsets = torch.arange(max_query, device=device)
         is_query = offsets < query_lens[:, None]
         query_rows = torch.where(is_query, starts[:, None] + offsets, 0)
+        is_dense = all(s.query_len == max_query for s in seqs)
         only = seqs[0]
         if len(seqs) == 1 and only.query_len == only.context_len:
-            return PaddedPlan(query_rows, is_query, slots, None, only.query_len > 1)
+            return PaddedPlan(query_rows, is_query, slots, None, only.query_len > 1, is_dense)
         # Query i of a sequence sits at position context_len - query_len + i.
         positions = (lengths - query_lens)[:, None] + offsets  # [B, Qmax]
         keys = torch.arange(slots.shape[1], device=device)
         mask = keys <= positions[:, :, None]  # [B, Qmax, Lmax]; within the context, as
         mask &= keys < lengths[:, None, None]  # a pad row's keys (row 0 stays: no NaN)
         mask[:, :, 0] = True
-        return PaddedPlan(query_rows, is_query, slots, mask[:, None], False)
+        return PaddedPlan(query_rows, is_query, slots, mask[:, None], False, is_dense)
 
     def packed(self, meta: AttentionMetadata, kv: KvCache) -> PackedPlan:
         seqs, device = meta.sequences, self.device
@@ -184,8 +188,9 @@ class TorchAttention:
                         v.unsqueeze(0), plan.mask)
             return out[0].transpose(0, 1).to(q.dtype)
         queries = q[plan.query_rows].to(dtype).transpose(1, 2)  # [B, Hq, Qmax, D]
-        out = _sdpa(queries, k, v, plan.mask, plan.is_causal)
-        return out.transpose(1, 2)[plan.is_query].to(q.dtype)
+        out = _sdpa(queries, k, v, plan.mask, plan.is_causal).transpose(1, 2)
+        out = out.flatten(0, 1) if plan.is_dense else out[plan.is_query]
+        return out.to(q.dtype)
 
 
 class ReferenceAttention:

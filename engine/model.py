@@ -167,7 +167,8 @@ class CausalLM(nn.Module):
         i has written its K/V (layer-wise KV transfer hooks in here)."""
         if self.rope is None or self.attention is None:
             raise RuntimeError("call init_runtime() before forward()")
-        meta.plan = self.attention.plan(meta, kv)
+        if meta.plan is None:  # (a decode graph brings its own, in static buffers)
+            meta.plan = self.attention.plan(meta, kv)
         h = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, positions, meta, kv, self.rope, self.attention)

@@ -16,6 +16,7 @@ import torch
 
 from engine.attention import AttentionMetadata, SequenceSlice
 from engine.block_allocator import BlockAllocator
+from engine.decode_graphs import DecodeGraphs
 from engine.kv_cache import KvCache
 from engine.model import CausalLM
 from engine.sampler import Draw, Pick, prompt_logprobs, sample
@@ -44,6 +45,7 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.device = device
         self.is_prefix_caching = is_prefix_caching
+        self.graphs: DecodeGraphs | None = None  # decode steps replayed as graphs
 
     def admit(self, seq: Sequence) -> None:
         """Give a sequence without blocks the longest cached prefix of its prompt (a new
@@ -104,8 +106,13 @@ class ModelRunner:
             for seq, count in zip(batch.sequences, batch.num_new_tokens, strict=True)
             if seq.on_layer is not None and seq.num_computed + count >= seq.num_prompt_tokens
         ]
-        hidden = self.model(torch.cat(ids), torch.cat(positions), meta, self.kv,
-                            on_layer=_fan_out(listeners) if listeners else None)
+        input_ids, input_positions = torch.cat(ids), torch.cat(positions)
+        hidden = None
+        if self.graphs is not None and not listeners:
+            hidden = self.graphs.run(input_ids, input_positions, meta.slot_mapping, slices)
+        if hidden is None:
+            hidden = self.model(input_ids, input_positions, meta, self.kv,
+                                on_layer=_fan_out(listeners) if listeners else None)
         return self._advance_and_sample(batch, slices, hidden)
 
     def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 
 from engine.block_allocator import BlockAllocator
 from engine.bridge import EngineThread
+from engine.decode_graphs import DecodeGraphs, cuda_capture, eager_capture
 from engine.grammar import Grammars
 from engine.kv_budget import pool_blocks
 from engine.kv_cache import KvCache
@@ -45,7 +46,13 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.stopping import finish_reason
 from engine.weights import load_weights
-from shared.errors import CapacityExhausted, EngineFailure, HalfmoonError, InvalidRequest
+from shared.errors import (
+    CapacityExhausted,
+    ConfigError,
+    EngineFailure,
+    HalfmoonError,
+    InvalidRequest,
+)
 from shared.messages import FinishReason, KvPoolLayout, SamplingParams, choice_id, request_of
 
 
@@ -68,6 +75,9 @@ class EngineOptions:
     max_wait_s: float = 0.01
     max_model_len: int | None = None
     is_prefix_caching: bool = True
+    # Decode steps replayed as CUDA graphs ("cuda", `--cuda-graphs`), or through the same
+    # static buffers without a graph ("eager": how they are checked on a CPU).
+    decode_graphs: str = "off"
 
 
 class LockedAllocator(BlockAllocator):
@@ -174,9 +184,34 @@ class TorchEngine:
         self._runner = ModelRunner(model, self.kv, self.allocator, device=self.device,
                                    is_prefix_caching=self.options.is_prefix_caching,
                                    eos_token_ids=self.eos_token_ids)
+        self._runner.graphs = self._decode_graphs(model, self.kv)
         self._thread = EngineThread(asyncio.get_running_loop(), self._step, self._on_crash,
                                     name="engine")
         self._thread.start()
+
+    def _decode_graphs(self, model: CausalLM, kv: KvCache) -> DecodeGraphs | None:
+        mode = self.options.decode_graphs
+        if mode == "off":
+            return None
+        if mode == "cuda" and self.device.type != "cuda":
+            raise ConfigError(f"--cuda-graphs needs a CUDA device, not {self.device}")
+        if model.attention is None or model.attention.name != "torch" or self.config.moe:
+            raise ConfigError("decode graphs need --attention-backend torch and a dense model "
+                              "(mixture-of-experts routing has data-dependent shapes)")
+        # Never freed: the padding rows of every graph write their K/V here.
+        pad_block = self.allocator.allocate(1)[0]
+        capture = cuda_capture(torch.cuda.graph_pool_handle()) if mode == "cuda" \
+            else eager_capture
+        return DecodeGraphs(lambda ids, positions, meta: model(ids, positions, meta, kv), kv,
+                            self.device, pad_block * self.options.block_size,
+                            max_batch_size=self.options.max_batch_size,
+                            max_context=self.max_model_len, capture=capture)
+
+    @property
+    def num_decode_graphs(self) -> int:
+        """Decode graphs captured so far (0 without `decode_graphs`)."""
+        graphs = self._runner.graphs if self._runner is not None else None
+        return graphs.num_captured if graphs is not None else 0
 
     @property
     def prefix_cache(self) -> TorchEngine:

@@ -149,7 +149,8 @@ def _torch_engine(settings: EngineSettings) -> Engine:
         block_size=settings.block_size,
         max_batch_size=settings.max_batch_size, max_batch_tokens=settings.max_batch_tokens,
         max_wait_s=settings.prefill_max_wait_ms / 1000, max_model_len=settings.max_model_len,
-        is_prefix_caching=settings.enable_prefix_caching))
+        is_prefix_caching=settings.enable_prefix_caching,
+        decode_graphs="cuda" if settings.cuda_graphs else "off"))
 
 
 def model_files_dir(settings: EngineSettings) -> str:

@@ -149,7 +149,6 @@ def copy_pieces(target: Any, source: Any, target_offsets: np.ndarray,
 class CudaIpcTransport:
     name = "cuda"
     is_one_sided = True
-    moves_device_memory = True  # reads and writes device segments in place (no mirror)
 
     def __init__(self, host_id: str, tcp: TcpTransport, driver: CudaDriver,
                  device_uuids: dict[str, int]) -> None:
@@ -234,6 +233,9 @@ class CudaIpcTransport:
                                      "be mapped in place")
             opened = self._opened[key] = (base, tensor)
         return opened[1]
+
+    def moves_in_place(self, segment: Segment) -> bool:
+        return segment.staging is not None  # copies from and to the tensor itself
 
     async def close(self) -> None:
         for base, _ in self._opened.values():

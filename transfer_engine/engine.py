@@ -209,16 +209,17 @@ class TransferEngine:
             endpoint = await self._resolve(peer, set())
             candidates = self._reaching(endpoint, [])
         staged = [run for run in runs if run.local.staging is not None]
-        is_mirrored = False  # the staged runs' device bytes are in their mirrors
+        mirrored: set[int] = set()  # ids of the runs whose device bytes are in their mirrors
         # A transfer that fails on one transport is tried once more on the next one the pair
-        # can use (e.g. shm -> tcp); what is wrong with the batch itself fails at once.
+        # can use (e.g. cuda -> tcp); what is wrong with the batch itself fails at once.
         for attempt, transport in enumerate(candidates[:2]):
             plan = self._plan_for(transport, endpoint, runs, notifications, compression,
                                   timeout_s)
-            uses_mirror = bool(staged) and not transport.moves_device_memory
-            if uses_mirror and is_write and not is_mirrored:
-                await asyncio.to_thread(_stage, staged, to_device=False)
-                is_mirrored = True
+            via_mirror = [run for run in staged if not transport.moves_in_place(run.local)]
+            to_mirror = [run for run in via_mirror if id(run) not in mirrored]
+            if to_mirror and is_write:
+                await asyncio.to_thread(_stage, to_mirror, to_device=False)
+                mirrored.update(id(run) for run in to_mirror)
             try:
                 await (transport.write(plan) if is_write else transport.read(plan))
                 break
@@ -229,8 +230,8 @@ class TransferEngine:
                 log.warning("transfer.retry_on_next_transport", peer=endpoint.engine_id,
                             failed=transport.name, next=candidates[attempt + 1].name,
                             error=repr(exc))
-        if uses_mirror and not is_write:
-            await asyncio.to_thread(_stage, staged, to_device=True)
+        if via_mirror and not is_write:
+            await asyncio.to_thread(_stage, via_mirror, to_device=True)
         wire_bytes = plan.num_bytes
         if plan.compression is not None:
             wire_bytes = sum(quantization.compressed_size(length, plan.compression)

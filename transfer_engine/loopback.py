@@ -11,6 +11,7 @@ from shared.messages import SegmentInfo, TransferEndpoint
 from transfer_engine import compression, wire
 from transfer_engine.errors import TransferFailed
 from transfer_engine.memory import LocalMemory
+from transfer_engine.segment import Segment
 from transfer_engine.transport import Deliver, Plan
 
 _HUB: dict[str, tuple[LocalMemory, Deliver]] = {}
@@ -19,7 +20,6 @@ _HUB: dict[str, tuple[LocalMemory, Deliver]] = {}
 class LoopbackTransport:
     name = "loopback"
     is_one_sided = False
-    moves_device_memory = False
 
     def __init__(self, engine_id: str, memory: LocalMemory, deliver: Deliver) -> None:
         self._engine_id = engine_id
@@ -56,6 +56,9 @@ class LoopbackTransport:
             return _HUB[peer.engine_id]
         except KeyError:
             raise TransferFailed(f"{peer.engine_id!r} is not in this process") from None
+
+    def moves_in_place(self, segment: Segment) -> bool:
+        return False  # device segments go through their mirrors
 
     async def close(self) -> None:
         _HUB.pop(self._engine_id, None)

@@ -104,6 +104,8 @@ class RdmaTransport:
         self.port = RdmaPort(device=device_name, port_num=self._port_num, lid=int(port.lid),
                              gid=str(gid))
         self._regions: list[tuple[int, int, Any]] = []  # (start, end, MR)
+        # Device segments registered where they are (GPUDirect RDMA): id -> device address.
+        self._on_device: dict[int, int] = {}
         self._qps: dict[str, Any] = {}  # peer id -> QP we post on
         self._passive: dict[str, Any] = {}  # peer id -> QP a peer posts on
         self._connecting: dict[str, asyncio.Lock] = {}
@@ -118,9 +120,13 @@ class RdmaTransport:
         self._poller.start()
 
     def register_memory(self, segment: Segment) -> None:
-        """Register the segment as a memory region; its descriptor then carries addr/rkey."""
+        """Register the segment as a memory region; its descriptor then carries addr/rkey.
+        GPU memory is registered where it is when the NIC can reach it (GPUDirect RDMA:
+        the nvidia-peermem module), and peers then write and read the device directly."""
         from pyverbs.mr import MR
 
+        if self._register_on_device(segment):
+            return
         start = segment.address
         region = MR(self._pd, segment.size_bytes, _access_flags(), address=start)
         self._regions.append((start, start + segment.size_bytes, region))
@@ -128,6 +134,27 @@ class RdmaTransport:
             # A staged segment's mirror is only a source or sink of our own transfers: a
             # peer's one-sided write there would never reach the device, so no rkey is shown.
             segment.rdma_addr, segment.rdma_rkey = start, int(region.rkey)
+
+    def _register_on_device(self, segment: Segment) -> bool:
+        from pyverbs.mr import MR
+        from pyverbs.pyverbs_error import PyverbsError
+
+        staging = segment.staging
+        if staging is None or staging.device.type != "cuda":
+            return False
+        start = int(staging.device_bytes.data_ptr())
+        try:
+            region = MR(self._pd, segment.size_bytes, _access_flags(), address=start)
+        except PyverbsError as error:  # no peer-memory support: the mirror it is
+            log.info("rdma.gpu_memory_not_registered", segment=segment.name, error=str(error))
+            return False
+        self._regions.append((start, start + segment.size_bytes, region))
+        self._on_device[segment.segment_id] = start
+        segment.rdma_addr, segment.rdma_rkey = start, int(region.rkey)
+        return True
+
+    def moves_in_place(self, segment: Segment) -> bool:
+        return segment.segment_id in self._on_device
 
     def can_reach(self, peer: TransferEndpoint, remote: list[SegmentInfo]) -> bool:
         return peer.rdma is not None and all(info.rdma_rkey is not None for info in remote)
@@ -150,7 +177,8 @@ class RdmaTransport:
                     done = self._loop.create_future()
                     self._waiters[wr_id] = done
                     for request in build_work_requests(window, self._lkey, wr_id,
-                                                       is_write=is_write):
+                                                       is_write=is_write,
+                                                       on_device=self._on_device):
                         qp.post_send(request)
                     await done
         except TimeoutError:
@@ -275,9 +303,10 @@ def windows(runs: list[Run], size: int) -> list[list[Run]]:
     return [window for window in result if window]
 
 
-def build_work_requests(window: list[Run], lkey: Any, wr_id: int,
-                        *, is_write: bool) -> list[Any]:
-    """One RDMA WRITE (or READ) per piece; only the last is signaled and carries `wr_id`."""
+def build_work_requests(window: list[Run], lkey: Any, wr_id: int, *, is_write: bool,
+                        on_device: dict[int, int] | None = None) -> list[Any]:
+    """One RDMA WRITE (or READ) per piece; only the last is signaled and carries `wr_id`.
+    A local segment in `on_device` (id -> device address) is addressed on its device."""
     from pyverbs import enums
     from pyverbs.wr import SGE, SendWR
 
@@ -286,8 +315,9 @@ def build_work_requests(window: list[Run], lkey: Any, wr_id: int,
     for run in window:
         if run.remote.rdma_addr is None or run.remote.rdma_rkey is None:
             raise TransferFailed(f"segment {run.remote.name!r} is not an RDMA region")
-        key = lkey(run.local.address, run.local.size_bytes)
-        local = (run.local.address + run.local_offsets).tolist()
+        start = (on_device or {}).get(run.local.segment_id, run.local.address)
+        key = lkey(start, run.local.size_bytes)
+        local = (start + run.local_offsets).tolist()
         remote = (run.remote.rdma_addr + run.remote_offsets).tolist()
         for address, target, length in zip(local, remote, run.lengths.tolist(), strict=True):
             request = SendWR(wr_id=0, opcode=opcode, num_sge=1,

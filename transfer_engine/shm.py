@@ -16,7 +16,7 @@ import numpy as np
 
 from shared.messages import SegmentInfo, TransferEndpoint
 from transfer_engine.errors import TransferFailed
-from transfer_engine.segment import SharedMemoryRegion, buffer_address
+from transfer_engine.segment import Segment, SharedMemoryRegion, buffer_address
 from transfer_engine.tcp import TcpTransport
 from transfer_engine.transport import Plan
 
@@ -32,7 +32,6 @@ _INLINE_COPY_BYTES = 4 << 20
 class ShmTransport:
     name = "shm"
     is_one_sided = True
-    moves_device_memory = False
 
     def __init__(self, host_id: str, tcp: TcpTransport) -> None:
         self._host_id = host_id
@@ -89,6 +88,9 @@ class ShmTransport:
             mapped = self._mapped[key] = _Mapped(region, region.buffer,
                                                  buffer_address(region.buffer))
         return mapped
+
+    def moves_in_place(self, segment: Segment) -> bool:
+        return False  # device segments go through their mirrors
 
     async def close(self) -> None:
         await asyncio.gather(*self._copying, return_exceptions=True)

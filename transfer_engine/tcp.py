@@ -34,6 +34,7 @@ from transfer_engine.errors import (
 )
 from transfer_engine.frame_stream import FrameStream
 from transfer_engine.memory import LocalMemory
+from transfer_engine.segment import Segment
 from transfer_engine.tcp_server import TcpServer
 from transfer_engine.transport import Deliver, Plan
 
@@ -297,7 +298,6 @@ class TcpTransport:
 
     name = "tcp"
     is_one_sided = False
-    moves_device_memory = False
 
     def __init__(self, engine_id: str, secret: bytes, memory: LocalMemory, deliver: Deliver,
                  endpoint: Callable[[], TransferEndpoint], options: TcpOptions) -> None:
@@ -458,6 +458,9 @@ class TcpTransport:
             raise AuthenticationRefused(
                 f"peer {welcome.endpoint.engine_id!r} does not hold the shared secret")
         return welcome.endpoint
+
+    def moves_in_place(self, segment: Segment) -> bool:
+        return False  # device segments go through their mirrors
 
     async def close(self) -> None:
         closed = TransferFailed("transfer engine closed")

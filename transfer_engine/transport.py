@@ -13,6 +13,7 @@ from typing import Protocol
 
 from shared.messages import SegmentInfo, TransferEndpoint
 from transfer_engine.batch import Run
+from transfer_engine.segment import Segment
 from transfer_engine.wire import Compression
 
 
@@ -44,9 +45,6 @@ class Transport(Protocol):
     # One-sided transports land bytes with no receiver CPU; nothing there could dequantize,
     # so they move payloads as they are and ignore compression.
     is_one_sided: bool
-    # Whether it reads and writes device segments in place; the others move their pinned
-    # host mirrors, which the engine fills before a write and empties after a read.
-    moves_device_memory: bool
 
     def can_reach(self, peer: TransferEndpoint, remote: list[SegmentInfo]) -> bool:
         """Whether this transport can carry a transfer to these segments of `peer`."""
@@ -57,6 +55,11 @@ class Transport(Protocol):
 
     async def read(self, plan: Plan) -> None:
         """Fill every piece's local view from the peer's memory."""
+
+    def moves_in_place(self, segment: Segment) -> bool:
+        """Whether it reads and writes this local device segment (a staged one) in place;
+        else it moves the segment's pinned host mirror, which the engine fills before a
+        write and empties into the device after a read."""
 
     async def close(self) -> None:
         """Release every socket, mapping and handle; idempotent."""

@@ -22,6 +22,7 @@ async def test_the_gpu_check_runs_every_section_on_the_cpu(tmp_path: Path) -> No
     assert report["device"] == "cpu"
     assert report["logits"]["logits_ok"] and report["logits"]["greedy_32_equal"]
     assert report["decode"]["batch_32"]["halfmoon_tok_s"] > 0
+    assert report["decode"]["batch_32"]["graphs_tokens_equal"]
     serving = report["serving"]
     assert serving["disaggregated_tcp_equals_colocated"]
     assert serving["disaggregated_cuda_ipc_equals_colocated"]

@@ -17,6 +17,7 @@ from shared.messages import CudaIpcHandle, SegmentInfo, TransferEndpoint
 from tests.transfer.conftest import Pair, start_pair
 from transfer_engine.cuda_ipc import CudaIpcTransport, copy_pieces, export_segment, open_transport
 from transfer_engine.errors import TransferFailed
+from transfer_engine.segment import Segment
 from transfer_engine.transport import Plan
 
 UUID = "5f0e3c8a9b1d4e2f8a7b6c5d4e3f2a1b"
@@ -83,12 +84,11 @@ def test_there_is_no_cuda_transport_without_a_cuda_device() -> None:
 
 
 class InPlaceTransport:
-    """Implements `Transport` as a device-to-device one does (`moves_device_memory`): it
+    """Implements `Transport` as a device-to-device one does (`moves_in_place`): it
     notes what the staged source's mirror held when it ran, then fails."""
 
     name = "in-place"
     is_one_sided = True
-    moves_device_memory = True
 
     def __init__(self) -> None:
         self.mirrors_seen: list[bytes] = []
@@ -102,6 +102,9 @@ class InPlaceTransport:
 
     async def read(self, plan: Plan) -> None:
         await self.write(plan)
+
+    def moves_in_place(self, segment: Segment) -> bool:
+        return True
 
     async def close(self) -> None:
         return None

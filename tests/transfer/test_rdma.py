@@ -87,6 +87,17 @@ def test_a_window_is_one_request_per_piece_and_only_the_last_is_signaled(
     assert keys == [(local.address, 8192)]  # the local key of the segment's region
 
 
+def test_a_segment_registered_on_its_device_is_addressed_there(pyverbs: object) -> None:
+    """GPUDirect RDMA: a device segment's pieces are read where the NIC registered them,
+    not from its host mirror."""
+    local = Segment(name="kv", segment_id=3, data=memoryview(bytearray(8192)))
+    run = Run(local, remote(), np.array([0]), np.array([0]), np.array([4096]))
+    keys = []
+    build_work_requests([run], lambda addr, n: keys.append((addr, n)) or 7, 1, is_write=True,
+                        on_device={3: 0x7F00_0000_0000})
+    assert keys == [(0x7F00_0000_0000, 8192)]
+
+
 def test_a_batch_is_posted_in_windows_of_the_send_queue_depth() -> None:
     local = Segment(name="kv", segment_id=1, data=memoryview(bytearray(8192)))
     run = Run(local, remote(), np.arange(5), np.arange(5) * 2, np.ones(5, dtype=np.int64))

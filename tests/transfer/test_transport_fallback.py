@@ -10,6 +10,7 @@ import pytest
 from shared.messages import SegmentInfo, TransferEndpoint
 from tests.transfer.conftest import SEGMENT_BYTES, Pair, start_pair
 from transfer_engine.errors import InvalidTransfer, TransferFailed
+from transfer_engine.segment import Segment
 from transfer_engine.transport import Plan
 
 
@@ -18,7 +19,6 @@ class BrokenTransport:
 
     name = "broken"
     is_one_sided = True
-    moves_device_memory = False
 
     def __init__(self, error: TransferFailed) -> None:
         self.error = error
@@ -33,6 +33,9 @@ class BrokenTransport:
 
     async def read(self, plan: Plan) -> None:
         await self.write(plan)
+
+    def moves_in_place(self, segment: Segment) -> bool:
+        return False
 
     async def close(self) -> None:
         return None

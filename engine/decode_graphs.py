@@ -1,0 +1,155 @@
+"""CUDA graphs for decode steps (`--cuda-graphs`): a decode step replays a captured graph
+instead of launching each layer's kernels from Python.
+
+A graph has fixed shapes, so a step is padded to a bucket: its sequences to the next batch
+size of `BATCH_SIZES` and its longest context to the next power of two of blocks (at least
+`MIN_CONTEXT_BLOCKS`). One graph per (batch, context) bucket is captured the first time a step
+needs it, all of them in one memory pool. Each has static inputs (token ids, positions, the
+slots their K/V go to, the attention plan's context slots and mask) that a step fills before
+the replay, and a static output (the final hidden states); sampling stays outside the graph.
+
+Padding rows are harmless by construction: they write their K/V into a block reserved for
+them at start (`pad_slot`, never handed to a sequence) and attend to that slot alone; a real
+row's keys past its context are masked. Only steps where every sequence decodes one token run
+here, with the batched `torch` attention backend and a dense model (a mixture-of-experts
+layer routes tokens by data-dependent shapes, which a graph cannot hold); anything else runs
+eagerly, as do steps past the largest bucket.
+
+`capture` is where CUDA comes in (`cuda_capture`); `eager_capture` runs the same static
+buffers without a graph, which is how the padding and buffers are checked on a CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, PaddedPlan, SequenceSlice, context_slots
+from engine.kv_cache import KvCache
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+MIN_CONTEXT_BLOCKS = 16
+
+# Runs the forward once for the graph's static inputs; returns its static output and what
+# computes it again in place.
+Capture = Callable[[Callable[[], torch.Tensor]], tuple[torch.Tensor, Callable[[], None]]]
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def eager_capture(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
+    output = forward()
+    return output, lambda: output.copy_(forward())
+
+
+def cuda_capture(pool: object) -> Capture:
+    """Capture into a CUDA graph (warmed up on a side stream first, as capture requires)."""
+
+    def capture(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            output = forward()
+        return output, graph.replay
+
+    return capture
+
+
+@dataclass
+class _Graph:
+    input_ids: torch.Tensor  # [B]
+    positions: torch.Tensor  # [B]
+    slot_mapping: torch.Tensor  # [B]
+    plan: PaddedPlan  # slots [B, L], mask [B, 1, 1, L]
+    hidden: torch.Tensor  # [B, hidden], written by each replay
+    replay: Callable[[], None]
+
+
+class DecodeGraphs:
+    def __init__(self, forward: Forward, kv: KvCache, device: torch.device, pad_slot: int, *,
+                 max_batch_size: int, max_context: int, capture: Capture) -> None:
+        self._forward = forward
+        self._kv = kv
+        self._device = device
+        self._pad_slot = pad_slot
+        self._batch_sizes = [size for size in BATCH_SIZES if size < max_batch_size] + [
+            max_batch_size]
+        self._max_context = max_context
+        self._capture = capture
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+
+    @property
+    def num_captured(self) -> int:
+        return len(self._graphs)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+            slices: list[SequenceSlice]) -> torch.Tensor | None:
+        """The step's hidden states (`[len(slices), hidden]`, valid until the next step), or
+        None when the step does not fit a graph (run it eagerly)."""
+        if any(piece.query_len != 1 for piece in slices):
+            return None
+        longest = max(piece.context_len for piece in slices)
+        if len(slices) > self._batch_sizes[-1] or longest > self._max_context:
+            return None
+        graph = self._graph(self._bucket(len(slices)), self._context_bucket(longest))
+        self._fill(graph, input_ids, positions, slot_mapping, slices)
+        graph.replay()
+        return graph.hidden[:len(slices)]
+
+    def _bucket(self, num_sequences: int) -> int:
+        return next(size for size in self._batch_sizes if size >= num_sequences)
+
+    def _context_bucket(self, num_tokens: int) -> int:
+        block = self._kv.block_size
+        blocks = MIN_CONTEXT_BLOCKS
+        while blocks * block < num_tokens:
+            blocks *= 2
+        return min(blocks * block, -(-self._max_context // block) * block)
+
+    def _graph(self, batch: int, context: int) -> _Graph:
+        graph = self._graphs.get((batch, context))
+        if graph is None:
+            graph = self._graphs[(batch, context)] = self._new_graph(batch, context)
+        return graph
+
+    def _new_graph(self, batch: int, context: int) -> _Graph:
+        device = self._device
+        pad = torch.full((batch,), self._pad_slot, dtype=torch.long, device=device)
+        plan = PaddedPlan(query_rows=torch.arange(batch, device=device)[:, None],
+                          is_query=torch.ones(batch, 1, dtype=torch.bool, device=device),
+                          slots=torch.full((batch, context), self._pad_slot, dtype=torch.long,
+                                           device=device),
+                          mask=torch.zeros(batch, 1, 1, context, dtype=torch.bool,
+                                           device=device),
+                          is_causal=False, is_dense=True)
+        plan.mask[..., 0] = True  # as every padding row: its own (pad) slot alone
+        ids = torch.zeros(batch, dtype=torch.long, device=device)
+        positions = torch.zeros(batch, dtype=torch.long, device=device)
+        # Captured with every row a padding row: the capture's own writes land in the pad slot.
+        meta = AttentionMetadata(pad, [], plan=plan)
+        hidden, replay = self._capture(lambda: self._forward(ids, positions, meta))
+        return _Graph(ids, positions, pad, plan, hidden, replay)
+
+    def _fill(self, graph: _Graph, input_ids: torch.Tensor, positions: torch.Tensor,
+              slot_mapping: torch.Tensor, slices: list[SequenceSlice]) -> None:
+        count = len(slices)
+        graph.input_ids[:count].copy_(input_ids)
+        graph.input_ids[count:].zero_()
+        graph.positions[:count].copy_(positions)
+        graph.positions[count:].zero_()
+        graph.slot_mapping[:count].copy_(slot_mapping)
+        graph.slot_mapping[count:].fill_(self._pad_slot)
+        slots, lengths = context_slots(AttentionMetadata(slot_mapping, slices),
+                                       self._kv.block_size, self._device)
+        plan = graph.plan
+        plan.slots.fill_(self._pad_slot)
+        plan.slots[:count, :slots.shape[1]].copy_(slots)
+        keys = torch.arange(plan.slots.shape[1], device=self._device)
+        plan.mask[:count, 0, 0].copy_(keys < lengths[:, None])
+        plan.mask[count:, 0, 0].copy_(keys == 0)
