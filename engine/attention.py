@@ -187,7 +187,10 @@ class TorchAttention:
             out = _sdpa(q.to(dtype).transpose(0, 1).unsqueeze(0), k.unsqueeze(0),
                         v.unsqueeze(0), plan.mask)
             return out[0].transpose(0, 1).to(q.dtype)
-        queries = q[plan.query_rows].to(dtype).transpose(1, 2)  # [B, Hq, Qmax, D]
+        # [B, Hq, Qmax, D]; a dense batch's rows are consecutive: a view, not a gather.
+        rows = q.view(*plan.query_rows.shape, *q.shape[1:]) if plan.is_dense \
+            else q[plan.query_rows]
+        queries = rows.to(dtype).transpose(1, 2)
         out = _sdpa(queries, k, v, plan.mask, plan.is_causal).transpose(1, 2)
         out = out.flatten(0, 1) if plan.is_dense else out[plan.is_query]
         return out.to(q.dtype)

@@ -27,6 +27,7 @@ MIXES = {
     "mixed": [(0, 13), (12, 6), (30, 1), (3, 1), (0, 2), (21, 1)],
     "one chunk, many decodes": [(8, 40), *[(10 + i, 1) for i in range(12)]],
     "one prompt": [(0, 31)],
+    "equal chunks after cached context": [(7, 4), (0, 4), (19, 4)],  # dense, Qmax 4
 }
 
 
