@@ -3,10 +3,14 @@ instead of launching each layer's kernels from Python.
 
 A graph has fixed shapes, so a step is padded to a bucket: its sequences to the next batch
 size of `BATCH_SIZES` and its longest context to the next power of two of blocks (at least
-`MIN_CONTEXT_BLOCKS`). One graph per (batch, context) bucket is captured the first time a step
-needs it, all of them in one memory pool. Each has static inputs (token ids, positions, the
-slots their K/V go to, the attention plan's context slots and mask) that a step fills before
-the replay, and a static output (the final hidden states); sampling stays outside the graph.
+`MIN_CONTEXT_BLOCKS`, at most `MAX_CONTEXT_TOKENS`: the padded attention gathers K/V for the
+whole bucket, so longer steps run eagerly). Every bucket's graph is captured when the engine
+starts (`capture_all`), before any transfer runs: capturing while another thread queues
+work on the legacy default stream (the transfer engine's copies) would invalidate the
+capture. They share one memory pool: they are never replayed concurrently, and each keeps
+its output alive. Each has static inputs (token ids, positions, the slots their K/V go to,
+the attention plan's context slots and mask) that a step fills before the replay, and a
+static output (the final hidden states); sampling stays outside the graph.
 
 Padding rows are harmless by construction: they write their K/V into a block reserved for
 them at start (`pad_slot`, never handed to a sequence) and attend to that slot alone; a real
@@ -31,6 +35,7 @@ from engine.kv_cache import KvCache
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 MIN_CONTEXT_BLOCKS = 16
+MAX_CONTEXT_TOKENS = 4096
 
 # Runs the forward once for the graph's static inputs; returns its static output and what
 # computes it again in place.
@@ -54,7 +59,7 @@ def cuda_capture(pool: object) -> Capture:
                 forward()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             output = forward()
         return output, graph.replay
 
@@ -80,13 +85,23 @@ class DecodeGraphs:
         self._pad_slot = pad_slot
         self._batch_sizes = [size for size in BATCH_SIZES if size < max_batch_size] + [
             max_batch_size]
-        self._max_context = max_context
+        self._max_context = min(max_context, MAX_CONTEXT_TOKENS)
         self._capture = capture
         self._graphs: dict[tuple[int, int], _Graph] = {}
 
     @property
     def num_captured(self) -> int:
         return len(self._graphs)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every (batch, context) bucket's graph (once, at start)."""
+        contexts = sorted({self._context_bucket(tokens) for tokens in range(
+            1, self._max_context + 1, self._kv.block_size)})
+        for batch in self._batch_sizes:
+            for context in contexts:
+                if (batch, context) not in self._graphs:
+                    self._graphs[(batch, context)] = self._new_graph(batch, context)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             slices: list[SequenceSlice]) -> torch.Tensor | None:
@@ -97,7 +112,9 @@ class DecodeGraphs:
         longest = max(piece.context_len for piece in slices)
         if len(slices) > self._batch_sizes[-1] or longest > self._max_context:
             return None
-        graph = self._graph(self._bucket(len(slices)), self._context_bucket(longest))
+        graph = self._graphs.get((self._bucket(len(slices)), self._context_bucket(longest)))
+        if graph is None:  # (not captured: capture_all was not called)
+            return None
         self._fill(graph, input_ids, positions, slot_mapping, slices)
         graph.replay()
         return graph.hidden[:len(slices)]
@@ -111,12 +128,6 @@ class DecodeGraphs:
         while blocks * block < num_tokens:
             blocks *= 2
         return min(blocks * block, -(-self._max_context // block) * block)
-
-    def _graph(self, batch: int, context: int) -> _Graph:
-        graph = self._graphs.get((batch, context))
-        if graph is None:
-            graph = self._graphs[(batch, context)] = self._new_graph(batch, context)
-        return graph
 
     def _new_graph(self, batch: int, context: int) -> _Graph:
         device = self._device

@@ -17,6 +17,7 @@ Measured facts about CPU GEMMs, which the engine works around on CPU only (CUDA 
 * Wide outputs (fused gate/up, the vocabulary head) with several rows run 1.1-1.5x faster as
   1024-column slices of the weight than as one GEMM (no copies: slices are views).
 """
+
 from __future__ import annotations
 
 import functools

@@ -30,8 +30,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In fp32, then cast back before the weight, as transformers' Llama does; one fused
-        # kernel instead of five elementwise ones (each a pass over memory on a CPU).
+        # In fp32, then cast back before the weight, as transformers' Llama does (the same
+        # math as pow, mean, rsqrt and multiply, in one call).
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * normed.to(x.dtype)
 

@@ -185,6 +185,8 @@ class TorchEngine:
                                    is_prefix_caching=self.options.is_prefix_caching,
                                    eos_token_ids=self.eos_token_ids)
         self._runner.graphs = self._decode_graphs(model, self.kv)
+        if self._runner.graphs is not None:  # before anything else runs on the device
+            await asyncio.to_thread(self._runner.graphs.capture_all)
         self._thread = EngineThread(asyncio.get_running_loop(), self._step, self._on_crash,
                                     name="engine")
         self._thread.start()
@@ -209,7 +211,7 @@ class TorchEngine:
 
     @property
     def num_decode_graphs(self) -> int:
-        """Decode graphs captured so far (0 without `decode_graphs`)."""
+        """Decode graphs captured (at start; 0 without `decode_graphs`)."""
         graphs = self._runner.graphs if self._runner is not None else None
         return graphs.num_captured if graphs is not None else 0
 

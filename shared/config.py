@@ -158,8 +158,8 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_batch_tokens: int = 2048
     prefill_max_wait_ms: float = 10.0
     enable_prefix_caching: bool = True
-    # Decode steps replayed as CUDA graphs, one per (batch, context) bucket, captured on
-    # first use (engine/decode_graphs.py); needs --device cuda and the torch attention backend.
+    # Decode steps replayed as CUDA graphs, one per (batch, context) bucket, captured at
+    # start (engine/decode_graphs.py); needs --device cuda and the torch attention backend.
     cuda_graphs: bool = False
 
 
