@@ -16,6 +16,8 @@ own and records `ok` or its error, so one failure does not hide the rest:
   the transports the decode worker's commits name are recorded.
 * `kv_transfer`: GB/s of one 256 MiB write into another process's device memory, over TCP
   (through both mirrors) and over CUDA IPC; the bytes read back must be equal.
+* `gpu_tests`: the test suite's `gpu`-marked tests (CUDA IPC between two processes, decode
+  graphs against the plain engine, staged device tensors), run by pytest; its summary line.
 
     python -m bench.gpu_check [--device cuda] [--out gpu_check.json]
 """
@@ -303,6 +305,24 @@ async def serve_kv(device: torch.device) -> None:
     await engine.close()
 
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GPU_TEST_FILES = ["tests/transfer/test_cuda_ipc.py", "tests/engine/test_decode_graphs.py",
+                  "tests/transfer/test_conformance.py"]
+
+
+async def check_gpu_tests() -> dict[str, Any]:
+    """`pytest -m gpu` over the files that hold such tests (they skip without CUDA)."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+        *GPU_TEST_FILES, cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT)
+    output, _ = await process.communicate()
+    lines = output.decode(errors="replace").strip().splitlines()
+    if process.returncode not in (0, 5):  # 5: every test deselected or none collected
+        raise RuntimeError("\n".join(lines[-30:]))
+    return {"summary": lines[-1] if lines else ""}
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     report: dict[str, Any] = {
@@ -314,7 +334,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "logits": lambda: check_logits(tmp, device),
             "decode": lambda: check_decode(tmp, device, args.hidden, args.layers),
             "serving": lambda: check_serving(tmp, device),
-            "kv_transfer": lambda: check_kv_transfer(device)}
+            "kv_transfer": lambda: check_kv_transfer(device),
+            "gpu_tests": check_gpu_tests}
         for name in args.sections.split(","):
             started = time.perf_counter()
             try:
@@ -332,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     default = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--device", default=default)
-    parser.add_argument("--sections", default="logits,decode,serving,kv_transfer")
+    parser.add_argument("--sections", default="logits,decode,serving,kv_transfer,gpu_tests")
     parser.add_argument("--out", default="gpu_check.json")
     parser.add_argument("--hidden", type=int, default=1024, help="the decode section's model")
     parser.add_argument("--layers", type=int, default=16)

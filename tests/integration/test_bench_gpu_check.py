@@ -32,3 +32,4 @@ async def test_the_gpu_check_runs_every_section_on_the_cpu(tmp_path: Path) -> No
     for name in ("tcp", "cuda_ipc"):
         row = report["kv_transfer"][name]
         assert (row["transport"], row["equal"]) == ("tcp", True) and row["gb_per_s"] > 0
+    assert "skipped" in report["gpu_tests"]["summary"]  # no CUDA device here
