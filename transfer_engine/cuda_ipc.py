@@ -39,7 +39,7 @@ import numpy as np
 import structlog
 
 from shared.messages import CudaIpcHandle, SegmentInfo, TransferEndpoint
-from transfer_engine.errors import TransferFailed
+from transfer_engine.errors import TransferFailed, TransferTimeout
 from transfer_engine.segment import Segment
 from transfer_engine.tcp import TcpTransport
 from transfer_engine.transport import Plan
@@ -156,7 +156,8 @@ class CudaIpcTransport:
         self._tcp = tcp
         self._driver = driver
         self._devices = device_uuids  # UUID -> this process's ordinal, for visible GPUs
-        self._opened: dict[tuple[str, int], tuple[int, Any]] = {}  # -> (base, bytes tensor)
+        # (peer, segment id) -> (its handle, our mapping's base, the segment as a tensor)
+        self._opened: dict[tuple[str, int], tuple[CudaIpcHandle, int, Any]] = {}
 
     def register_memory(self, segment: Segment) -> None:
         """Export a CUDA segment, so that its descriptor carries the IPC handle."""
@@ -209,38 +210,46 @@ class CudaIpcTransport:
         try:
             await asyncio.wait_for(asyncio.to_thread(_wait_all, events), plan.timeout_s)
         except TimeoutError as error:
-            raise TransferFailed(f"copies to {plan.peer.engine_id!r} did not finish within "
-                                 f"{plan.timeout_s}s") from error
+            raise TransferTimeout(f"copies with {plan.peer.engine_id!r} did not finish within "
+                                  f"{plan.timeout_s}s") from error
 
     def _open(self, peer: TransferEndpoint, info: SegmentInfo) -> Any:
-        """The peer's segment as a uint8 tensor here (opened once per segment)."""
+        """The peer's segment as a uint8 tensor here (opened once per segment and handle: a
+        peer restarted under the same id publishes new handles, and the old mapping goes)."""
         key = (peer.engine_id, info.segment_id)
+        handle = info.cuda_ipc
         opened = self._opened.get(key)
-        if opened is None:
-            handle = info.cuda_ipc
-            if handle is None or handle.device_uuid not in self._devices:
-                raise TransferFailed(f"{peer.engine_id!r}'s segment {info.name!r} is not in "
-                                     "device memory this process can see")
-            import torch
+        if opened is not None and opened[0] == handle:
+            return opened[2]
+        if opened is not None:
+            self._close(opened[1])
+            del self._opened[key]
+        if handle is None or handle.device_uuid not in self._devices:
+            raise TransferFailed(f"{peer.engine_id!r}'s segment {info.name!r} is not in device "
+                                 "memory this process can see")
+        import torch
 
-            self._driver.bind(self._devices[handle.device_uuid])  # open where the memory is
-            base = self._driver.open(bytes.fromhex(handle.handle))
-            pointer = base + handle.offset_bytes
-            tensor = torch.as_tensor(_DeviceBytes(pointer, info.size_bytes))
-            if tensor.data_ptr() != pointer:  # a copy instead of a view would lose writes
-                self._driver.close(base)
-                raise TransferFailed(f"{peer.engine_id!r}'s segment {info.name!r} could not "
-                                     "be mapped in place")
-            opened = self._opened[key] = (base, tensor)
-        return opened[1]
+        self._driver.bind(self._devices[handle.device_uuid])  # open where the memory is
+        base = self._driver.open(bytes.fromhex(handle.handle))
+        pointer = base + handle.offset_bytes
+        tensor = torch.as_tensor(_DeviceBytes(pointer, info.size_bytes))
+        if tensor.data_ptr() != pointer:  # a copy instead of a view would lose writes
+            self._close(base)
+            raise TransferFailed(f"{peer.engine_id!r}'s segment {info.name!r} could not be "
+                                 "mapped in place")
+        self._opened[key] = (handle, base, tensor)
+        return tensor
+
+    def _close(self, base: int) -> None:
+        with contextlib.suppress(TransferFailed):  # the peer already gone: nothing held
+            self._driver.close(base)
 
     def moves_in_place(self, segment: Segment) -> bool:
         return segment.staging is not None  # copies from and to the tensor itself
 
     async def close(self) -> None:
-        for base, _ in self._opened.values():
-            with contextlib.suppress(TransferFailed):  # the peer already gone: nothing held
-                self._driver.close(base)
+        for _, base, _ in self._opened.values():
+            self._close(base)
         self._opened.clear()
 
 
