@@ -66,17 +66,24 @@ class AttentionBackend(Protocol):
         sequence's context in `layer` of the pool; `[T, Hq, D]`."""
 
 
-def context_slots(meta: AttentionMetadata, block_size: int, device: torch.device
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every sequence's context slots, padded to the longest (`[B, Lmax]`; pads are slot 0),
-    and each one's context length (`[B]`)."""
+def context_blocks(meta: AttentionMetadata, block_size: int, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's context blocks, padded to the longest (`[B, max_blocks]`; pads are
+    block 0), and each one's context length in tokens (`[B]`)."""
     lengths = torch.tensor([s.context_len for s in meta.sequences], device=device)
     max_blocks = max(-(-s.context_len // block_size) for s in meta.sequences)
     table = torch.zeros(len(meta.sequences), max_blocks, dtype=torch.long)
     for row, seq in enumerate(meta.sequences):
         used = -(-seq.context_len // block_size)
         table[row, :used] = torch.tensor(seq.block_ids[:used])
-    table = table.to(device)
+    return table.to(device), lengths
+
+
+def context_slots(meta: AttentionMetadata, block_size: int, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's context slots, padded to the longest (`[B, Lmax]`; pads are slot 0),
+    and each one's context length (`[B]`)."""
+    table, lengths = context_blocks(meta, block_size, device)
     positions = torch.arange(int(lengths.max()), device=device)
     slots = table[:, positions // block_size] * block_size + positions % block_size
     return slots.masked_fill(positions >= lengths[:, None], 0), lengths
@@ -98,6 +105,18 @@ def _gather(kv: KvCache, layer: int, slots: torch.Tensor, dtype: torch.dtype | N
             v.view(shape).transpose(-3, -2).to(dtype, memory_format=torch.contiguous_format))
 
 
+def _gather_blocks(kv: KvCache, layer: int, blocks: torch.Tensor, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of whole blocks (`[B, n]` ids) as `[B, Hkv, n * block_size, D]` in `dtype`:
+    a block's tokens are one contiguous row of the pool, so this gathers block_size times
+    fewer, larger rows than `_gather` over their slots (the tail past a context is garbage
+    that the mask hides)."""
+    k, v = kv.gather_blocks(layer, blocks.flatten())
+    shape = (blocks.shape[0], -1, *k.shape[2:])
+    return (k.view(shape).transpose(1, 2).to(dtype, memory_format=torch.contiguous_format),
+            v.view(shape).transpose(1, 2).to(dtype, memory_format=torch.contiguous_format))
+
+
 def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """What attention computes in: fp32 on a CPU without bf16 units (its bf16 SDPA runs 2-5x
     slower than fp32 here, and the K/V gather copies anyway), else the pool's dtype."""
@@ -110,8 +129,8 @@ def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 class PaddedPlan:
     query_rows: torch.Tensor  # [B, Qmax]: each row's queries in the flat batch (pads: 0)
     is_query: torch.Tensor  # [B, Qmax]: which of them are real
-    slots: torch.Tensor  # [B, Lmax]
-    mask: torch.Tensor | None  # [B, 1, Qmax, Lmax]; None: one sequence, plainly causal
+    blocks: torch.Tensor  # [B, n]: each row's context blocks; keys are n * block_size long
+    mask: torch.Tensor | None  # [B, 1, Qmax, keys]; None: one sequence, plainly causal
     is_causal: bool
     # Every row has Qmax queries (a decode batch): outputs are reshaped, not picked by a
     # boolean index, whose data-dependent shape costs a device sync (and breaks graphs).
@@ -145,7 +164,7 @@ class TorchAttention:
 
     def padded(self, meta: AttentionMetadata, kv: KvCache, max_query: int) -> PaddedPlan:
         seqs, device = meta.sequences, self.device
-        slots, lengths = context_slots(meta, kv.block_size, device)
+        blocks, lengths = context_blocks(meta, kv.block_size, device)
         starts = torch.tensor([s.query_start for s in seqs], device=device)
         query_lens = torch.tensor([s.query_len for s in seqs], device=device)
         offsets = torch.arange(max_query, device=device)
@@ -154,14 +173,16 @@ class TorchAttention:
         is_dense = all(s.query_len == max_query for s in seqs)
         only = seqs[0]
         if len(seqs) == 1 and only.query_len == only.context_len:
-            return PaddedPlan(query_rows, is_query, slots, None, only.query_len > 1, is_dense)
+            # Causal from the top left, also for one query: the last block's tail keys come
+            # after every query, so they are masked too.
+            return PaddedPlan(query_rows, is_query, blocks, None, True, is_dense)
         # Query i of a sequence sits at position context_len - query_len + i.
         positions = (lengths - query_lens)[:, None] + offsets  # [B, Qmax]
-        keys = torch.arange(slots.shape[1], device=device)
+        keys = torch.arange(blocks.shape[1] * kv.block_size, device=device)
         mask = keys <= positions[:, :, None]  # [B, Qmax, Lmax]; within the context, as
         mask &= keys < lengths[:, None, None]  # a pad row's keys (row 0 stays: no NaN)
         mask[:, :, 0] = True
-        return PaddedPlan(query_rows, is_query, slots, mask[:, None], False, is_dense)
+        return PaddedPlan(query_rows, is_query, blocks, mask[:, None], False, is_dense)
 
     def packed(self, meta: AttentionMetadata, kv: KvCache) -> PackedPlan:
         seqs, device = meta.sequences, self.device
@@ -182,11 +203,12 @@ class TorchAttention:
     def attend(self, q: torch.Tensor, kv: KvCache, layer: int,
                plan: PaddedPlan | PackedPlan) -> torch.Tensor:
         dtype = compute_dtype(q.device, q.dtype)
-        k, v = _gather(kv, layer, plan.slots, dtype)
         if isinstance(plan, PackedPlan):
+            k, v = _gather(kv, layer, plan.slots, dtype)
             out = _sdpa(q.to(dtype).transpose(0, 1).unsqueeze(0), k.unsqueeze(0),
                         v.unsqueeze(0), plan.mask)
             return out[0].transpose(0, 1).to(q.dtype)
+        k, v = _gather_blocks(kv, layer, plan.blocks, dtype)
         # [B, Hq, Qmax, D]; a dense batch's rows are consecutive: a view, not a gather.
         rows = q.view(*plan.query_rows.shape, *q.shape[1:]) if plan.is_dense \
             else q[plan.query_rows]

@@ -13,8 +13,8 @@ the attention plan's context slots and mask) that a step fills before the replay
 static output (the final hidden states); sampling stays outside the graph.
 
 Padding rows are harmless by construction: they write their K/V into a block reserved for
-them at start (`pad_slot`, never handed to a sequence) and attend to that slot alone; a real
-row's keys past its context are masked. Only steps where every sequence decodes one token run
+them at start (`pad_block`, never handed to a sequence) and attend to its first slot alone;
+a real row's keys past its context are masked. Only steps where every sequence decodes one token run
 here, with the batched `torch` attention backend and a dense model (a mixture-of-experts
 layer routes tokens by data-dependent shapes, which a graph cannot hold); anything else runs
 eagerly, as do steps past the largest bucket.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, PaddedPlan, SequenceSlice, context_slots
+from engine.attention import AttentionMetadata, PaddedPlan, SequenceSlice, context_blocks
 from engine.kv_cache import KvCache
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
@@ -71,18 +71,19 @@ class _Graph:
     input_ids: torch.Tensor  # [B]
     positions: torch.Tensor  # [B]
     slot_mapping: torch.Tensor  # [B]
-    plan: PaddedPlan  # slots [B, L], mask [B, 1, 1, L]
+    plan: PaddedPlan  # blocks [B, L / block_size], mask [B, 1, 1, L]
     hidden: torch.Tensor  # [B, hidden], written by each replay
     replay: Callable[[], None]
 
 
 class DecodeGraphs:
-    def __init__(self, forward: Forward, kv: KvCache, device: torch.device, pad_slot: int, *,
+    def __init__(self, forward: Forward, kv: KvCache, device: torch.device, pad_block: int, *,
                  max_batch_size: int, max_context: int, capture: Capture) -> None:
         self._forward = forward
         self._kv = kv
         self._device = device
-        self._pad_slot = pad_slot
+        self._pad_block = pad_block
+        self._pad_slot = pad_block * kv.block_size
         self._batch_sizes = [size for size in BATCH_SIZES if size < max_batch_size] + [
             max_batch_size]
         self._max_context = min(max_context, MAX_CONTEXT_TOKENS)
@@ -134,12 +135,12 @@ class DecodeGraphs:
         pad = torch.full((batch,), self._pad_slot, dtype=torch.long, device=device)
         plan = PaddedPlan(query_rows=torch.arange(batch, device=device)[:, None],
                           is_query=torch.ones(batch, 1, dtype=torch.bool, device=device),
-                          slots=torch.full((batch, context), self._pad_slot, dtype=torch.long,
-                                           device=device),
+                          blocks=torch.full((batch, context // self._kv.block_size),
+                                            self._pad_block, dtype=torch.long, device=device),
                           mask=torch.zeros(batch, 1, 1, context, dtype=torch.bool,
                                            device=device),
                           is_causal=False, is_dense=True)
-        plan.mask[..., 0] = True  # as every padding row: its own (pad) slot alone
+        plan.mask[..., 0] = True  # as every padding row: the pad block's first slot alone
         ids = torch.zeros(batch, dtype=torch.long, device=device)
         positions = torch.zeros(batch, dtype=torch.long, device=device)
         # Captured with every row a padding row: the capture's own writes land in the pad slot.
@@ -156,11 +157,11 @@ class DecodeGraphs:
         graph.positions[count:].zero_()
         graph.slot_mapping[:count].copy_(slot_mapping)
         graph.slot_mapping[count:].fill_(self._pad_slot)
-        slots, lengths = context_slots(AttentionMetadata(slot_mapping, slices),
-                                       self._kv.block_size, self._device)
+        blocks, lengths = context_blocks(AttentionMetadata(slot_mapping, slices),
+                                         self._kv.block_size, self._device)
         plan = graph.plan
-        plan.slots.fill_(self._pad_slot)
-        plan.slots[:count, :slots.shape[1]].copy_(slots)
-        keys = torch.arange(plan.slots.shape[1], device=self._device)
+        plan.blocks.fill_(self._pad_block)
+        plan.blocks[:count, :blocks.shape[1]].copy_(blocks)
+        keys = torch.arange(plan.mask.shape[-1], device=self._device)
         plan.mask[:count, 0, 0].copy_(keys < lengths[:, None])
         plan.mask[count:, 0, 0].copy_(keys == 0)

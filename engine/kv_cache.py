@@ -37,6 +37,12 @@ class KvCache:
         flat = self._slots[layer]
         return flat[0].index_select(0, slots), flat[1].index_select(0, slots)
 
+    def gather_blocks(self, layer: int, block_ids: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V (`[len(block_ids), block_size, heads, dim]`) of whole blocks."""
+        return (self.data[layer, 0].index_select(0, block_ids),
+                self.data[layer, 1].index_select(0, block_ids))
+
     def copy_block(self, source: int, target: int) -> None:
         """Every layer's K and V of block `source` into block `target`."""
         self.data[:, :, target] = self.data[:, :, source]

@@ -205,7 +205,7 @@ class TorchEngine:
         capture = cuda_capture(torch.cuda.graph_pool_handle()) if mode == "cuda" \
             else eager_capture
         return DecodeGraphs(lambda ids, positions, meta: model(ids, positions, meta, kv), kv,
-                            self.device, pad_block * self.options.block_size,
+                            self.device, pad_block,
                             max_batch_size=self.options.max_batch_size,
                             max_context=self.max_model_len, capture=capture)
 

@@ -28,6 +28,7 @@ MIXES = {
     "one chunk, many decodes": [(8, 40), *[(10 + i, 1) for i in range(12)]],
     "one prompt": [(0, 31)],
     "equal chunks after cached context": [(7, 4), (0, 4), (19, 4)],  # dense, Qmax 4
+    "one token, nothing cached": [(0, 1)],  # its block's other slots are not its context
 }
 
 
