@@ -130,6 +130,8 @@ class TorchEngine:
         self.options = options
         self.config = ModelConfig.from_dir(options.model_dir)
         self.device = torch.device(options.device)
+        if options.decode_graphs == "cuda" and self.device.type != "cuda":  # before any load
+            raise ConfigError(f"--cuda-graphs needs a CUDA device, not {self.device}")
         # Full attention equals sliding-window attention only inside the window: cap there.
         self.max_model_len = min(options.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings,
@@ -195,8 +197,6 @@ class TorchEngine:
         mode = self.options.decode_graphs
         if mode == "off":
             return None
-        if mode == "cuda" and self.device.type != "cuda":
-            raise ConfigError(f"--cuda-graphs needs a CUDA device, not {self.device}")
         if model.attention is None or model.attention.name != "torch" or self.config.moe:
             raise ConfigError("decode graphs need --attention-backend torch and a dense model "
                               "(mixture-of-experts routing has data-dependent shapes)")
