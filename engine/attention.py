@@ -105,16 +105,18 @@ def _gather(kv: KvCache, layer: int, slots: torch.Tensor, dtype: torch.dtype | N
             v.view(shape).transpose(-3, -2).to(dtype, memory_format=torch.contiguous_format))
 
 
-def _gather_blocks(kv: KvCache, layer: int, blocks: torch.Tensor, dtype: torch.dtype
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of whole blocks (`[B, n]` ids) as `[B, Hkv, n * block_size, D]` in `dtype`:
-    a block's tokens are one contiguous row of the pool, so this gathers block_size times
-    fewer, larger rows than `_gather` over their slots (the tail past a context is garbage
-    that the mask hides)."""
+def _gather_blocks(kv: KvCache, layer: int, blocks: torch.Tensor, num_keys: int,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `num_keys` keys of each row's blocks (`[B, n]` ids), K and V as
+    `[B, Hkv, num_keys, D]` in `dtype`. A block's tokens are one contiguous row of the pool,
+    so this gathers block_size times fewer, larger rows than `_gather` over their slots;
+    what lies past a row's context is garbage that the mask hides."""
     k, v = kv.gather_blocks(layer, blocks.flatten())
     shape = (blocks.shape[0], -1, *k.shape[2:])
-    return (k.view(shape).transpose(1, 2).to(dtype, memory_format=torch.contiguous_format),
-            v.view(shape).transpose(1, 2).to(dtype, memory_format=torch.contiguous_format))
+    return (k.view(shape)[:, :num_keys].transpose(1, 2).to(
+                dtype, memory_format=torch.contiguous_format),
+            v.view(shape)[:, :num_keys].transpose(1, 2).to(
+                dtype, memory_format=torch.contiguous_format))
 
 
 def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -129,8 +131,11 @@ def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 class PaddedPlan:
     query_rows: torch.Tensor  # [B, Qmax]: each row's queries in the flat batch (pads: 0)
     is_query: torch.Tensor  # [B, Qmax]: which of them are real
-    blocks: torch.Tensor  # [B, n]: each row's context blocks; keys are n * block_size long
-    mask: torch.Tensor | None  # [B, 1, Qmax, keys]; None: one sequence, plainly causal
+    blocks: torch.Tensor  # [B, n]: each row's context blocks
+    # Keys per row: the longest context (as many as a slot-wise gather took: the same sums,
+    # so a request's numbers do not depend on which block its context ends in).
+    num_keys: int
+    mask: torch.Tensor | None  # [B, 1, Qmax, num_keys]; None: one sequence, plainly causal
     is_causal: bool
     # Every row has Qmax queries (a decode batch): outputs are reshaped, not picked by a
     # boolean index, whose data-dependent shape costs a device sync (and breaks graphs).
@@ -173,16 +178,17 @@ class TorchAttention:
         is_dense = all(s.query_len == max_query for s in seqs)
         only = seqs[0]
         if len(seqs) == 1 and only.query_len == only.context_len:
-            # Causal from the top left, also for one query: the last block's tail keys come
-            # after every query, so they are masked too.
-            return PaddedPlan(query_rows, is_query, blocks, None, True, is_dense)
+            return PaddedPlan(query_rows, is_query, blocks, only.context_len, None,
+                              only.query_len > 1, is_dense)
         # Query i of a sequence sits at position context_len - query_len + i.
         positions = (lengths - query_lens)[:, None] + offsets  # [B, Qmax]
-        keys = torch.arange(blocks.shape[1] * kv.block_size, device=device)
+        num_keys = max(s.context_len for s in seqs)
+        keys = torch.arange(num_keys, device=device)
         mask = keys <= positions[:, :, None]  # [B, Qmax, Lmax]; within the context, as
         mask &= keys < lengths[:, None, None]  # a pad row's keys (row 0 stays: no NaN)
         mask[:, :, 0] = True
-        return PaddedPlan(query_rows, is_query, blocks, mask[:, None], False, is_dense)
+        return PaddedPlan(query_rows, is_query, blocks, num_keys, mask[:, None], False,
+                          is_dense)
 
     def packed(self, meta: AttentionMetadata, kv: KvCache) -> PackedPlan:
         seqs, device = meta.sequences, self.device
@@ -208,7 +214,7 @@ class TorchAttention:
             out = _sdpa(q.to(dtype).transpose(0, 1).unsqueeze(0), k.unsqueeze(0),
                         v.unsqueeze(0), plan.mask)
             return out[0].transpose(0, 1).to(q.dtype)
-        k, v = _gather_blocks(kv, layer, plan.blocks, dtype)
+        k, v = _gather_blocks(kv, layer, plan.blocks, plan.num_keys, dtype)
         # [B, Hq, Qmax, D]; a dense batch's rows are consecutive: a view, not a gather.
         rows = q.view(*plan.query_rows.shape, *q.shape[1:]) if plan.is_dense \
             else q[plan.query_rows]

@@ -137,6 +137,7 @@ class DecodeGraphs:
                           is_query=torch.ones(batch, 1, dtype=torch.bool, device=device),
                           blocks=torch.full((batch, context // self._kv.block_size),
                                             self._pad_block, dtype=torch.long, device=device),
+                          num_keys=context,
                           mask=torch.zeros(batch, 1, 1, context, dtype=torch.bool,
                                            device=device),
                           is_causal=False, is_dense=True)
