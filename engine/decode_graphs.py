@@ -9,7 +9,7 @@ starts (`capture_all`), before any transfer runs: capturing while another thread
 work on the legacy default stream (the transfer engine's copies) would invalidate the
 capture. They share one memory pool: they are never replayed concurrently, and each keeps
 its output alive. Each has static inputs (token ids, positions, the slots their K/V go to,
-the attention plan's context slots and mask) that a step fills before the replay, and a
+the attention plan's block table and mask) that a step fills before the replay, and a
 static output (the final hidden states); sampling stays outside the graph.
 
 Padding rows are harmless by construction: they write their K/V into a block reserved for
