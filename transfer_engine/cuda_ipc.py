@@ -229,10 +229,13 @@ class CudaIpcTransport:
                                  "memory this process can see")
         import torch
 
-        self._driver.bind(self._devices[handle.device_uuid])  # open where the memory is
+        ordinal = self._devices[handle.device_uuid]
+        self._driver.bind(ordinal)  # open where the memory is
         base = self._driver.open(bytes.fromhex(handle.handle))
         pointer = base + handle.offset_bytes
-        tensor = torch.as_tensor(_DeviceBytes(pointer, info.size_bytes))
+        # The device named: without it, older torch builds copy the array to the CPU.
+        tensor = torch.as_tensor(_DeviceBytes(pointer, info.size_bytes),
+                                 device=torch.device("cuda", ordinal))
         if tensor.data_ptr() != pointer:  # a copy instead of a view would lose writes
             self._close(base)
             raise TransferFailed(f"{peer.engine_id!r}'s segment {info.name!r} could not be "
