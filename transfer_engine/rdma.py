@@ -84,7 +84,6 @@ def open_transport(config: TransferConfig, memory: LocalMemory,
 class RdmaTransport:
     name = "rdma"
     is_one_sided = True
-    moves_device_memory = False
 
     def __init__(self, device_name: str, config: TransferConfig, memory: LocalMemory,
                  tcp: TcpTransport) -> None:

@@ -4,8 +4,10 @@ The transports move host bytes, so a device tensor is registered as a host mirro
 same size plus this staging object. The engine copies the pieces a transfer touches between
 device and mirror: before it sends them (device to host), after bytes land in them (host to
 device), and before it serves a peer's read. Peers then reach such a segment over tcp (not
-shm or rdma, which would write the mirror without the owner noticing). Same-host peers that
-see the GPU skip the mirror: the cuda transport (cuda_ipc.py) copies device to device.
+shm or rdma into the mirror, which would write it without the owner noticing). Two paths skip
+the mirror: the cuda transport (cuda_ipc.py) copies device to device for same-host peers
+that see the GPU, and the rdma transport registers the device memory itself where the NIC
+can (GPUDirect RDMA).
 """
 
 from __future__ import annotations
