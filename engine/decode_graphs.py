@@ -66,6 +66,17 @@ def cuda_capture(pool: object) -> Capture:
     return capture
 
 
+def _context_sizes(block_size: int, max_context: int) -> list[int]:
+    """Powers of two of blocks from MIN_CONTEXT_BLOCKS, the last cut to `max_context` (in whole
+    blocks)."""
+    last = -(-max_context // block_size) * block_size
+    sizes, size = [], block_size * MIN_CONTEXT_BLOCKS
+    while size < last:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, last]
+
+
 @dataclass
 class _Graph:
     input_ids: torch.Tensor  # [B]
@@ -87,6 +98,7 @@ class DecodeGraphs:
         self._batch_sizes = [size for size in BATCH_SIZES if size < max_batch_size] + [
             max_batch_size]
         self._max_context = min(max_context, MAX_CONTEXT_TOKENS)
+        self._contexts = _context_sizes(kv.block_size, self._max_context)
         self._capture = capture
         self._graphs: dict[tuple[int, int], _Graph] = {}
 
@@ -97,10 +109,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every (batch, context) bucket's graph (once, at start)."""
-        contexts = sorted({self._context_bucket(tokens) for tokens in range(
-            1, self._max_context + 1, self._kv.block_size)})
         for batch in self._batch_sizes:
-            for context in contexts:
+            for context in self._contexts:
                 if (batch, context) not in self._graphs:
                     self._graphs[(batch, context)] = self._new_graph(batch, context)
 
@@ -124,11 +134,7 @@ class DecodeGraphs:
         return next(size for size in self._batch_sizes if size >= num_sequences)
 
     def _context_bucket(self, num_tokens: int) -> int:
-        block = self._kv.block_size
-        blocks = MIN_CONTEXT_BLOCKS
-        while blocks * block < num_tokens:
-            blocks *= 2
-        return min(blocks * block, -(-self._max_context // block) * block)
+        return next(size for size in self._contexts if size >= num_tokens)
 
     def _new_graph(self, batch: int, context: int) -> _Graph:
         device = self._device
