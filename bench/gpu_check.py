@@ -164,7 +164,6 @@ async def check_decode(tmp: Path, device: torch.device, hidden: int, layers: int
         for batch in (1, 32):
             prompts = [[(7 * i + j) % 900 + 20 for j in range(128)] for i in range(batch)]
             tokens, ours = await generate(engine, prompts, sampling)
-            await generate(graphed, prompts, sampling)  # warm-up, as the plain engine had
             graph_tokens, with_graphs = await generate(graphed, prompts, sampling)
             ids = torch.tensor(prompts, device=device)
             clock = FirstTokenClock()
