@@ -198,33 +198,32 @@ class TransferEngine:
         if self._is_closed or self._tcp is None:
             raise InvalidTransfer("the transfer engine is not running")
         started = time.perf_counter()
-        groups = group(batch)
-        routes = [self._cached_route(peer, pieces) or await self._route(peer, pieces)
-                  for pieces in groups]
-        runs = [run for route, pieces in zip(routes, groups, strict=True)
-                if (run := route.plan(pieces, is_read=not is_write)) is not None]
-        if routes:
-            endpoint, candidates = self._reach(routes)
-        else:  # no pieces (a notification alone, say): any transport to the peer
-            endpoint = await self._resolve(peer, set())
-            candidates = self._reaching(endpoint, [])
+        if type(batch) is PieceArrays:  # one pair of segments: the common case, kept short
+            route = self._cached_route(peer, batch) or await self._route(peer, batch)
+            run = route.plan(batch, is_read=not is_write)
+            runs = [] if run is None else [run]
+            endpoint, candidates = route.endpoint, route.candidates
+        else:
+            endpoint, candidates, runs = await self._plan_pieces(peer, batch, is_write)
         staged = [run for run in runs if run.local.staging is not None]
         mirrored: set[int] = set()  # ids of the runs whose device bytes are in their mirrors
+        via_mirror: list[Run] = []
         # A transfer that fails on one transport is tried once more on the next one the pair
         # can use (e.g. cuda -> tcp); what is wrong with the batch itself fails at once.
         for attempt, transport in enumerate(candidates[:2]):
             plan = self._plan_for(transport, endpoint, runs, notifications, compression,
                                   timeout_s)
-            via_mirror = [run for run in staged if not transport.moves_in_place(run.local)]
-            to_mirror = [run for run in via_mirror if id(run) not in mirrored]
-            if to_mirror and is_write:
-                await asyncio.to_thread(_stage, to_mirror, to_device=False)
-                mirrored.update(id(run) for run in to_mirror)
+            if staged:
+                via_mirror = [run for run in staged if not transport.moves_in_place(run.local)]
+                to_mirror = [run for run in via_mirror if id(run) not in mirrored]
+                if to_mirror and is_write:
+                    await asyncio.to_thread(_stage, to_mirror, to_device=False)
+                    mirrored.update(id(run) for run in to_mirror)
             try:
                 await (transport.write(plan) if is_write else transport.read(plan))
                 break
             except (TransferFailed, TransferTimeout) as exc:
-                if attempt + 1 >= min(2, len(candidates)) or isinstance(
+                if attempt + 1 >= min(2, len(candidates)) or self._is_closed or isinstance(
                         exc, InvalidTransfer | AuthenticationRefused):
                     raise
                 log.warning("transfer.retry_on_next_transport", peer=endpoint.engine_id,
@@ -240,6 +239,20 @@ class TransferEngine:
                               transport=transport.name, num_pieces=plan.num_pieces,
                               compression=plan.compression.scheme if plan.compression
                               else None, wire_bytes=wire_bytes)
+
+    async def _plan_pieces(self, peer: Peer, batch: Batch, is_write: bool
+                           ) -> tuple[TransferEndpoint, list[Transport], list[Run]]:
+        """A batch's runs (one per pair of segments) and the transports that reach all."""
+        groups = group(batch)
+        routes = [self._cached_route(peer, pieces) or await self._route(peer, pieces)
+                  for pieces in groups]
+        runs = [run for route, pieces in zip(routes, groups, strict=True)
+                if (run := route.plan(pieces, is_read=not is_write)) is not None]
+        if not routes:  # no pieces (a notification alone, say): any transport to the peer
+            endpoint = await self._resolve(peer, set())
+            return endpoint, self._reaching(endpoint, []), runs
+        endpoint, candidates = self._reach(routes)
+        return endpoint, candidates, runs
 
     def _plan_for(self, transport: Transport, endpoint: TransferEndpoint, runs: list[Run],
                   notifications: list[bytes], compression: Compression | None,

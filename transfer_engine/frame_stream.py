@@ -8,7 +8,8 @@ bytes that follow fill `views` in order, then `then()` runs (and calls `expect` 
 
 How bytes are read:
 - a frame's small leading parts (header, piece table, meta) through a scratch buffer, up
-  to 64 KiB at a time, copied out: a small frame costs one receive, not one per part;
+  to 16 KiB at a time, copied out: a small frame costs one receive, not one per part (and a
+  large payload's head is copied twice for no more than 16 KiB);
 - payloads with `recvmsg_into` straight into the target pieces (up to IOV_MAX of them per
   call, no copy), with SO_RCVLOWAT raised while one waits so the loop wakes once per
   ~1 MiB queued rather than once per packet (that, not threads, is what brings a single
@@ -32,7 +33,7 @@ from collections.abc import Callable
 
 from transfer_engine import sock_io
 
-_SCRATCH_BYTES = 64 << 10  # also the largest part that is read through the scratch buffer
+_SCRATCH_BYTES = 16 << 10  # also the largest part that is read through the scratch buffer
 _RCVLOWAT_BYTES = 1 << 20
 _READS_PER_WAKE = 64  # then let the loop run others (the reader is called again: level-triggered)
 _PAUSE_WRITING_BYTES = 4 << 20  # queued output above which the subclass stops submitting
@@ -166,10 +167,15 @@ class FrameStream:
                         self._feed(self._scratch[:received])
                 else:
                     batch = sock_io.next_batch(self._views, self._index)
-                    wanted = batch[0].nbytes if len(batch) == 1 else 0
+                    wanted = batch[0].nbytes if len(batch) == 1 else sum(map(len, batch))
+                    step = self._then
                     received = self._sock.recvmsg_into(batch)[0]
                     if received:
                         self._advance(batch, received)
+                        if self._then is not step:
+                            # A payload is in. The next frame rarely is yet: leave it to the
+                            # poller (level-triggered) rather than pay a receive that fails.
+                            return
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as error:

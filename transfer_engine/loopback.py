@@ -30,7 +30,7 @@ class LoopbackTransport:
 
     async def write(self, plan: Plan) -> None:
         memory, deliver = self._peer(plan.peer)
-        table = wire.unpack_pieces(wire.table_of(plan.runs))
+        table = wire.table_of(plan.runs)
         targets = memory.views(table, for_write=True)
         sources = [view for run in plan.runs for view in run.local_views()]
         for source, target in zip(sources, targets, strict=True):
@@ -44,7 +44,7 @@ class LoopbackTransport:
 
     async def read(self, plan: Plan) -> None:
         memory, _ = self._peer(plan.peer)
-        table = wire.unpack_pieces(wire.table_of(plan.runs))
+        table = wire.table_of(plan.runs)
         sources = memory.views(table, for_write=False)
         memory.before_read(table)
         targets = [view for run in plan.runs for view in run.local_views()]

@@ -4,11 +4,13 @@ that local transfers read from and peers' transfers land in."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
 from shared.messages import SegmentInfo
+from transfer_engine import wire
 from transfer_engine.batch import check_ranges
 from transfer_engine.errors import InvalidTransfer
 from transfer_engine.segment import (
@@ -93,11 +95,12 @@ class LocalMemory:
     def infos(self) -> list[SegmentInfo]:
         return [segment.info() for segment in self._by_name.values()]
 
-    def views(self, table: np.ndarray, *, for_write: bool) -> list[memoryview]:
-        """Views of the pieces a peer named (a `wire.PIECE_DTYPE` table), in order;
+    def views(self, table: bytes | memoryview, *, for_write: bool) -> list[memoryview]:
+        """Views of the pieces a peer named (a wire piece table), in order;
         `InvalidTransfer` if any is not ours or out of bounds, and then none is touched."""
-        if len(table) <= _SMALL_TABLE:
-            return self._few_views(table.tolist(), for_write=for_write)
+        if len(table) <= _SMALL_TABLE * wire.PIECE.size:
+            return self._few_views(wire.PIECE.iter_unpack(table), for_write=for_write)
+        table = wire.unpack_pieces(table)
         segment_ids = table["segment_id"]
         offsets = table["offset"].astype(np.int64)  # u8 values >= 2**63 turn negative: refused
         lengths = table["length"].astype(np.int64)
@@ -118,17 +121,17 @@ class LocalMemory:
         return [segments[segment_id][offset:offset + length] for segment_id, offset, length
                 in zip(segment_ids.tolist(), offsets.tolist(), lengths.tolist(), strict=True)]
 
-    def landed(self, table: np.ndarray) -> None:
+    def landed(self, table: bytes | memoryview) -> None:
         """A peer's bytes are in these pieces: push staged ones to their device."""
-        self._stage(table, to_device=True)
+        if self._staged:
+            self._stage(wire.unpack_pieces(table), to_device=True)
 
-    def before_read(self, table: np.ndarray) -> None:
+    def before_read(self, table: bytes | memoryview) -> None:
         """A peer is about to read these pieces: pull staged ones from their device."""
-        self._stage(table, to_device=False)
+        if self._staged:
+            self._stage(wire.unpack_pieces(table), to_device=False)
 
     def _stage(self, table: np.ndarray, *, to_device: bool) -> None:
-        if not self._staged:
-            return
         for segment_id in self._staged:
             mine = table["segment_id"] == segment_id
             if mine.any():
@@ -138,7 +141,7 @@ class LocalMemory:
                 move(table["offset"][mine].astype(np.int64),
                      table["length"][mine].astype(np.int64))
 
-    def _few_views(self, pieces: list[tuple[int, int, int]], *,
+    def _few_views(self, pieces: Iterable[tuple[int, int, int]], *,
                    for_write: bool) -> list[memoryview]:
         checked = []
         for segment_id, offset, length in pieces:

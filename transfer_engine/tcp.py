@@ -83,6 +83,8 @@ class _Job:
     def payload_views(self) -> list[memoryview | bytes]:
         if self.payload is not None:
             return list(self.payload)
+        if len(self.runs) == 1:
+            return self.runs[0].local_views()
         return [view for run in self.runs for view in run.local_views()]
 
 
@@ -275,21 +277,23 @@ def _error_from(body: wire.ErrorBody, peer_id: str) -> TransferFailed:
 
 def _frame(request_id: int, jobs: list[_Job]) -> list[memoryview | bytes]:
     first = jobs[0]
-    runs = first.runs if len(jobs) == 1 else [run for job in jobs for run in job.runs]
+    if len(jobs) == 1:
+        runs, notifications, payload = first.runs, first.notifications, first.payload_views()
+    else:
+        runs = [run for job in jobs for run in job.runs]
+        notifications = [note for job in jobs for note in job.notifications]
+        payload = [view for job in jobs for view in job.payload_views()]
     table = wire.table_of(runs)
-    notifications = first.notifications if len(jobs) == 1 else [
-        note for job in jobs for note in job.notifications]
-    meta = (wire.encode(wire.FrameMeta(notifications, first.compression))
-            if notifications or first.compression else b"")
     if first.op == wire.Op.READ:
         return [wire.Header(wire.Op.READ, request_id, len(table) // wire.PIECE.size).pack(),
                 table]
     if first.op == wire.Op.RDMA_CONNECT:
         return [wire.Header(first.op, request_id, meta_len=len(first.meta)).pack(), first.meta]
-    payload = [view for job in jobs for view in job.payload_views()]
+    meta = (wire.encode(wire.FrameMeta(notifications, first.compression))
+            if notifications or first.compression else b"")
     header = wire.Header(first.op, request_id, num_pieces=len(table) // wire.PIECE.size,
-                         meta_len=len(meta), payload_len=sum(len(v) for v in payload))
-    return [header.pack(), table, meta, *payload]
+                         meta_len=len(meta), payload_len=sum(map(len, payload)))
+    return [header.pack(), table, meta, *payload] if meta else [header.pack(), table, *payload]
 
 
 
@@ -386,6 +390,9 @@ class TcpTransport:
         loaded, if there are several)."""
         if count != 1:
             return None
+        links = self._links.get(peer.engine_id)
+        if links and len(links) == 1:
+            return links if links[0].is_alive else None
         live = self._live_links(peer)
         return [_least_loaded(live)] if live else None
 

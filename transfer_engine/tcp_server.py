@@ -18,7 +18,6 @@ import os
 import socket
 from collections.abc import Callable
 
-import numpy as np
 import structlog
 
 from shared.messages import TransferEndpoint
@@ -199,7 +198,7 @@ class _Inbound(FrameStream):
     def _on_body(self) -> None:
         header = self._header
         table_bytes = header.num_pieces * wire.PIECE.size
-        table = wire.unpack_pieces(self._body[:table_bytes])
+        table = self._body[:table_bytes]
         meta_bytes = self._body[table_bytes:]
         try:
             match header.op:
@@ -217,10 +216,11 @@ class _Inbound(FrameStream):
         except ProtocolViolation as error:
             self._refuse(error)
 
-    def _on_write(self, header: wire.Header, table: np.ndarray, meta: wire.FrameMeta) -> None:
+    def _on_write(self, header: wire.Header, table: memoryview, meta: wire.FrameMeta) -> None:
         try:
             views = self._memory.views(table, for_write=True)
-            sizes = [_wire_size(view.nbytes, meta.compression) for view in views]
+            sizes = [view.nbytes for view in views] if meta.compression is None else [
+                compression.compressed_size(view.nbytes, meta.compression) for view in views]
             if sum(sizes) != header.payload_len:
                 raise InvalidTransfer(f"payload of {header.payload_len} bytes does not match "
                                       f"its pieces ({sum(sizes)} bytes)")
@@ -234,12 +234,13 @@ class _Inbound(FrameStream):
         self.expect([payload], lambda: self._decompress(header, table, meta, payload, sizes,
                                                         views))
 
-    def _landed(self, header: wire.Header, table: np.ndarray, meta: wire.FrameMeta) -> None:
+    def _landed(self, header: wire.Header, table: memoryview, meta: wire.FrameMeta) -> None:
         self._memory.landed(table)
-        self._server.deliver(self._peer_id, meta.notifications)
+        if meta.notifications:
+            self._server.deliver(self._peer_id, meta.notifications)
         self._answer(wire.Header(wire.Op.ACK, header.request_id))
 
-    def _decompress(self, header: wire.Header, table: np.ndarray, meta: wire.FrameMeta,
+    def _decompress(self, header: wire.Header, table: memoryview, meta: wire.FrameMeta,
                     payload: memoryview, sizes: list[int], views: list[memoryview]) -> None:
         """Dequantize in a thread; the frames after this one wait."""
         self.pause()
@@ -257,7 +258,7 @@ class _Inbound(FrameStream):
 
         self._server.spawn(decompress())
 
-    def _on_read(self, header: wire.Header, table: np.ndarray) -> None:
+    def _on_read(self, header: wire.Header, table: memoryview) -> None:
         try:
             views = self._memory.views(table, for_write=False)
         except InvalidTransfer as error:
@@ -305,18 +306,17 @@ class _Inbound(FrameStream):
         self.close_after_send()
 
 
+_NO_META = wire.FrameMeta()
+
+
 def _frame_meta(meta_bytes: memoryview) -> wire.FrameMeta:
-    return wire.decode(meta_bytes, wire.FrameMeta) if meta_bytes.nbytes else wire.FrameMeta()
+    return wire.decode(meta_bytes, wire.FrameMeta) if meta_bytes.nbytes else _NO_META
 
 
 def _error_frame(request_id: int, kind: wire.ErrorKind,
                  message: str) -> tuple[wire.Header, bytes]:
     body = wire.encode(wire.ErrorBody(kind=kind, message=message))
     return wire.Header(wire.Op.ERROR, request_id, meta_len=len(body)), body
-
-
-def _wire_size(num_bytes: int, compress: wire.Compression | None) -> int:
-    return num_bytes if compress is None else compression.compressed_size(num_bytes, compress)
 
 
 def _decompress_all(payload: memoryview, sizes: list[int], views: list[memoryview],

@@ -17,9 +17,9 @@ from transfer_engine.segment import Segment
 from transfer_engine.wire import Compression
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Plan:
-    """A resolved transfer to one peer."""
+    """A resolved transfer to one peer (not changed once made; see `Run`)."""
 
     peer: TransferEndpoint
     runs: list[Run]
@@ -29,11 +29,14 @@ class Plan:
     num_bytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "num_bytes", sum(run.num_bytes for run in self.runs))
+        runs = self.runs
+        self.num_bytes = runs[0].num_bytes if len(runs) == 1 else sum(
+            run.num_bytes for run in runs)
 
     @property
     def num_pieces(self) -> int:
-        return sum(run.num_pieces for run in self.runs)
+        runs = self.runs
+        return runs[0].num_pieces if len(runs) == 1 else sum(run.num_pieces for run in runs)
 
 
 # How a transport hands inbound notifications to the engine: (peer id, payloads).

@@ -116,10 +116,13 @@ def unpack_pieces(table: bytes | memoryview) -> np.ndarray:
 
 def table_of(runs: list[Run]) -> bytes:
     """The piece table naming each run's remote ranges."""
-    return b"".join(_run_table(run) for run in runs)
+    return _run_table(runs[0]) if len(runs) == 1 else b"".join(map(_run_table, runs))
 
 
 def _run_table(run: Run) -> bytes:
+    if run.num_pieces == 1:
+        return PIECE.pack(run.remote.segment_id, *run.remote_offsets.tolist(),
+                          *run.lengths.tolist())
     if run.num_pieces <= 4:  # struct beats numpy's per-call cost for a handful of pieces
         segment_id = run.remote.segment_id
         return b"".join(PIECE.pack(segment_id, offset, length) for offset, length
