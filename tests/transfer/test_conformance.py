@@ -12,7 +12,7 @@ import torch
 
 from tests.transfer.conftest import SEGMENT_BYTES, Pair, start_pair
 from transfer_engine import compression
-from transfer_engine.errors import InvalidTransfer, PeerNotFound
+from transfer_engine.errors import InvalidTransfer, PeerNotFound, TransferFailed
 
 
 def fill(view: memoryview, seed: int) -> None:
@@ -178,31 +178,57 @@ async def test_a_staged_tensor_is_read_from_and_written_to_its_device(
     assert torch.equal(source[:16], torch.full((16,), 7.0, device=device))
 
 
-async def test_a_large_shm_copy_runs_beside_the_event_loop() -> None:
-    """Copies up to a few MiB run inline (cheaper than a thread hand-off); larger ones in a
-    worker thread, while the loop keeps running."""
+class LoopTurns:
+    """Counts the turns the event loop gives other tasks while it is counting."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._task = asyncio.create_task(self._tick())
+
+    async def _tick(self) -> None:
+        while True:
+            self.count += 1
+            await asyncio.sleep(0)
+
+    def stop(self) -> int:
+        self._task.cancel()
+        return self.count
+
+
+@pytest.mark.parametrize("size_mib", [12, 64])
+async def test_a_large_shm_copy_leaves_the_event_loop_running(size_mib: int) -> None:
+    """Up to 32 MiB a copy runs on the loop's thread in 4 MiB slices with a turn of the loop
+    between them (cheaper than a thread hand-off); larger ones in a worker thread."""
     pair = await start_pair("shm")
     try:
-        size = 64 << 20
+        size = size_mib << 20
         source = await pair.source.allocate("big", size)
         target = await pair.target.allocate("big", size)
-        source[:] = os.urandom(1 << 20) * 64
-        ticks = 0
-
-        async def tick() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        ticker = asyncio.create_task(tick())
+        source[:] = os.urandom(1 << 20) * size_mib
+        turns = LoopTurns()
         await asyncio.sleep(0)
-        before = ticks
+        before = turns.count
         result = await pair.source.write(pair.target.config.engine_id,
                                          [("big", 0, "big", 0, size)])
-        ticker.cancel()
-        assert result.transport == "shm" and ticks > before + 1
+        assert result.transport == "shm" and turns.stop() > before + 1
         assert target == source
+    finally:
+        await pair.source.close()
+        await pair.target.close()
+
+
+async def test_closing_the_engine_stops_a_sliced_shm_copy_between_slices() -> None:
+    pair = await start_pair("shm")
+    try:
+        size = 16 << 20
+        await pair.source.allocate("big", size)
+        await pair.target.allocate("big", size)
+        writing = asyncio.create_task(pair.source.write(pair.target.config.engine_id,
+                                                        [("big", 0, "big", 0, size)]))
+        await asyncio.sleep(0)  # the first slice is copied; the write waits for its turn
+        await pair.source.close()
+        with pytest.raises(TransferFailed, match="closed"):
+            await writing
     finally:
         await pair.source.close()
         await pair.target.close()
