@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -12,7 +13,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
@@ -238,3 +239,30 @@ def test_the_tracer_setting_picks_whose_spans_are_made(tracer: str, span_type: s
         assert type(span).__name__ == span_type
     with pytest.raises(ConfigError, match="tracer must be lean or sdk"):
         _configure({}, "fast")
+
+
+def _batch_settings() -> tuple[int, float]:
+    """The installed provider's batch processor: (batch size, delay in ms) (SDK internals)."""
+    assert tracing._provider is not None
+    (processor,) = tracing._provider._active_span_processor._span_processors
+    assert isinstance(processor, BatchSpanProcessor)
+    batching = processor._batch_processor
+    return batching._max_export_batch_size, batching._schedule_delay_millis
+
+
+@pytest.mark.parametrize(("env", "settings"), [
+    ({}, (tracing.EXPORT_BATCH_SPANS, tracing.EXPORT_DELAY_MS)),
+    ({"OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "100", "OTEL_BSP_SCHEDULE_DELAY": "2000"}, (100, 2000)),
+])
+def test_spans_are_exported_in_small_batches_unless_otel_bsp_says_otherwise(
+        env: dict[str, str], settings: tuple[int, float], configured: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)  # the SDK reads them from the process environment
+    assert tracing.configure_tracing("test", "t-1", mode="otlp-grpc",
+                                     endpoint="http://127.0.0.1:9", sample_ratio=1.0,
+                                     env={**os.environ, **env})
+    try:
+        assert _batch_settings() == settings
+    finally:
+        tracing.shutdown()
