@@ -318,14 +318,20 @@ async def _open_object_store(js: JetStreamContext, bucket: str, replicas: int) -
 
 
 async def read_registry(js: JetStreamContext, bucket: str) -> list[WorkerHeartbeat]:
-    """Every live worker's latest heartbeat from the registry bucket (empty if none)."""
+    """Every live worker's latest heartbeat from the registry bucket (empty if none). The
+    keys come from the bucket's stream (its subjects), not `KeyValue.keys()`: nats-py's
+    watcher can end before the entries it holds and report none (nats.py#842; seen here as
+    a `halfmoon workers` listing with no worker while three were up)."""
+    prefix = f"$KV.{bucket}."
+
     async def list_keys() -> tuple[KeyValue, list[str]]:
         kv = await js.key_value(bucket)
-        return kv, await kv.keys()
+        info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+        return kv, [subject[len(prefix):] for subject in info.state.subjects or {}]
 
     try:
         kv, keys = await answered(list_keys, f"KV bucket {bucket}", within_s=ASSET_WAIT_S)
-    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError):
+    except nats.js.errors.BucketNotFoundError:
         return []
     heartbeats = []
     for key in keys:
