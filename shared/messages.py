@@ -564,7 +564,10 @@ class SegmentInfo(msgspec.Struct, frozen=True, kw_only=True):
     """One memory region a transfer engine registered: peers address it by `segment_id` and
     byte offsets. `shm_name` is set when it lives in POSIX shared memory (a same-host peer may
     map it); `rdma_addr`/`rdma_rkey` when it is an RDMA memory region; `cuda_ipc` when it is
-    GPU memory that a same-host peer may open (the `cuda` transport)."""
+    GPU memory that a same-host peer may open (the `cuda` transport); `mirror_shm_name` when it
+    is device memory whose host mirror lives in shared memory (a same-host peer may copy to
+    and from the mirror, naming the pieces to the owner over tcp, which moves them between
+    mirror and device; a peer that does not know the field uses tcp)."""
 
     name: str
     segment_id: int
@@ -573,6 +576,7 @@ class SegmentInfo(msgspec.Struct, frozen=True, kw_only=True):
     rdma_addr: int | None = None
     rdma_rkey: int | None = None
     cuda_ipc: CudaIpcHandle | None = None
+    mirror_shm_name: str | None = None
 
 
 class RdmaPort(msgspec.Struct, frozen=True, kw_only=True):

@@ -4,16 +4,19 @@ that local transfers read from and peers' transfers land in."""
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+import structlog
 
 from shared.messages import SegmentInfo
 from transfer_engine import wire
 from transfer_engine.batch import check_ranges
 from transfer_engine.errors import InvalidTransfer
 from transfer_engine.segment import (
+    SHM_DIR,
     Segment,
     SharedMemoryRegion,
     as_byte_view,
@@ -22,6 +25,8 @@ from transfer_engine.segment import (
     shm_name_for,
 )
 from transfer_engine.staging import DeviceStaging
+
+log = structlog.get_logger(__name__)
 
 _SMALL_TABLE = 16  # fewer pieces than this are checked in a loop: numpy calls cost more
 
@@ -45,11 +50,40 @@ class LocalMemory:
         if is_staged or (is_staged is None and is_device_tensor(buffer)):
             if not hasattr(buffer, "is_contiguous") or not buffer.is_contiguous():
                 raise InvalidTransfer("only a contiguous torch tensor can be staged")
-            staging = DeviceStaging(buffer)
-            segment = self._add(name, staging.host, owner=buffer, staging=staging)
+            self._check_name(name)
+            region = self._shared_mirror(name, buffer.numel() * buffer.element_size())
+            try:
+                staging = DeviceStaging(buffer, region.buffer if region is not None else None)
+            except BaseException:
+                if region is not None:
+                    self._regions.pop(name).close()
+                raise
+            segment = self._add(name, staging.host, owner=buffer, staging=staging,
+                                mirror_shm_name=region.name if region is not None else None)
             self._staged.add(segment.segment_id)
             return segment
         return self._add(name, as_byte_view(buffer), owner=buffer)
+
+    def _shared_mirror(self, name: str, size_bytes: int) -> SharedMemoryRegion | None:
+        """Shared memory for a staged segment's mirror (same-host peers then copy over shm);
+        None, and a private mirror, where it would take more than half of the room left in
+        /dev/shm (peers use tcp)."""
+        if size_bytes <= 0:
+            return None
+        free = os.statvfs(SHM_DIR)
+        if size_bytes > free.f_bavail * free.f_frsize // 2:
+            log.info("transfer.mirror_not_shared", segment=name, size_bytes=size_bytes,
+                     reason="/dev/shm has too little room")
+            return None
+        try:
+            region = SharedMemoryRegion(shm_name_for(self._engine_id, next(self._ids)),
+                                        size_bytes, create=True)
+        except OSError as error:
+            log.warning("transfer.mirror_not_shared", segment=name, size_bytes=size_bytes,
+                        error=str(error))
+            return None
+        self._regions[name] = region
+        return region
 
     def allocate(self, name: str, size_bytes: int) -> Segment:
         """Allocate `size_bytes` of shared memory and register it: same-host peers can then
@@ -68,6 +102,8 @@ class LocalMemory:
             raise InvalidTransfer(f"no segment named {name!r}")
         del self._by_id[segment.segment_id]
         self._staged.discard(segment.segment_id)
+        if segment.staging is not None:
+            segment.staging.close()
         region = self._regions.pop(name, None)
         if region is not None:
             region.close()
@@ -156,6 +192,9 @@ class LocalMemory:
 
     def close(self) -> None:
         """Release every shared-memory name this engine created."""
+        for segment in self._by_name.values():
+            if segment.staging is not None:
+                segment.staging.close()
         for region in self._regions.values():
             region.close()
         self._regions.clear()

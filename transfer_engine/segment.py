@@ -80,6 +80,7 @@ class Segment:
     rdma_addr: int | None = None
     rdma_rkey: int | None = None
     staging: DeviceStaging | None = None  # device memory behind a host mirror (`data`)
+    mirror_shm_name: str | None = None  # that mirror's shared memory, when it is shared
     cuda_ipc: CudaIpcHandle | None = None  # set by the cuda transport for GPU memory
     _address: int | None = field(default=None, repr=False)
 
@@ -102,7 +103,7 @@ class Segment:
         return SegmentInfo(name=self.name, segment_id=self.segment_id,
                            size_bytes=self.size_bytes, shm_name=self.shm_name,
                            rdma_addr=self.rdma_addr, rdma_rkey=self.rdma_rkey,
-                           cuda_ipc=self.cuda_ipc)
+                           cuda_ipc=self.cuda_ipc, mirror_shm_name=self.mirror_shm_name)
 
 
 def check_bounds(name: str, size_bytes: int, offset: int, length: int) -> None:
@@ -127,8 +128,8 @@ class SharedMemoryRegion:
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
-            if create:
-                os.ftruncate(fd, size_bytes)
+            if create:  # reserved now: a full /dev/shm fails here, not with SIGBUS on use
+                os.posix_fallocate(fd, 0, size_bytes)
             elif os.fstat(fd).st_size < size_bytes:
                 # Mapping past the end of the object would SIGBUS on first touch.
                 raise InvalidTransfer(f"shared memory {name!r} is smaller than its descriptor "

@@ -46,14 +46,20 @@ class ShmTransport:
         self._is_closed = False
 
     def can_reach(self, peer: TransferEndpoint, remote: list[SegmentInfo]) -> bool:
-        return peer.host_id == self._host_id and all(info.shm_name for info in remote)
+        return peer.host_id == self._host_id and all(
+            info.shm_name or info.mirror_shm_name for info in remote)
 
     async def write(self, plan: Plan) -> None:
         await self._copy(plan, is_write=True)
-        if plan.notifications:
-            await self._tcp.notify(plan.peer, plan.notifications, plan.timeout_s)
+        mirrored = _into_mirrors(plan.runs)
+        if plan.notifications or mirrored:
+            await self._tcp.notify(plan.peer, plan.notifications, plan.timeout_s,
+                                   written=mirrored)
 
     async def read(self, plan: Plan) -> None:
+        mirrored = _into_mirrors(plan.runs)
+        if mirrored:
+            await self._tcp.stage(plan.peer, mirrored, plan.timeout_s)
         await self._copy(plan, is_write=False)
 
     async def _copy(self, plan: Plan, *, is_write: bool) -> None:
@@ -93,11 +99,12 @@ class ShmTransport:
         key = (peer.engine_id, info.segment_id)
         mapped = self._mapped.get(key)
         if mapped is None:
-            if info.shm_name is None:
+            shm_name = info.shm_name or info.mirror_shm_name
+            if shm_name is None:
                 raise TransferFailed(f"{peer.engine_id!r}'s segment {info.name!r} is not "
                                      "in shared memory")
             try:
-                region = SharedMemoryRegion(info.shm_name, info.size_bytes, create=False)
+                region = SharedMemoryRegion(shm_name, info.size_bytes, create=False)
             except OSError as error:
                 raise TransferFailed(f"cannot map {peer.engine_id!r}'s segment "
                                      f"{info.name!r}: {error}") from error
@@ -114,6 +121,12 @@ class ShmTransport:
         for mapped in self._mapped.values():
             mapped.region.close()
         self._mapped.clear()
+
+
+def _into_mirrors(runs: list[Run]) -> list[Run]:
+    """The runs whose peer segment is a device's host mirror: the peer must move their
+    pieces between mirror and device (told over tcp)."""
+    return [run for run in runs if run.remote.shm_name is None]
 
 
 class _Mapped(NamedTuple):

@@ -277,18 +277,20 @@ def _error_from(body: wire.ErrorBody, peer_id: str) -> TransferFailed:
 
 def _frame(request_id: int, jobs: list[_Job]) -> list[memoryview | bytes]:
     first = jobs[0]
-    if len(jobs) == 1:
-        runs, notifications, payload = first.runs, first.notifications, first.payload_views()
-    else:
-        runs = [run for job in jobs for run in job.runs]
-        notifications = [note for job in jobs for note in job.notifications]
-        payload = [view for job in jobs for view in job.payload_views()]
-    table = wire.table_of(runs)
-    if first.op == wire.Op.READ:
-        return [wire.Header(wire.Op.READ, request_id, len(table) // wire.PIECE.size).pack(),
-                table]
     if first.op == wire.Op.RDMA_CONNECT:
         return [wire.Header(first.op, request_id, meta_len=len(first.meta)).pack(), first.meta]
+    if len(jobs) == 1:
+        runs, notifications = first.runs, first.notifications
+    else:  # merged writes
+        runs = [run for job in jobs for run in job.runs]
+        notifications = [note for job in jobs for note in job.notifications]
+    table = wire.table_of(runs)
+    if first.op in (wire.Op.READ, wire.Op.STAGE):
+        return [wire.Header(first.op, request_id, len(table) // wire.PIECE.size).pack(), table]
+    payload: list[memoryview | bytes] = []  # NOTIFY names pieces written one-sidedly
+    if first.op == wire.Op.WRITE:
+        payload = first.payload_views() if len(jobs) == 1 else [
+            view for job in jobs for view in job.payload_views()]
     meta = (wire.encode(wire.FrameMeta(notifications, first.compression))
             if notifications or first.compression else b"")
     header = wire.Header(first.op, request_id, num_pieces=len(table) // wire.PIECE.size,
@@ -343,9 +345,17 @@ class TcpTransport:
                         [self._job(wire.Op.READ, stripe) for stripe in stripes])
 
     async def notify(self, peer: TransferEndpoint, notifications: list[bytes],
-                     timeout_s: float) -> None:
-        """Deliver notifications alone (after a one-sided transfer by another transport)."""
-        await self._run(peer, timeout_s, [self._job(wire.Op.NOTIFY, [], notifications)])
+                     timeout_s: float, written: Sequence[Run] = ()) -> None:
+        """Deliver notifications after a one-sided transfer by another transport, naming
+        the pieces it wrote into the peer's staged segments (`written`), which the peer
+        moves from their mirrors to their devices first."""
+        await self._run(peer, timeout_s, [self._job(wire.Op.NOTIFY, list(written),
+                                                    notifications)])
+
+    async def stage(self, peer: TransferEndpoint, runs: Sequence[Run], timeout_s: float) -> None:
+        """Have the peer copy these pieces of its staged segments from their devices to their
+        mirrors (before another transport reads the mirrors one-sidedly)."""
+        await self._run(peer, timeout_s, [self._job(wire.Op.STAGE, list(runs))])
 
     async def request(self, peer: TransferEndpoint, op: wire.Op, meta: bytes,
                       timeout_s: float) -> bytes:

@@ -207,8 +207,9 @@ class _Inbound(FrameStream):
                 case wire.Op.READ:
                     self._on_read(header, table)
                 case wire.Op.NOTIFY:
-                    self._server.deliver(self._peer_id, _frame_meta(meta_bytes).notifications)
-                    self._answer(wire.Header(wire.Op.ACK, header.request_id))
+                    self._on_notify(header, table, _frame_meta(meta_bytes))
+                case wire.Op.STAGE:
+                    self._on_stage(header, table)
                 case wire.Op.RDMA_CONNECT:
                     self._connect_rdma(header, bytes(meta_bytes))
                 case _:
@@ -257,6 +258,31 @@ class _Inbound(FrameStream):
             self.resume()
 
         self._server.spawn(decompress())
+
+    def _on_notify(self, header: wire.Header, table: memoryview, meta: wire.FrameMeta) -> None:
+        """After a one-sided write (shm): the pieces it wrote into staged segments go to their
+        devices, then its notifications are delivered."""
+        if table.nbytes:
+            try:
+                self._memory.views(table, for_write=True)  # ours, in bounds: else refused
+            except InvalidTransfer as error:
+                self._answer(*_error_frame(header.request_id, wire.ErrorKind.INVALID,
+                                           error.message))
+                return
+            self._memory.landed(table)
+        if meta.notifications:
+            self._server.deliver(self._peer_id, meta.notifications)
+        self._answer(wire.Header(wire.Op.ACK, header.request_id))
+
+    def _on_stage(self, header: wire.Header, table: memoryview) -> None:
+        """Before a one-sided read (shm): staged pieces from their devices to their mirrors."""
+        try:
+            self._memory.views(table, for_write=False)
+        except InvalidTransfer as error:
+            self._answer(*_error_frame(header.request_id, wire.ErrorKind.INVALID, error.message))
+            return
+        self._memory.before_read(table)
+        self._answer(wire.Header(wire.Op.ACK, header.request_id))
 
     def _on_read(self, header: wire.Header, table: memoryview) -> None:
         try:

@@ -7,7 +7,11 @@ Every frame starts with a fixed 32-byte header; what follows depends on the op:
     WRITE   = header | pieces | meta | payload    land payload in my segments, then ACK
     READ    = header | pieces                     answer DATA with those bytes
     DATA    = header | payload                    bytes of a READ, in piece order
-    NOTIFY  = header | meta                       deliver meta after earlier data, then ACK
+    NOTIFY  = header | pieces | meta              the pieces (often none) were written one-sidedly
+                                                  (shm): staged ones go to their device; then
+                                                  deliver meta after that data, and ACK
+    STAGE   = header | pieces                     copy these staged pieces from device to host
+                                                  mirror (a one-sided read follows), then ACK
     ACK     = header [| meta]                     meta = QpInfo, answering RDMA_CONNECT
     ERROR   = header | meta                       meta = ErrorBody
     RDMA_CONNECT = header | meta                  meta = QpInfo of the connector's queue pair
@@ -60,6 +64,7 @@ class Op(enum.IntEnum):
     ACK = 7
     ERROR = 8
     RDMA_CONNECT = 9
+    STAGE = 10
 
 
 class ErrorKind(enum.StrEnum):

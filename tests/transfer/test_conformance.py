@@ -12,6 +12,8 @@ import torch
 
 from tests.transfer.conftest import SEGMENT_BYTES, Pair, start_pair
 from transfer_engine import compression
+from transfer_engine import memory as memory_module
+from transfer_engine.batch import Run
 from transfer_engine.errors import InvalidTransfer, PeerNotFound, TransferFailed
 
 
@@ -172,7 +174,7 @@ async def test_a_staged_tensor_is_read_from_and_written_to_its_device(
     peer = pair.target.config.engine_id
     result = await pair.source.write(peer, [("dev-src", 0, "dev-dst", 4096, 8192)])
     assert torch.equal(target[1024:3072], source[:2048])  # on the device, not just the mirror
-    assert result.transport == ("tcp" if pair.transport == "shm" else pair.transport)
+    assert result.transport == pair.transport  # shm: into the mirror, the owner told
     target[:16] = 7.0  # changed on the device after registration: a read must see it
     await pair.source.read(peer, [("dev-src", 0, "dev-dst", 0, 64)])
     assert torch.equal(source[:16], torch.full((16,), 7.0, device=device))
@@ -229,6 +231,51 @@ async def test_closing_the_engine_stops_a_sliced_shm_copy_between_slices() -> No
         await pair.source.close()
         with pytest.raises(TransferFailed, match="closed"):
             await writing
+    finally:
+        await pair.source.close()
+        await pair.target.close()
+
+
+@pytest.mark.parametrize("op", ["notify", "stage"])
+async def test_pieces_named_around_a_one_sided_copy_are_checked_by_their_owner(op: str) -> None:
+    """A writer names what it copied into a staged segment's mirror (NOTIFY), a reader what
+    it is about to copy (STAGE): the owner moves only pieces of its own segments, in bounds."""
+    pair = await start_pair("shm")
+    try:
+        info = await pair.target.register("dev", torch.zeros(1024), is_staged=True)
+        assert info.mirror_shm_name is not None and info.shm_name is None
+        local = pair.source._memory.get("kv")
+        outside = Run(local, info, np.array([0]), np.array([info.size_bytes - 32]),
+                      np.array([64]))
+        tcp = pair.source._tcp
+        assert tcp is not None
+        peer = pair.target.endpoint()
+        naming = (tcp.notify(peer, [b"note"], 5.0, written=[outside]) if op == "notify"
+                  else tcp.stage(peer, [outside], 5.0))
+        with pytest.raises(InvalidTransfer, match="outside"):
+            await naming
+        assert pair.target.notifications.empty()
+    finally:
+        await pair.source.close()
+        await pair.target.close()
+
+
+async def test_a_staged_segment_without_room_in_shared_memory_is_reached_over_tcp(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_room(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    pair = await start_pair("shm")
+    try:
+        monkeypatch.setattr(memory_module, "SharedMemoryRegion", no_room)
+        target = torch.zeros(1024)
+        info = await pair.target.register("dev", target, is_staged=True)
+        assert info.mirror_shm_name is None  # a private mirror
+        pair.source_kv[:64] = bytes(range(64))
+        result = await pair.source.write(pair.target.config.engine_id,
+                                         [("kv", 0, "dev", 0, 64)])
+        assert result.transport == "tcp"
+        assert bytes(target.numpy().tobytes()[:64]) == bytes(range(64))
     finally:
         await pair.source.close()
         await pair.target.close()

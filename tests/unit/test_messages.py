@@ -79,7 +79,8 @@ SAMPLES: dict[str, Message] = {
                   SegmentInfo(name="kv-gpu", segment_id=2, size_bytes=1 << 30,
                               cuda_ipc=CudaIpcHandle(
                                   device_uuid="5f0e3c8a9b1d4e2f8a7b6c5d4e3f2a1b",
-                                  handle="ab" * 64, offset_bytes=2 << 20))],
+                                  handle="ab" * 64, offset_bytes=2 << 20),
+                              mirror_shm_name="halfmoon-te-42-decode-b-3")],
         rdma=RdmaPort(device="mlx5_0", port_num=1, lid=0, gid="fe80::1")),
     "kv_committed": KvCommitted(request_id="cmpl-1", prefill_worker_id="prefill-a",
                                 first_token_id=97, num_prompt_tokens=2),
