@@ -11,11 +11,13 @@ own and records `ok` or its error, so one failure does not hide the rest:
   (`--cuda-graphs`; on a CPU their static buffers run without a graph), whose greedy tokens
   are compared with the plain engine's.
 * `serving`: `halfmoon up` with 1 prefill + 1 decode worker moving KV over TCP (a device
-  pool moves through the transfer engine's pinned host mirror) and over CUDA IPC (device to
-  device), each against a colocated worker: the greedy outputs of 8 prompts must be equal;
-  the transports the decode worker's commits name are recorded.
+  pool moves through the transfer engine's pinned host mirror), over CUDA IPC (device to
+  device) and over shm (through the mirrors in shared memory), each against a colocated
+  worker: the greedy outputs of 8 prompts must be equal; the transports the decode worker's
+  commits name are recorded.
 * `kv_transfer`: GB/s of one 256 MiB write into another process's device memory, over TCP
-  (through both mirrors) and over CUDA IPC; the bytes read back must be equal.
+  (through both mirrors), over CUDA IPC and over shm into the peer's shared mirror; the
+  bytes read back must be equal.
 * `gpu_tests`: the test suite's `gpu`-marked tests (CUDA IPC between two processes, decode
   graphs against the plain engine, staged device tensors), run by pytest; its summary line.
 
@@ -219,13 +221,16 @@ async def check_serving(tmp: Path, device: torch.device) -> dict[str, Any]:
 
 
 # On a CUDA device the second moves KV device to device (CUDA IPC), the first through the
-# pinned host mirrors over TCP; on a CPU both move it over TCP.
+# pinned host mirrors over TCP, the third through the mirrors in shared memory (shm); on a
+# CPU the pools are shared memory themselves: tcp, tcp and shm.
 SERVING_SETUPS = {
     "colocated": ["--mode", "colocated", "--workers", "1"],
     "disaggregated_tcp": ["--prefill", "1", "--decode", "1", "--transfer-transports", "tcp",
                           "--log-format", "json"],
     "disaggregated_cuda_ipc": ["--prefill", "1", "--decode", "1", "--transfer-transports",
                                "cuda,tcp", "--log-format", "json"],
+    "disaggregated_shm_mirror": ["--prefill", "1", "--decode", "1", "--transfer-transports",
+                                 "shm,tcp", "--log-format", "json"],
 }
 
 
@@ -262,7 +267,8 @@ async def check_kv_transfer(device: torch.device) -> dict[str, Any]:
     try:
         port = int(await child.stdout.readline())
         source = torch.randint(0, 255, (KV_BYTES,), dtype=torch.uint8, device=device)
-        for name, transports in (("tcp", ("tcp",)), ("cuda_ipc", ("cuda", "tcp"))):
+        for name, transports in (("tcp", ("tcp",)), ("cuda_ipc", ("cuda", "tcp")),
+                                 ("shm_mirror", ("shm", "tcp"))):
             engine = TransferEngine(TransferConfig(engine_id=f"gpu-check-{name}",
                                                    secret=b"gpu-check", transports=transports))
             await engine.start()

@@ -26,10 +26,14 @@ async def test_the_gpu_check_runs_every_section_on_the_cpu(tmp_path: Path) -> No
     serving = report["serving"]
     assert serving["disaggregated_tcp_equals_colocated"]
     assert serving["disaggregated_cuda_ipc_equals_colocated"]
-    # No GPU: the cuda transport is not opened and the KV goes over TCP.
+    assert serving["disaggregated_shm_mirror_equals_colocated"]
+    # No GPU: the cuda transport is not opened and the KV goes over TCP; CPU pools are
+    # shared memory themselves, so shm reaches them.
     assert serving["kv_transports_seen"] == {"disaggregated_tcp": ["tcp"],
-                                             "disaggregated_cuda_ipc": ["tcp"]}
-    for name in ("tcp", "cuda_ipc"):
+                                             "disaggregated_cuda_ipc": ["tcp"],
+                                             "disaggregated_shm_mirror": ["shm"]}
+    # CPU tensors are registered as they are (no mirror): shm cannot reach them, tcp does.
+    for name in ("tcp", "cuda_ipc", "shm_mirror"):
         row = report["kv_transfer"][name]
         assert (row["transport"], row["equal"]) == ("tcp", True) and row["gb_per_s"] > 0
     assert "skipped" in report["gpu_tests"]["summary"]  # no CUDA device here
