@@ -38,8 +38,8 @@ class DeviceStaging:
         else:
             self._mirror = torch.frombuffer(mirror, dtype=torch.uint8)
             if tensor.device.type == "cuda":  # else its copies go through pageable memory
-                self._is_host_registered = torch.cuda.cudart().cudaHostRegister(
-                    self._mirror.data_ptr(), self._mirror.numel(), 0) == 0
+                self._is_host_registered = int(torch.cuda.cudart().cudaHostRegister(
+                    self._mirror.data_ptr(), self._mirror.numel(), 0)) == 0  # a pybind enum
         self.host = memoryview(self._mirror.numpy())
 
     def close(self) -> None:
