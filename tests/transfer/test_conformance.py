@@ -214,6 +214,9 @@ async def test_a_large_shm_copy_leaves_the_event_loop_running(size_mib: int) -> 
                                          [("big", 0, "big", 0, size)])
         assert result.transport == "shm" and turns.stop() > before + 1
         assert target == source
+        back = await pair.source.allocate("back", size)
+        await pair.source.read(pair.target.config.engine_id, [("back", 0, "big", 0, size)])
+        assert back == target  # reads take the same path the other way
     finally:
         await pair.source.close()
         await pair.target.close()
