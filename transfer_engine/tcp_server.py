@@ -261,18 +261,13 @@ class _Inbound(FrameStream):
 
     def _on_notify(self, header: wire.Header, table: memoryview, meta: wire.FrameMeta) -> None:
         """After a one-sided write (shm): the pieces it wrote into staged segments go to their
-        devices, then its notifications are delivered."""
-        if table.nbytes:
-            try:
-                self._memory.views(table, for_write=True)  # ours, in bounds: else refused
-            except InvalidTransfer as error:
-                self._answer(*_error_frame(header.request_id, wire.ErrorKind.INVALID,
-                                           error.message))
-                return
-            self._memory.landed(table)
-        if meta.notifications:
-            self._server.deliver(self._peer_id, meta.notifications)
-        self._answer(wire.Header(wire.Op.ACK, header.request_id))
+        devices, then its notifications are delivered, as for a WRITE that landed here."""
+        try:
+            self._memory.views(table, for_write=True)  # ours, in bounds: else refused
+        except InvalidTransfer as error:
+            self._answer(*_error_frame(header.request_id, wire.ErrorKind.INVALID, error.message))
+            return
+        self._landed(header, table, meta)
 
     def _on_stage(self, header: wire.Header, table: memoryview) -> None:
         """Before a one-sided read (shm): staged pieces from their devices to their mirrors."""
