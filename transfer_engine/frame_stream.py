@@ -166,8 +166,7 @@ class FrameStream:
                     if received:
                         self._feed(self._scratch[:received])
                 else:
-                    batch = sock_io.next_batch(self._views, self._index)
-                    wanted = batch[0].nbytes if len(batch) == 1 else sum(map(len, batch))
+                    batch, wanted = sock_io.next_batch(self._views, self._index)
                     step = self._then
                     received = self._sock.recvmsg_into(batch)[0]
                     if received:

@@ -28,7 +28,7 @@ async def recv_into(sock: socket.socket, views: list[memoryview]) -> None:
     pending = [view for view in views if view.nbytes]
     index = 0
     while index < len(pending):
-        batch = next_batch(pending, index)
+        batch, _ = next_batch(pending, index)
         try:
             received = sock.recvmsg_into(batch)[0]
         except (BlockingIOError, InterruptedError):
@@ -60,7 +60,7 @@ def send_available(sock: socket.socket, pending: list, index: int = 0) -> int:
     index of the first buffer still to go (the one it stopped inside is trimmed)."""
     try:
         while index < len(pending):
-            batch = next_batch(pending, index)
+            batch, _ = next_batch(pending, index)
             index = advance(pending, index, batch, sock.sendmsg(batch))
     except (BlockingIOError, InterruptedError):
         pass
@@ -74,17 +74,17 @@ def abort(sock: socket.socket) -> None:
     sock.close()
 
 
-def next_batch(pending: list, index: int) -> list:
-    """The buffers for one syscall: at most IOV_MAX, and no more than about _BATCH_BYTES.
-    Python acquires every buffer it passes, on every call; passing a thousand small pieces
-    when the socket holds a few of them would cost more than the copy."""
+def next_batch(pending: list, index: int) -> tuple[list, int]:
+    """The buffers for one syscall, and their bytes: at most IOV_MAX, and no more than about
+    _BATCH_BYTES. Python acquires every buffer it passes, on every call; passing a thousand
+    small pieces when the socket holds a few of them would cost more than the copy."""
     stop = min(len(pending), index + _IOV_MAX)
     num_bytes = 0
     for position in range(index, stop):
         num_bytes += len(pending[position])
         if num_bytes >= _BATCH_BYTES:
-            return pending[index:position + 1]
-    return pending[index:stop]
+            return pending[index:position + 1], num_bytes
+    return pending[index:stop], num_bytes
 
 
 def advance(pending: list, index: int, batch: list, num_bytes: int) -> int:

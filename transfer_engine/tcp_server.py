@@ -204,12 +204,10 @@ class _Inbound(FrameStream):
             match header.op:
                 case wire.Op.WRITE:
                     self._on_write(header, table, _frame_meta(meta_bytes))
-                case wire.Op.READ:
+                case wire.Op.READ | wire.Op.STAGE:
                     self._on_read(header, table)
                 case wire.Op.NOTIFY:
                     self._on_notify(header, table, _frame_meta(meta_bytes))
-                case wire.Op.STAGE:
-                    self._on_stage(header, table)
                 case wire.Op.RDMA_CONNECT:
                     self._connect_rdma(header, bytes(meta_bytes))
                 case _:
@@ -269,23 +267,18 @@ class _Inbound(FrameStream):
             return
         self._landed(header, table, meta)
 
-    def _on_stage(self, header: wire.Header, table: memoryview) -> None:
-        """Before a one-sided read (shm): staged pieces from their devices to their mirrors."""
-        try:
-            self._memory.views(table, for_write=False)
-        except InvalidTransfer as error:
-            self._answer(*_error_frame(header.request_id, wire.ErrorKind.INVALID, error.message))
-            return
-        self._memory.before_read(table)
-        self._answer(wire.Header(wire.Op.ACK, header.request_id))
-
     def _on_read(self, header: wire.Header, table: memoryview) -> None:
+        """READ: the pieces' bytes, in a DATA answer. STAGE (before a one-sided read over
+        shm): only the staged pieces moved from device to mirror, then ACK."""
         try:
             views = self._memory.views(table, for_write=False)
         except InvalidTransfer as error:
             self._answer(*_error_frame(header.request_id, wire.ErrorKind.INVALID, error.message))
             return
         self._memory.before_read(table)
+        if header.op == wire.Op.STAGE:
+            self._answer(wire.Header(wire.Op.ACK, header.request_id))
+            return
         total = sum(view.nbytes for view in views)
         self._answer(wire.Header(wire.Op.DATA, header.request_id, payload_len=total), *views)
 
