@@ -91,6 +91,9 @@ def channels() -> list[Channel]:
         Channel("roleChange", s.role_change(worker), (m.RoleChange,),
                 "Operator or planner to one worker: drain the old role, serve as this one.",
                 "request", reply=m.DispatchReply),
+        Channel("shedLoad", s.shed_load(worker), (m.ShedLoad,),
+                "Planner to one decode worker: hand these many running requests back to be "
+                "placed again.", "request", reply=m.DispatchReply),
     ]
 
 

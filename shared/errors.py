@@ -20,6 +20,7 @@ class ErrorCode(enum.StrEnum):
     TRANSFER_TIMEOUT = "transfer_timeout"
     TIMEOUT = "timeout"
     ABORTED = "aborted"
+    MOVED = "moved"
 
 
 class HalfmoonError(Exception):
@@ -122,6 +123,13 @@ class WorkerLost(WorkerUnavailable):
     """A worker serving the request stopped heartbeating; the gateway places it again."""
 
 
+class RequestMoved(WorkerLost):
+    """A decode worker handed the request back to be placed again (its load shed to idler
+    workers, `ShedLoad`); the gateway places the rest of it as after a lost worker."""
+
+    code = ErrorCode.MOVED
+
+
 class EngineFailure(HalfmoonError):
     code = ErrorCode.ENGINE_FAILURE
 
@@ -167,6 +175,7 @@ _BY_CODE: dict[ErrorCode, type[HalfmoonError]] = {
     ErrorCode.TRANSFER_TIMEOUT: TransferTimeout,
     ErrorCode.TIMEOUT: RequestTimeout,
     ErrorCode.ABORTED: RequestAborted,
+    ErrorCode.MOVED: RequestMoved,
 }
 
 

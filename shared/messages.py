@@ -495,6 +495,20 @@ class StreamResume(Message, frozen=True, kw_only=True):
     reply_subject: str
     points: list[ResumePoint]
 
+class ShedLoad(Message, frozen=True, kw_only=True):
+    """Command to one decode worker (request/reply, `Subjects.shed_load`), from a conductor's
+    planner: hand up to `num_requests` of your running requests back to be placed again, on
+    workers with room. Each one's stream fails over as after a lost worker (`RequestFailed`
+    with code `moved`, after every token already sent): the gateway re-queues the prompt
+    plus the tokens so far, and a prefill worker recomputes their KV. The worker picks the
+    requests with the most tokens still owed; it answers `DispatchReply` (its `reason`
+    says how many it handed back)."""
+
+    num_requests: int
+    reason: str = ""
+    requested_by: str = ""
+
+
 RequestEventKind = Literal["accepted", "placed", "first_token", "kv_committed", "finished",
                            "failed", "migrated"]
 

@@ -85,6 +85,9 @@ class ConductorMetrics(ServiceMetrics):
         self.planner_moves = Counter("halfmoon_planner_moves", "role changes the planner "
                                      "asked for, by new role and outcome (done | refused | "
                                      "failed)", ["to_role", "outcome"], registry=r)
+        self.planner_sheds = Counter("halfmoon_planner_sheds", "decode workers the planner "
+                                     "told to shed load, by outcome (done | refused | "
+                                     "failed)", ["outcome"], registry=r)
         self.planner_pressure = Gauge("halfmoon_planner_pressure", "each role's load as a "
                                       "share of its SLO, as the planner last saw it",
                                       ["model", "role"], registry=r)
@@ -178,6 +181,8 @@ class DecodeMetrics(WorkerMetrics):
         self.kv_commits = Counter("halfmoon_kv_commits", "requests joined, by how their KV "
                                   "came (shm | tcp | rdma | local | none)", ["transport"],
                                   registry=r)
+        self.shed_requests = Counter("halfmoon_decode_shed_requests", "running requests "
+                                     "handed back to be placed again (`ShedLoad`)", registry=r)
 
 
 class ElasticWorkerMetrics(PrefillMetrics, DecodeMetrics):

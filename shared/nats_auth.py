@@ -62,7 +62,7 @@ def _gateway(s: Subjects, gateway_id: str) -> Permissions:
 def _conductor(s: Subjects) -> Permissions:
     return Permissions(
         publish=(_any(s.prefill_task), _any(s.decode_reserve), s.abort, _any(s.gateway),
-                 s.all_request_events, _any(s.role_change),
+                 s.all_request_events, _any(s.role_change), _any(s.shed_load),
                  *_stream_api(s.requests_stream, "INFO", "CREATE", "UPDATE"),
                  *_consumer_api(s.requests_stream), f"$JS.ACK.{s.requests_stream}.>",
                  *_stream_api(s.kv_events_stream, "INFO", "CREATE", "UPDATE"),
@@ -93,7 +93,7 @@ def _decode(s: Subjects) -> Permissions:
         publish=(*_worker(s, "decode"), _any(s.kv_target)),
         subscribe=(_INBOX, _any(s.decode_reserve), _any(s.kv_commit), _any(s.stream_resume),
                    _any(s.kv_lease_renewal), s.role_heartbeats("prefill"), s.abort,
-                   _any(s.role_change)))
+                   _any(s.role_change), _any(s.shed_load)))
 
 
 def _either_role(s: Subjects) -> Permissions:

@@ -89,6 +89,9 @@ class Subjects:
     def role_change(self, worker_id: str) -> str:
         return self._worker(worker_id, "role")
 
+    def shed_load(self, worker_id: str) -> str:
+        return self._worker(worker_id, "shed")
+
     def _worker(self, worker_id: str, verb: str) -> str:
         return f"{self._root}.worker.{check_token(worker_id, 'worker id')}.{verb}"
 

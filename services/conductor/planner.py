@@ -36,6 +36,11 @@ and no role move of its own relieves it, a worker of a model whose pressures bot
 below `low` is reassigned to it (a worker with that model on its disk, `models_on_disk`,
 from a role the calm model keeps a worker in): a (role, model) move, which reloads the
 worker.
+After a move a role's new workers start empty while the old ones keep what they hold: a
+decode worker that runs more requests than its batch size (each waits its turns) while the
+model's other decode workers have batch room is told to shed (`ShedLoad`) down to the role's
+average, as far as the others have room: those requests are placed again, their KV
+recomputed from the prompt and the tokens so far (prefill must have room below `high`).
 """
 
 from __future__ import annotations
@@ -81,6 +86,16 @@ class Move:
     reason: str
     split: Split  # what the decision was made on (the giving model's, for a model move)
     to_model: str = ""
+
+
+@dataclass(frozen=True)
+class Shed:
+    """Hand `num_requests` of a decode worker's running requests back to be placed again."""
+
+    worker_id: str
+    num_requests: int
+    reason: str
+    split: Split
 
 
 def prefill_pressure(worker: WorkerHeartbeat, rules: PlannerRules) -> float:
@@ -239,6 +254,18 @@ class Planner:
                                 to_model=needy.model)
         return None
 
+    def sheds(self, found: list[Split], now_s: float) -> list[Shed]:
+        """Decode workers to shed load (`shed_load`), once that stayed so for `hold_s`;
+        the clock starts over after each shed (the next waits for heartbeats after it)."""
+        found_sheds = []
+        for split in found:
+            shed = shed_load(split, self.rules)
+            if self._held(split.model, "decode oversubscribed", shed is not None, now_s) \
+                    and shed is not None:
+                self._since.pop((split.model, "decode oversubscribed"), None)
+                found_sheds.append(shed)
+        return found_sheds
+
     def _held(self, model: str, condition: str, is_true: bool, now_s: float,
               hold_s: float | None = None) -> bool:
         """`is_true` has held for `hold_s` (the rules' by default; a condition that lapses
@@ -249,6 +276,27 @@ class Planner:
             return False
         hold_s = self.rules.hold_s if hold_s is None else hold_s
         return now_s - self._since.setdefault(key, now_s) >= hold_s
+
+
+def shed_load(split: Split, rules: PlannerRules) -> Shed | None:
+    """The decode worker running the most requests past its batch size, to shed down to
+    the role's average as far as the others have batch room; None when none runs past its
+    batch, none has room, or prefill (which recomputes what is shed) is at `high`."""
+    decode = [w for w in split.decode if not w.is_draining]
+    if len(decode) < 2 or split.prefill_pressure >= rules.high:
+        return None
+    busiest = max(decode, key=lambda w: (w.num_running, w.worker_id))
+    if busiest.num_running <= busiest.max_batch_size:
+        return None
+    average = -(-sum(w.num_running for w in decode) // len(decode))
+    room = sum(max(0, w.max_batch_size - w.num_running - w.num_waiting)
+               for w in decode if w is not busiest)
+    count = min(busiest.num_running - average, room)
+    if count <= 0:
+        return None
+    return Shed(busiest.worker_id, count,
+                f"runs {busiest.num_running} requests on a batch of "
+                f"{busiest.max_batch_size}; decode averages {average}", split)
 
 
 def _peak(split: Split) -> float:

@@ -1,7 +1,7 @@
 """The planner at work in a conductor: one replica at a time holds the planner's lease (a key
 in a NATS KV bucket whose entries expire), reads the cluster's heartbeats every interval,
 asks the policy (`planner.py`) for a decision and sends each of its moves as a `RoleChange`
-to its worker.
+to its worker (and, with no move to make, each decode worker to shed load a `ShedLoad`).
 
 The lease: the holder rewrites the key every interval (compare-and-set on its revision);
 the bucket's entries expire after three intervals, so when the holder dies or is cut off
@@ -24,13 +24,20 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.js.kv import KeyValue
 
-from services.conductor.planner import Move, Planner, PlannerRules, SloRejections, splits
+from services.conductor.planner import (
+    Move,
+    Planner,
+    PlannerRules,
+    Shed,
+    SloRejections,
+    splits,
+)
 from shared import tracing
 from shared.config import ConductorConfig
 from shared.errors import ConfigError, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
 from shared.logs import get_logger
-from shared.messages import RoleChange, WorkerHeartbeat
+from shared.messages import DispatchReply, Message, RoleChange, ShedLoad, WorkerHeartbeat
 from shared.metrics import ConductorMetrics
 from shared.nats_client import dispatch, ensure_bucket
 from shared.subjects import Subjects
@@ -106,6 +113,7 @@ class PlanningLoop:
         self._spawn = spawn
         self._moving: asyncio.Task[None] | None = None
         self.moves: list[tuple[Move, str]] = []  # (move, outcome), for tests and logs
+        self.sheds: list[tuple[Shed, str]] = []  # (shed, outcome)
 
     async def run(self) -> None:
         interval_s = self.config.planning.interval_s
@@ -139,12 +147,14 @@ class PlanningLoop:
         if self._moving is not None:
             return  # one decision at a time
         moves = self.planner.decide_on(found, now_s)
-        if moves:
-            self._moving = self._spawn(self._apply_all(moves), "planner.moves")
+        sheds = [] if moves else self.planner.sheds(found, now_s)
+        if moves or sheds:
+            self._moving = self._spawn(self._apply_all(moves, sheds), "planner.moves")
 
-    async def _apply_all(self, moves: list[Move]) -> None:
+    async def _apply_all(self, moves: list[Move], sheds: list[Shed]) -> None:
         try:
-            await asyncio.gather(*(self._apply(move) for move in moves))
+            await asyncio.gather(*(self._apply(move) for move in moves),
+                                 *(self._shed(shed) for shed in sheds))
         finally:
             self._moving = None
 
@@ -161,24 +171,47 @@ class PlanningLoop:
                   "halfmoon.decode_pressure": round(split.decode_pressure, 4),
                   "halfmoon.num_prefill": len(split.prefill),
                   "halfmoon.num_decode": len(split.decode)}
-        log.info("planner.move", **{k.removeprefix("halfmoon."): v for k, v in inputs.items()})
         outcome = "failed"
         try:
-            with tracing.span(__name__, "planner.move", attributes=inputs) as span:
-                try:
-                    reply = await dispatch(
-                        self.nc, self.subjects.role_change(move.worker_id),
-                        RoleChange(role=move.to_role, reason=move.reason,
-                                   requested_by=self.holder_id, model=move.to_model),
-                        ROLE_CHANGE_TIMEOUT_S)
-                    outcome = "done" if reply.is_accepted else "refused"
-                    if not reply.is_accepted:
-                        log.warning("planner.move_refused", worker=move.worker_id,
-                                    reason=reply.reason)
-                except WorkerUnavailable as exc:
-                    log.warning("planner.move_failed", worker=move.worker_id, error=exc.message)
-                if span is not None:
-                    span.set_attribute("halfmoon.outcome", outcome)
+            outcome = await self._command(
+                "planner.move", inputs, self.subjects.role_change(move.worker_id),
+                RoleChange(role=move.to_role, reason=move.reason, requested_by=self.holder_id,
+                           model=move.to_model))
         finally:
             self.metrics.planner_moves.labels(move.to_role, outcome).inc()
             self.moves.append((move, outcome))
+
+    async def _shed(self, shed: Shed) -> None:
+        inputs = {"halfmoon.worker": shed.worker_id, "halfmoon.model": shed.split.model,
+                  "halfmoon.num_requests": shed.num_requests, "halfmoon.reason": shed.reason,
+                  "halfmoon.prefill_pressure": round(shed.split.prefill_pressure, 4),
+                  "halfmoon.num_decode": len(shed.split.decode)}
+        outcome = "failed"
+        try:
+            outcome = await self._command(
+                "planner.shed", inputs, self.subjects.shed_load(shed.worker_id),
+                ShedLoad(num_requests=shed.num_requests, reason=shed.reason,
+                         requested_by=self.holder_id))
+        finally:
+            self.metrics.planner_sheds.labels(outcome).inc()
+            self.sheds.append((shed, outcome))
+
+    async def _command(self, name: str, inputs: dict[str, Any], subject: str,
+                       command: Message) -> str:
+        """Send one decision's command to its worker, logged and traced (`name`, with the
+        decision's inputs); its outcome: done, refused or failed."""
+        worker = inputs["halfmoon.worker"]
+        log.info(name, **{k.removeprefix("halfmoon."): v for k, v in inputs.items()})
+        with tracing.span(__name__, name, attributes=inputs) as span:
+            outcome = "failed"
+            try:
+                reply: DispatchReply = await dispatch(self.nc, subject, command,
+                                                      ROLE_CHANGE_TIMEOUT_S)
+                outcome = "done" if reply.is_accepted else "refused"
+                if not reply.is_accepted:
+                    log.warning(f"{name}_refused", worker=worker, reason=reply.reason)
+            except WorkerUnavailable as exc:
+                log.warning(f"{name}_failed", worker=worker, error=exc.message)
+            if span is not None:
+                span.set_attribute("halfmoon.outcome", outcome)
+        return outcome

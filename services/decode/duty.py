@@ -14,6 +14,9 @@ A request's life here:
      per gateway per step. Finished requests leave the batch and free their blocks.
   4. `StreamResume` (from a gateway whose stream stalled, e.g. across a NATS restart): the
      tokens sent since the index it names go out again (`sent_tokens`).
+  5. `ShedLoad` (from the planner, when this worker runs more than its share while others
+     have room): the running requests with the most tokens still owed leave here; each
+     one's gateway hears `moved` after every token sent, and places the rest anew.
 A reservation is a KV lease (`kv_leases`) held for the prefill worker, which renews it every
 heartbeat while the request is queued or computing there; one not renewed for
 `kv_wait_timeout_s` expires, its blocks are freed and the request fails. An abort frees the
@@ -37,7 +40,13 @@ from services.decode.sent_tokens import SentTokens
 from services.duty import Duty, Handler
 from services.kv_leases import Lease
 from shared import tracing
-from shared.errors import HalfmoonError, InvalidRequest, RequestAborted, TransferTimeout
+from shared.errors import (
+    HalfmoonError,
+    InvalidRequest,
+    RequestAborted,
+    RequestMoved,
+    TransferTimeout,
+)
 from shared.heartbeats import WorkerDirectory
 from shared.messages import (
     DecodeReservation,
@@ -47,6 +56,7 @@ from shared.messages import (
     KvLeaseRenewal,
     KvTarget,
     RequestFailed,
+    ShedLoad,
     StreamResume,
     TokenBatch,
     TokenDelta,
@@ -134,6 +144,8 @@ class DecodeDuty(Duty):
         # Prefill workers' liveness: a reservation held for a dead one is freed at once.
         self._prefills = WorkerDirectory(timeout_s=4 * self.config.heartbeat_interval_s)
         self._last_step_at: float | None = None
+        # Held while a step's tokens go out: a shed request's `moved` follows its last batch.
+        self._publishing = asyncio.Lock()
 
     def _handlers(self) -> list[Handler]:
         s, me = self.subjects, self.worker_id
@@ -141,7 +153,8 @@ class DecodeDuty(Duty):
                 (s.kv_commit(me), KvCommitted, self._on_commit),
                 (s.stream_resume(me), StreamResume, self._on_resume),
                 (s.kv_lease_renewal(me), KvLeaseRenewal, self._on_lease_renewal),
-                (s.role_heartbeats("prefill"), WorkerHeartbeat, self._on_prefill_heartbeat)]
+                (s.role_heartbeats("prefill"), WorkerHeartbeat, self._on_prefill_heartbeat),
+                (s.shed_load(me), ShedLoad, self._on_shed)]
 
     async def start(self) -> None:
         await super().start()
@@ -332,14 +345,36 @@ class DecodeDuty(Duty):
             ))
             if output.finish_reason is not None:
                 del self._active[output.request_id]
-        for subject, items in by_gateway.items():
-            await self.nc.publish(subject, encode(TokenBatch(worker_id=self.worker_id,
-                                                             items=items)))
+        async with self._publishing:
+            for subject, items in by_gateway.items():
+                await self.nc.publish(subject, encode(TokenBatch(worker_id=self.worker_id,
+                                                                 items=items)))
 
     async def _fail(self, request: GenerateRequest, error: HalfmoonError) -> None:
         failure = RequestFailed(request_id=request.request_id, code=error.code,
                                 message=error.message, worker_id=self.worker_id, param=error.param)
         await self.nc.publish(request.reply_subject, encode(failure))
+
+    async def _on_shed(self, message: ShedLoad) -> DispatchReply:
+        """Hand back up to `num_requests` running requests (single-choice ones), those with
+        the most tokens still owed: they gain most from a less loaded worker."""
+        owed = sorted(((request.sampling.max_tokens - self._sent.num_sent(request_id),
+                        request_id) for request_id, request in self._active.items()
+                       if request.sampling.n == 1), reverse=True)
+        shed = [self._active[request_id] for _, request_id in owed[:message.num_requests]]
+        for request in shed:
+            self._spans.end(request.request_id)  # moved on, not failed
+            self.abort(request.request_id)
+        error = RequestMoved(f"decode worker {self.worker_id} shed its load: "
+                             f"{message.reason or 'asked to'}")
+        async with self._publishing:  # after the last batch with their tokens
+            for request in shed:
+                await self._fail(request, error)
+        self.metrics.shed_requests.inc(len(shed))
+        self.log.info("decode.shed", num_requests=len(shed), asked=message.num_requests,
+                      reason=message.reason, requested_by=message.requested_by)
+        return DispatchReply(is_accepted=True, worker_id=self.worker_id,
+                             reason=f"handed back {len(shed)}")
 
     async def _on_resume(self, message: StreamResume) -> None:
         """A gateway may have lost token batches: send them again (it drops duplicates)."""

@@ -59,6 +59,11 @@ class SentTokens:
             stream.finish_reason = finish_reason
             stream.finished_at = time.monotonic()
 
+    def num_sent(self, request_id: str) -> int:
+        """Output tokens sent for the request (0 when not followed)."""
+        stream = self._streams.get(request_id)
+        return 0 if stream is None else len(stream.token_ids)
+
     def drop(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 

@@ -25,7 +25,7 @@ from services.gateway.request_stream import RequestStream, StreamTable
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.tokenizer import Tokenizer
 from shared import tracing
-from shared.errors import HalfmoonError, WorkerLost, WorkerUnavailable
+from shared.errors import HalfmoonError, RequestMoved, WorkerLost, WorkerUnavailable
 from shared.events import EventPublisher
 from shared.logs import get_logger
 from shared.messages import (
@@ -254,9 +254,12 @@ class Generator:
                 attempt += 1
                 if attempt > MAX_FAILOVERS:
                     raise
-                log.warning("request.failover", request_id=request_id, error=exc.message,
-                            num_streamed=len(generated), attempt=attempt)
-                ctx.metrics.failovers.inc()
+                is_moved = isinstance(exc, RequestMoved)  # shed by a busy worker, not lost
+                (log.info if is_moved else log.warning)(
+                    "request.moved" if is_moved else "request.failover", request_id=request_id,
+                    error=exc.message, num_streamed=len(generated), attempt=attempt)
+                if not is_moved:
+                    ctx.metrics.failovers.inc()
                 await self._publish(request_id, parsed, generated, attempt=attempt)
                 await ctx.events.request("migrated", request_id, model=parsed.model,
                                          attempt=attempt, num_output_tokens=len(generated),

@@ -12,7 +12,13 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-from shared.errors import HalfmoonError, RequestTimeout, WorkerLost, error_from_code
+from shared.errors import (
+    HalfmoonError,
+    RequestMoved,
+    RequestTimeout,
+    WorkerLost,
+    error_from_code,
+)
 from shared.logs import get_logger
 from shared.messages import (
     GatewayEvent,
@@ -146,7 +152,11 @@ class StreamTable:
                         log.info("request.stale_failure_ignored", request_id=request_id,
                                  worker_id=worker_id, error=message)
                     else:
-                        stream.fail(error_from_code(code, message, retry_after_s, param))
+                        error = error_from_code(code, message, retry_after_s, param)
+                        if isinstance(error, RequestMoved):  # as after a lost worker
+                            stream.placement = None
+                            stream.lost_workers.add(worker_id)
+                        stream.fail(error)
             case RequestPlaced(request_id=request_id):
                 for stream in self._targets(request_id):
                     stream.placement = event

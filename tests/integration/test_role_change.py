@@ -354,3 +354,38 @@ async def test_the_planner_hears_of_requests_admission_turns_away(nats_url: str)
         assert planning_loop is not None
         assert planning_loop.slo_rejections.within(time.monotonic(), 5.0) == {
             (MODEL, "prefill")}
+
+
+async def test_the_planner_spreads_a_crowded_decode_worker_over_a_worker_it_moved_there(
+        nats_url: str) -> None:
+    """One decode worker runs 12 streams on a batch of 4: the planner moves a prefill worker
+    to decode, which starts empty, then tells the crowded one to shed (`ShedLoad`); the
+    streams it hands back finish on the other worker, every token as the fake model gives it,
+    none lost or repeated, and no failover counted."""
+    planning = PlannerSettings(mode="slo", interval_s=0.2, hold_s=0.2, cooldown_s=0.4)
+    stack = Stack(nats_url, num_prefill=2, num_decode=1,
+                  worker={"fake_token_delay_s": 0.02, "max_batch_size": 4},
+                  conductor_options={"tbt_slo_ms": 10_000, "planning": planning})
+    async with stack, openai.AsyncOpenAI(base_url=stack.base_url, api_key="x",
+                                         max_retries=0) as sdk:
+        prompts = [f"crowded {i}" for i in range(12)]
+        texts = await asyncio.gather(*(stream_one(sdk, p, 40) for p in prompts))
+        planning_loop = stack.conductor.planning
+        assert planning_loop is not None
+        moves = [(move.to_role, outcome) for move, outcome in planning_loop.moves]
+        sheds = [(shed.worker_id, shed.num_requests, outcome)
+                 for shed, outcome in planning_loop.sheds]
+        crowded = stack.decodes[0]
+        shed_count = crowded.metrics.registry.get_sample_value(
+            "halfmoon_decode_shed_requests_total")
+        moved_to = next(w for w in stack.prefills if w.role == "decode")
+        joined_there = sum(moved_to.kv_commits.values())
+        failovers = stack.gateway.metrics.registry.get_sample_value(
+            "halfmoon_failovers_total")
+    assert texts == [TOKENIZER.decode(fake_completion(TOKENIZER.encode(p), None, 40))
+                     for p in prompts]
+    assert moves[0] == ("decode", "done"), moves
+    assert sheds and sheds[0][0] == crowded.worker_id and sheds[0][2] == "done", sheds
+    assert shed_count and shed_count >= 1
+    assert joined_there >= shed_count  # the handed-back streams went on there
+    assert failovers == 0

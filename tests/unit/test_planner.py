@@ -245,3 +245,40 @@ def test_slo_rejections_count_within_their_window() -> None:
     rejections.note("b", "decode", 12.0)
     assert rejections.within(12.0, 2.0) == {("a", "prefill"), ("b", "decode")}
     assert rejections.within(13.0, 2.0) == {("b", "decode")}
+
+
+def test_a_decode_worker_past_its_batch_sheds_down_to_the_average_as_far_as_others_have_room(
+        ) -> None:
+    workers = [worker("p", "prefill"), worker("d1", "decode", num_running=100),
+               worker("d2", "decode", num_running=10), worker("d3", "decode")]
+    planner = Planner(RULES)
+    assert planner.sheds(splits(workers, RULES), 100.0) == []
+    assert planner.sheds(splits(workers, RULES), 101.0) == []  # not held for 2 s yet
+    (shed,) = planner.sheds(splits(workers, RULES), 102.0)
+    assert (shed.worker_id, shed.num_requests) == ("d1", 100 - 37)  # the average: 110 / 3
+    assert "runs 100 requests on a batch of 64" in shed.reason
+    assert planner.sheds(splits(workers, RULES), 102.5) == []  # its clock starts over
+    crowded = [*workers[:2], worker("d2", "decode", num_running=60),
+               worker("d3", "decode", num_running=60, num_waiting=2)]
+    (shed,) = planner.sheds(splits(crowded, RULES), 110.0) or \
+        planner.sheds(splits(crowded, RULES), 112.0)
+    assert shed.num_requests == 4 + 2  # the others' batch room, not the average
+
+
+@pytest.mark.parametrize(("case", "workers"), [
+    ("within its batch", [worker("p", "prefill"), worker("d1", "decode", num_running=64),
+                          worker("d2", "decode")]),
+    ("no other decode worker", [worker("p", "prefill"),
+                                worker("d1", "decode", num_running=100)]),
+    ("no room elsewhere", [worker("p", "prefill"), worker("d1", "decode", num_running=100),
+                           worker("d2", "decode", num_running=64)]),
+    ("prefill at its high mark (it recomputes what is shed)",
+     [worker("p", "prefill", queued_tokens=900), worker("d1", "decode", num_running=100),
+      worker("d2", "decode")]),
+    ("the only other one drains", [worker("p", "prefill"),
+                                   worker("d1", "decode", num_running=100),
+                                   worker("d2", "decode", is_draining=True)]),
+])
+def test_no_shed(case: str, workers: list[WorkerHeartbeat]) -> None:
+    planner = Planner(RULES)
+    assert [planner.sheds(splits(workers, RULES), t) for t in (100.0, 103.0)] == [[], []], case
