@@ -57,6 +57,7 @@ class Run:
     roles: list[tuple[float, str, str]] = field(default_factory=list)
     # (device seconds from the start, worker id, model) whenever a worker took a model.
     models: list[tuple[float, str, str]] = field(default_factory=list)
+    num_migrated: int = 0  # requests placed again mid-stream (shed or failed over)
 
     @property
     def mean_utilization(self) -> float:
@@ -115,8 +116,10 @@ async def measure(url: str, nats_url: str, requests: list[BenchRequest], slo: Sl
     try:
         await probe.wait_for_workers(num_workers)
         start, started_at = probe.snapshot(), time.monotonic()
+        migrated_before = probe.num_migrated
         summary, records = await benchmark(url, requests, slo, progress=True)
         utilization = await probe.since(start)
+        num_migrated = probe.num_migrated - migrated_before
     finally:
         await probe.close()
     scaled = [in_device_time(r, time_scale) for r in records]
@@ -125,7 +128,7 @@ async def measure(url: str, nats_url: str, requests: list[BenchRequest], slo: Sl
                 for at, worker_id, value in changes]
 
     return Run("", 0.0, summarize(scaled, summary.duration_s / time_scale, slo), scaled,
-               utilization, device_time(probe.roles), device_time(probe.models))
+               utilization, device_time(probe.roles), device_time(probe.models), num_migrated)
 
 
 def run_one(args: argparse.Namespace, setup: str, load: float,

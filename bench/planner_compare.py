@@ -66,12 +66,13 @@ def conductor_flags(args: argparse.Namespace, setup: str) -> list[str]:
 
 def goodput_table(runs: list[Run]) -> str:
     lines = [f"{'setup':>10} {'load':>5} {'ok':>5} {'fail':>5} {'goodput':>8} {'SLO met':>8} "
-             f"{'TTFT p99':>9} {'ITL p99':>8}"]
+             f"{'TTFT p99':>9} {'ITL p99':>8} {'moved':>6}"]
     for run in runs:
         s = run.summary
         lines.append(f"{run.setup:>10} {run.load:5.2f} {s.num_ok:5d} "
                      f"{s.num_rejected + s.num_errors:5d} {s.goodput_requests_per_s:8.2f} "
-                     f"{100 * s.slo_attainment:7.1f}% {s.ttft.p99:9.1f} {s.itl.p99:8.1f}")
+                     f"{100 * s.slo_attainment:7.1f}% {s.ttft.p99:9.1f} {s.itl.p99:8.1f} "
+                     f"{run.num_migrated:6d}")
     for load in sorted({r.load for r in runs}):
         planner, best, colocated = _contenders(runs, load)
         if planner is None or best is None:
@@ -151,6 +152,7 @@ def write_outputs(out: Path, runs: list[Run], args: argparse.Namespace,
         "runs": [{"setup": r.setup, "load": r.load, "summary": r.summary.to_dict(),
                   "mean_utilization": r.mean_utilization,
                   "utilization": [asdict(w) for w in r.utilization],
+                  "num_migrated": r.num_migrated,
                   "split_over_time": split_over_time(r),
                   "models_over_time": models_over_time(r)} for r in runs]}, indent=1))
     for load in sorted({r.load for r in runs}):

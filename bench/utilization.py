@@ -3,6 +3,8 @@
 Every heartbeat carries `busy_s`, the wall seconds the worker's device has spent in model
 steps since it started. Between two snapshots a worker's utilization is the growth of its
 `busy_s` over the growth of its `sent_at_s`: a custom NATS subscriber needs nothing else.
+The probe also counts the public `migrated` request events (requests placed again after a
+lost worker, or shed by a crowded decode worker).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class UtilizationProbe:
         # the split over time, role changes included.
         self.roles: list[tuple[float, str, str]] = []  # (at, worker, role) at each change
         self.models: list[tuple[float, str, str]] = []  # (at, worker, model) alike
+        self.num_migrated = 0  # `migrated` request events heard
         self._nc: nats.NATS | None = None
         self._decoder = msgspec.json.Decoder(WorkerHeartbeat)
         self._num_expected = 0
@@ -44,11 +47,15 @@ class UtilizationProbe:
     async def start(self) -> None:
         self._nc = await nats.connect(self.nats_url)
         await self._nc.subscribe(self.subjects.all_heartbeats, cb=self._on_heartbeat)
+        await self._nc.subscribe(self.subjects.request_event("migrated"), cb=self._on_migrated)
 
     async def close(self) -> None:
         if self._nc is not None:
             await self._nc.drain()
             self._nc = None
+
+    async def _on_migrated(self, message: nats.aio.msg.Msg) -> None:
+        self.num_migrated += 1
 
     async def _on_heartbeat(self, message: nats.aio.msg.Msg) -> None:
         try:

@@ -46,6 +46,7 @@ async def test_compare_with_the_planner_runs_every_setup_and_plots_the_split(
     runs = json.loads((tmp_path / "planner.json").read_text())["runs"]
     assert [(r["setup"], r["summary"]["num_ok"]) for r in runs] == [
         ("colocated", 20), ("2+1", 20), ("planner", 20)]
+    assert [r["num_migrated"] for r in runs[:-1]] == [0, 0]  # no stream moved, none lost
     planner = runs[-1]
     assert planner["split_over_time"][-1][1] >= 1  # prefill workers at the end, at least one
     assert (tmp_path / "planner_split_load1.png").read_bytes()[:4] == b"\x89PNG"
