@@ -18,7 +18,7 @@ from typing import TypeVar
 import msgspec
 
 from services.conductor.planner import kv_used_share
-from services.conductor.planning import ROLE_CHANGE_TIMEOUT_S
+from services.conductor.planning import COMMAND_TIMEOUT_S
 from shared.config import ServiceConfig, load_config
 from shared.messages import DispatchReply, RoleChange, WorkerHeartbeat
 from shared.nats_client import NatsClient, connect, dispatch, read_registry
@@ -49,7 +49,7 @@ def assign_worker(args: argparse.Namespace) -> int:
 
     async def send(nc: NatsClient, subjects: Subjects) -> DispatchReply:
         return await dispatch(nc, subjects.role_change(args.worker_id), command,
-                              ROLE_CHANGE_TIMEOUT_S)
+                              COMMAND_TIMEOUT_S)
 
     reply = _against_cluster(args, "halfmoon-assign", send)
     if not reply.is_accepted:

@@ -45,7 +45,7 @@ from shared.subjects import Subjects
 log = get_logger(__name__)
 
 LEASE_INTERVALS = 3  # the lease outlives this many missed renewals
-ROLE_CHANGE_TIMEOUT_S = 10.0  # a worker answers once the new role takes work
+COMMAND_TIMEOUT_S = 10.0  # a worker answers once the new role takes work, or once it shed
 
 
 class KvLease:
@@ -206,7 +206,7 @@ class PlanningLoop:
             outcome = "failed"
             try:
                 reply: DispatchReply = await dispatch(self.nc, subject, command,
-                                                      ROLE_CHANGE_TIMEOUT_S)
+                                                      COMMAND_TIMEOUT_S)
                 outcome = "done" if reply.is_accepted else "refused"
                 if not reply.is_accepted:
                     log.warning(f"{name}_refused", worker=worker, reason=reply.reason)
