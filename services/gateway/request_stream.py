@@ -66,6 +66,13 @@ class RequestStream:
     def fail(self, error: HalfmoonError) -> None:
         self._queue.put_nowait(error)
 
+    def fail_over(self, worker_id: str, error: WorkerLost) -> None:
+        """`worker_id` will not serve the request on (it was lost, or it shed the request):
+        its reader places it again, and that worker's late failures are stale."""
+        self.placement = None  # until the new placement arrives
+        self.lost_workers.add(worker_id)
+        self.fail(error)
+
     def is_stale_failure(self, worker_id: str) -> bool:
         """A failure from a worker the request no longer depends on: one it failed over
         from, or, once placed, one its placement does not name (a side of an earlier
@@ -153,10 +160,10 @@ class StreamTable:
                                  worker_id=worker_id, error=message)
                     else:
                         error = error_from_code(code, message, retry_after_s, param)
-                        if isinstance(error, RequestMoved):  # as after a lost worker
-                            stream.placement = None
-                            stream.lost_workers.add(worker_id)
-                        stream.fail(error)
+                        if isinstance(error, RequestMoved):
+                            stream.fail_over(worker_id, error)
+                        else:
+                            stream.fail(error)
             case RequestPlaced(request_id=request_id):
                 for stream in self._targets(request_id):
                     stream.placement = event
@@ -168,9 +175,7 @@ class StreamTable:
         count = 0
         for stream in self._streams.values():
             if (worker_id := stream.lost_worker(is_alive)) is not None:
-                stream.placement = None  # until the new placement arrives
-                stream.lost_workers.add(worker_id)
-                stream.fail(WorkerLost(f"worker {worker_id} stopped answering"))
+                stream.fail_over(worker_id, WorkerLost(f"worker {worker_id} stopped answering"))
                 count += 1
         return count
 
