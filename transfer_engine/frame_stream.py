@@ -10,18 +10,22 @@ How bytes are read:
 - a frame's small leading parts (header, piece table, meta) through a scratch buffer, up
   to 16 KiB at a time, copied out: a small frame costs one receive, not one per part (and a
   large payload's head is copied twice for no more than 16 KiB);
+- whole frames in those bytes may be `skim`med by the subclass without the steps (a
+  sender's ACKs; a WRITE's header and piece table, whose payload then lands in place):
+  after a wake-up every Python call is paid cold, so the common frames take few;
 - payloads with `recvmsg_into` straight into the target pieces (up to IOV_MAX of them per
   call, no copy), with SO_RCVLOWAT raised while one waits so the loop wakes once per
   ~1 MiB queued rather than once per packet (that, not threads, is what brings a single
   connection to the plain-socket rate).
 
-`send(parts)` writes at once what the kernel takes (one vectored `sendmsg` per batch) and
-queues the rest, references to the caller's buffers and not copies, until the socket is
-writable; `pause_writing`/`resume_writing` tell the subclass when the queue fills and drains.
+`send(parts)` writes at once what the kernel takes (one vectored `sendmsg` for a frame's few
+parts, or per batch of many) and queues the rest, references to the caller's buffers and not
+copies, until the socket is writable; `pause_writing`/`resume_writing` tell the subclass when
+the queue fills and drains.
 
-Invariants: bytes are consumed strictly in order and each part is parsed once; after
-`pause()` no step runs until `resume()` (bytes already read are kept and fed first); after
-`abort()` no callback is registered and the socket is closed.
+Invariants: bytes are consumed strictly in order, each once (what `skim` declines goes to
+the steps untouched); after `pause()` no step runs until `resume()` (bytes already read are
+kept and fed first); after `abort()` no callback is registered and the socket is closed.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ _SCRATCH_BYTES = 16 << 10  # also the largest part that is read through the scra
 _RCVLOWAT_BYTES = 1 << 20
 _READS_PER_WAKE = 64  # then let the loop run others (the reader is called again: level-triggered)
 _PAUSE_WRITING_BYTES = 4 << 20  # queued output above which the subclass stops submitting
+_FEW_PARTS = 8  # sent in one call, all of them (a large batch goes a slice at a time)
 
 
 class FrameStream:
@@ -146,6 +151,12 @@ class FrameStream:
     def resume_writing(self) -> None:
         """The queued output was sent."""
 
+    def skim(self, data: memoryview) -> memoryview:
+        """Handle whole frames straight from received bytes, skipping the steps (a sender's
+        plain ACKs, say); return the bytes the steps are still to read. Only frames that
+        start at `data`'s first byte may be taken, and only when no step is half-read."""
+        return data
+
     # --- reading --------------------------------------------------------------------------
 
     def _on_readable(self) -> None:
@@ -164,7 +175,7 @@ class FrameStream:
                     wanted = _SCRATCH_BYTES
                     received = self._sock.recv_into(self._scratch)
                     if received:
-                        self._feed(self._scratch[:received])
+                        self._feed(self.skim(self._scratch[:received]))
                 else:
                     batch, wanted = sock_io.next_batch(self._views, self._index)
                     step = self._then
@@ -231,6 +242,18 @@ class FrameStream:
 
     def _send_now(self, parts: list[memoryview | bytes]) -> list[memoryview | bytes]:
         """Send what the kernel takes now; return what is left."""
+        if len(parts) <= _FEW_PARTS:  # a frame: one call, and usually the kernel takes it all
+            try:
+                sent = self._sock.sendmsg(parts)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as error:
+                self.abort(error)
+                return []
+            index = sock_io.advance(parts, 0, parts, sent)
+            if index == len(parts):
+                return []
+            parts = parts[index:]
         pending = [part for part in parts if len(part)]
         try:
             index = sock_io.send_available(self._sock, pending)

@@ -41,6 +41,8 @@ from transfer_engine.transport import Deliver, Plan
 log = structlog.get_logger(__name__)
 
 _MERGE_MAX_BYTES = 4 << 20
+_HEADER_BYTES = wire.HEADER.size
+_ACK = int(wire.Op.ACK)  # a plain int: compared on every answer
 
 
 @dataclass
@@ -77,6 +79,11 @@ class _Job:
         return self.op == wire.Op.WRITE and self.compression is None
 
     @property
+    def is_plain_write(self) -> bool:
+        """A WRITE with nothing but its pieces: no compression, no notifications."""
+        return self.op == wire.Op.WRITE and self.compression is None and not self.notifications
+
+    @property
     def num_bytes(self) -> int:
         return sum(run.num_bytes for run in self.runs)
 
@@ -102,6 +109,7 @@ class Link(FrameStream):
         self._pending: dict[int, list[_Job]] = {}
         self._request_ids = itertools.count(1)
         self._header_bytes = memoryview(bytearray(wire.HEADER.size))
+        self._on_header_step = self._on_header  # one bound method: `skim` knows the step by it
         self._is_flush_due = False
         self._timer: asyncio.TimerHandle | None = None  # the earliest deadline of a job here
         self.error: TransferFailed | None = None
@@ -119,13 +127,16 @@ class Link(FrameStream):
         if self.error is not None:
             job.future.set_exception(self.error)
             return
-        self._queue.append(job)
         if self._timer is None or job.deadline < self._timer.when():
             if self._timer is not None:
                 self._timer.cancel()
             self._timer = self._loop.call_at(job.deadline, self._expire)
+        if not self._pending and not self._queue and not self._is_write_paused:
+            self._send_frame([job])  # an idle link: send at once
+            return
+        self._queue.append(job)
         if not self._pending and not self._is_flush_due:
-            self._flush()  # an idle link: send at once
+            self._flush()
         elif not self._is_flush_due:
             # Frames are in flight: what else is submitted in this turn of the loop joins
             # this one (a round trip per burst, not per transfer).
@@ -181,12 +192,14 @@ class Link(FrameStream):
     def _flush(self) -> None:
         self._is_flush_due = False
         while self._queue and not self._is_write_paused and self.error is None:
-            jobs = self._take_frame()
-            request_id = next(self._request_ids)
-            self._pending[request_id] = jobs
-            self._stats.num_frames_sent += 1
-            self._stats.num_transfers_sent += len(jobs)
-            self.send(_frame(request_id, jobs))
+            self._send_frame(self._take_frame())
+
+    def _send_frame(self, jobs: list[_Job]) -> None:
+        request_id = next(self._request_ids)
+        self._pending[request_id] = jobs
+        self._stats.num_frames_sent += 1
+        self._stats.num_transfers_sent += len(jobs)
+        self.send(_frame(request_id, jobs))
 
     def _take_frame(self) -> list[_Job]:
         jobs = [self._queue.popleft()]
@@ -201,8 +214,24 @@ class Link(FrameStream):
 
     # --- receiving the answers -------------------------------------------------------------
 
+    def skim(self, data: memoryview) -> memoryview:
+        """Plain ACKs (most answers) settle their transfers straight from the received bytes;
+        anything else goes through the steps."""
+        if self._then is not self._on_header_step or self._left != _HEADER_BYTES:
+            return data  # inside a frame
+        pending = self._pending
+        while len(data) >= _HEADER_BYTES:
+            magic, version, op, _, request_id, _, meta_len, payload_len = (
+                wire.HEADER.unpack_from(data))
+            if (op != _ACK or meta_len or payload_len or magic != wire.MAGIC
+                    or version != wire.VERSION or request_id not in pending):
+                break  # the steps parse it (and refuse what is wrong)
+            _settle(pending.pop(request_id), None)
+            data = data[_HEADER_BYTES:]
+        return data
+
     def _next_frame(self) -> None:
-        self.expect([self._header_bytes], self._on_header)
+        self.expect([self._header_bytes], self._on_header_step)
 
     def _on_header(self) -> None:
         try:
@@ -277,6 +306,13 @@ def _error_from(body: wire.ErrorBody, peer_id: str) -> TransferFailed:
 
 def _frame(request_id: int, jobs: list[_Job]) -> list[memoryview | bytes]:
     first = jobs[0]
+    if len(jobs) == 1 and first.is_plain_write and len(first.runs) == 1:
+        run = first.runs[0]
+        if len(run.lengths) == 1:  # one piece (a layer, say): packed at once
+            (local_offset,), (remote_offset,), (length,) = (
+                run.local_offsets.tolist(), run.remote_offsets.tolist(), run.lengths.tolist())
+            return [wire.write_one_head(request_id, run.remote.segment_id, remote_offset, length),
+                    run.local.data[local_offset:local_offset + length]]
     if first.op == wire.Op.RDMA_CONNECT:
         return [wire.Header(first.op, request_id, meta_len=len(first.meta)).pack(), first.meta]
     if len(jobs) == 1:

@@ -143,6 +143,7 @@ class _Inbound(FrameStream):
         self._memory = server.memory
         self._peer_id = peer_id
         self._header_bytes = memoryview(bytearray(wire.HEADER.size))
+        self._on_header_step = self._on_header  # one bound method: `skim` knows the step by it
         self._body = memoryview(b"")
         self._header = wire.Header(wire.Op.ACK)
         self._frame_since: float | None = None  # when the frame being received began
@@ -179,9 +180,28 @@ class _Inbound(FrameStream):
         self._watchdog = self._loop.call_later(max(self._server.frame_timeout_s / 4, 0.01),
                                                self._watch)
 
+    def skim(self, data: memoryview) -> memoryview:
+        """A WRITE whose header and piece table arrived whole (most do, in the same receive
+        as the head of their payload) is parsed straight from the received bytes."""
+        if (self._then is not self._on_header_step or self._left != _HEADER_BYTES
+                or len(data) < _HEADER_BYTES or data[_OP_BYTE] != _WRITE):
+            return data
+        try:
+            header = wire.unpack_header(data[:_HEADER_BYTES])
+        except ProtocolViolation:
+            return data  # the steps refuse it
+        end = _HEADER_BYTES + header.num_pieces * wire.PIECE.size
+        if header.meta_len or len(data) < end:
+            return data
+        self._frame_since = self._loop.time()
+        self._header = header
+        # A copy: the received bytes are a scratch buffer the next receive overwrites.
+        self._on_write(header, memoryview(bytes(data[_HEADER_BYTES:end])), _NO_META)
+        return data[end:]
+
     def _next_frame(self) -> None:
         self._frame_since = None
-        self.expect([self._header_bytes], self._on_header)
+        self.expect([self._header_bytes], self._on_header_step)
 
     def _on_header(self) -> None:
         try:
@@ -237,7 +257,8 @@ class _Inbound(FrameStream):
         self._memory.landed(table)
         if meta.notifications:
             self._server.deliver(self._peer_id, meta.notifications)
-        self._answer(wire.Header(wire.Op.ACK, header.request_id))
+        self.send([wire.ack(header.request_id)])
+        self._next_frame()
 
     def _decompress(self, header: wire.Header, table: memoryview, meta: wire.FrameMeta,
                     payload: memoryview, sizes: list[int], views: list[memoryview]) -> None:
@@ -321,6 +342,9 @@ class _Inbound(FrameStream):
 
 
 _NO_META = wire.FrameMeta()
+_HEADER_BYTES = wire.HEADER.size
+_OP_BYTE = 5  # a header's op, after the magic and the version
+_WRITE = int(wire.Op.WRITE)
 
 
 def _frame_meta(meta_bytes: memoryview) -> wire.FrameMeta:

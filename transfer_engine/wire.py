@@ -119,6 +119,23 @@ def unpack_pieces(table: bytes | memoryview) -> np.ndarray:
     return np.frombuffer(table, dtype=PIECE_DTYPE)
 
 
+# A WRITE of one piece, its header and piece table packed at once (the layer-sized common case).
+_WRITE_ONE = struct.Struct(HEADER.format + PIECE.format[1:])
+
+
+def write_one_head(request_id: int, segment_id: int, offset: int, length: int) -> bytes:
+    """The header and table of a WRITE frame of one piece and no meta (the bytes of
+    `Header(Op.WRITE, request_id, 1, 0, length).pack() + PIECE.pack(segment_id, offset,
+    length)`)."""
+    return _WRITE_ONE.pack(MAGIC, VERSION, Op.WRITE, 0, request_id, 1, 0, length, segment_id,
+                           offset, length)
+
+
+def ack(request_id: int) -> bytes:
+    """A plain ACK frame (`Header(Op.ACK, request_id).pack()`)."""
+    return HEADER.pack(MAGIC, VERSION, Op.ACK, 0, request_id, 0, 0, 0)
+
+
 def table_of(runs: list[Run]) -> bytes:
     """The piece table naming each run's remote ranges."""
     return _run_table(runs[0]) if len(runs) == 1 else b"".join(map(_run_table, runs))

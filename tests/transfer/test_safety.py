@@ -179,6 +179,30 @@ async def test_a_payload_that_does_not_match_its_pieces_is_refused(tcp_pair: Pai
     assert tcp_pair.target_kv == bytes(SEGMENT_BYTES)
 
 
+async def test_writes_split_anywhere_or_sent_together_land_alike(tcp_pair: Pair) -> None:
+    """The server parses a WRITE straight from the bytes received when its header and table
+    came whole (`_Inbound.skim`), else step by step: a frame sent a byte at a time, and two
+    frames sent in one piece (the second parsed after the first's payload), land alike."""
+    peer = await welcomed(tcp_pair.target)
+    segment = kv_id(tcp_pair.target)
+
+    def frame(request_id: int, offset: int, payload: bytes) -> bytes:
+        return wire.write_one_head(request_id, segment, offset, len(payload)) + payload
+
+    trickled = frame(1, 0, b"one byte at a time")
+    for byte in trickled:
+        await peer.send(bytes([byte]))
+        await asyncio.sleep(0)
+    header, _ = await peer.frame()
+    assert (header.op, header.request_id) == (wire.Op.ACK, 1)
+    await peer.send(frame(2, 100, b"first of two") + frame(3, 200, b"second of two"))
+    answers = [await peer.frame() for _ in range(2)]
+    assert [(h.op, h.request_id) for h, _ in answers] == [(wire.Op.ACK, 2), (wire.Op.ACK, 3)]
+    assert bytes(tcp_pair.target_kv[:18]) == b"one byte at a time"
+    assert bytes(tcp_pair.target_kv[100:112]) == b"first of two"
+    assert bytes(tcp_pair.target_kv[200:213]) == b"second of two"
+
+
 @pytest.mark.parametrize("garbage", [
     b"XXXX" + bytes(wire.HEADER.size - 4),  # bad magic
     wire.HEADER.pack(wire.MAGIC, 99, wire.Op.WRITE, 0, 1, 0, 0, 0),  # unknown version

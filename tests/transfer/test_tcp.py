@@ -1,10 +1,12 @@
 """What only the TCP transport does: merging queued writes, striping large ones, the direct
-handshake, and random batches (hypothesis) against a reference copy."""
+handshake, answers read straight from the received bytes, and random batches (hypothesis)
+against a reference copy."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -12,10 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.transfer.conftest import SECRET, SEGMENT_BYTES, Pair, start_pair
+from transfer_engine import wire
 from transfer_engine.config import TransferConfig
 from transfer_engine.engine import TransferEngine
-from transfer_engine.errors import PeerNotFound, TransferTimeout
+from transfer_engine.errors import PeerNotFound, ProtocolViolation, TransferFailed, TransferTimeout
 from transfer_engine.registry import LocalEndpointRegistry
+from transfer_engine.tcp import Link, TcpStats, _Job
 
 
 @pytest.fixture
@@ -182,3 +186,35 @@ async def test_an_engine_listening_everywhere_advertises_a_reachable_address() -
     finally:
         await caller.close()
         await listener.close()
+
+
+async def test_answers_read_together_settle_each_transfer_and_a_stray_one_fails_the_link() -> None:
+    """The sending side takes plain ACKs straight from the bytes received (`Link.skim`):
+    three arriving in one segment, out of order, settle their transfers; an ACK for no
+    transfer in flight (then parsed by the steps) closes the link with a typed error instead
+    of being skipped."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        ours = socket.create_connection(listener.getsockname())
+        theirs, _ = listener.accept()
+    ours.setblocking(False)
+    link = Link(ours, "peer", TcpStats())
+    link.start()
+    try:
+        loop = asyncio.get_running_loop()
+        jobs = [_Job(wire.Op.NOTIFY, [], loop.create_future(), [b"%d" % i]) for i in range(3)]
+        for job in jobs:
+            job.deadline, job.timeout_s = loop.time() + 5, 5
+            link.submit(job)
+        await asyncio.sleep(0.05)  # requests 1, 2 and 3 (a NOTIFY is never merged)
+        theirs.sendall(wire.ack(2) + wire.ack(3) + wire.ack(1))
+        await asyncio.wait_for(asyncio.gather(*(job.future for job in jobs)), 5)
+        late = _Job(wire.Op.NOTIFY, [], loop.create_future(), [b"late"])
+        late.deadline, late.timeout_s = loop.time() + 5, 5
+        link.submit(late)
+        theirs.sendall(wire.ack(99))
+        with pytest.raises(ProtocolViolation, match="unexpected ACK for request 99"):
+            await asyncio.wait_for(late.future, 5)
+        assert not link.is_alive
+    finally:
+        link.close(TransferFailed("test over"))
+        theirs.close()
