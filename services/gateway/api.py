@@ -33,7 +33,7 @@ from services.gateway.responses import (
     total_usage,
 )
 from shared import tracing
-from shared.errors import AuthenticationFailed, HalfmoonError, InvalidRequest
+from shared.errors import AuthenticationFailed, HalfmoonError, InvalidRequest, ModelNotFound
 from shared.logs import get_logger
 from shared.metrics import GatewayMetrics
 
@@ -156,6 +156,7 @@ def build_app(backend: GatewayBackend) -> web.Application:
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
     app.router.add_get("/v1/models", routes.models)
+    app.router.add_get("/v1/models/{model:.+}", routes.model)  # ids may hold "/" (org/name)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/metrics", backend.metrics_handler)
     return app
@@ -187,6 +188,14 @@ class _Routes:
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         return json_response({"object": "list", "data": self.backend.model_list()})
+
+    async def model(self, request: web.Request) -> web.StreamResponse:
+        """One entry of `/v1/models` (OpenAI's "retrieve model")."""
+        name = request.match_info["model"]
+        entry = next((m for m in self.backend.model_list() if m["id"] == name), None)
+        if entry is None:
+            raise ModelNotFound(f"The model `{name}` does not exist", param="model")
+        return json_response(entry)
 
     async def health(self, request: web.Request) -> web.StreamResponse:
         body = self.backend.health()

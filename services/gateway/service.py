@@ -68,6 +68,7 @@ class GatewayService(Service):
         self._generator: Generator | None = None
         self._runner: web.AppRunner | None = None
         self._is_accepting = False
+        self._created = int(time.time())  # each model's `created` in /v1/models: stable
 
     @property
     def instance_id(self) -> str:
@@ -183,8 +184,7 @@ class GatewayService(Service):
             raise WorkerUnavailable("gateway is shutting down")
 
     def model_list(self) -> list[dict[str, Any]]:
-        created = int(time.time())
-        return [{"id": name, "object": "model", "created": created, "owned_by": "halfmoon",
+        return [{"id": name, "object": "model", "created": self._created, "owned_by": "halfmoon",
                  **({"max_model_len": served.limits.max_model_len}
                     if (served := self.models.loaded(name)) is not None else {})}
                 for name in self.models.names()]

@@ -126,6 +126,13 @@ async def test_models_lists_the_served_model_with_its_context_length(
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].max_model_len == 2048  # type: ignore[attr-defined]  # vLLM's field
+    one = await client.models.retrieve(MODEL)
+    assert one == models.data[0]  # the same entry, `created` included
+    for missing in ("no-such-model", "org/no-such-model"):
+        with pytest.raises(openai.NotFoundError) as caught:
+            await client.models.retrieve(missing)
+        assert caught.value.code == "model_not_found"
+        assert caught.value.body["param"] == "model"  # type: ignore[index]
 
 
 async def test_concurrent_requests_each_get_their_own_output(client: openai.AsyncOpenAI) -> None:
