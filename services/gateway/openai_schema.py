@@ -404,6 +404,9 @@ def validate(
         raise ModelNotFound(f"The model `{request.model}` does not exist", param="model")
     if not 1 <= (1 if request.n is None else request.n) <= MAX_CHOICES:
         raise InvalidRequest(f"n must lie in [1, {MAX_CHOICES}]", param="n")
+    if request.stream_options is not None and not request.stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true",
+                             param="stream_options")  # as OpenAI and vLLM answer
     _check_prompt(prompt_token_ids, limits)
     max_tokens = _max_tokens(request)
     is_prompt_only = max_tokens == 0 and output.echo
