@@ -6,8 +6,8 @@ size of `BATCH_SIZES` and its longest context to the next power of two of blocks
 `MIN_CONTEXT_BLOCKS`, at most `MAX_CONTEXT_TOKENS`: the padded attention gathers K/V for the
 whole bucket, so longer steps run eagerly). Every bucket's graph is captured when the engine
 starts (`capture_all`), before any transfer runs: capturing while another thread queues
-work on the legacy default stream (the transfer engine's copies) would invalidate the
-capture. They share one memory pool: they are never replayed concurrently, and each keeps
+CUDA work (the transfer engine's staging copies, which order themselves after the legacy
+default stream) would invalidate the capture. They share one memory pool: they are never replayed concurrently, and each keeps
 its output alive. Each has static inputs (token ids, positions, the slots their K/V go to,
 the attention plan's block table and mask) that a step fills before the replay, and a
 static output (the final hidden states); sampling stays outside the graph.

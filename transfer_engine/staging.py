@@ -41,6 +41,10 @@ class DeviceStaging:
                 self._is_host_registered = int(torch.cuda.cudart().cudaHostRegister(
                     self._mirror.data_ptr(), self._mirror.numel(), 0)) == 0  # a pybind enum
         self.host = memoryview(self._mirror.numpy())
+        # The copies' own stream: on the default stream they would queue behind the compute
+        # already issued and hold back the compute issued after them (layer-wise KV: the
+        # next layers), and waiting for them would take a device-wide synchronize.
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def close(self) -> None:
         """Unpin a shared mirror (before it is unmapped)."""
@@ -65,10 +69,21 @@ class DeviceStaging:
         self._copy(self._device_bytes, self._mirror, offsets, lengths)
 
     def _copy(self, target: Any, source: Any, offsets: np.ndarray, lengths: np.ndarray) -> None:
+        """Copy the pieces and return once they are copied. On CUDA: after the work issued
+        so far on the caller's stream (what wrote the pieces, or reads them), on the copies'
+        stream, waiting for those copies alone."""
+        pieces = zip(offsets.tolist(), lengths.tolist(), strict=True)
+        if self._stream is None:
+            for offset, length in pieces:
+                target[offset:offset + length].copy_(source[offset:offset + length])
+            return
         import torch
 
-        for offset, length in zip(offsets.tolist(), lengths.tolist(), strict=True):
-            target[offset:offset + length].copy_(source[offset:offset + length],
-                                                 non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            for offset, length in pieces:
+                target[offset:offset + length].copy_(source[offset:offset + length],
+                                                     non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        copied.synchronize()
