@@ -7,12 +7,14 @@ with the status its typed exception carries; never a stack trace.
 from __future__ import annotations
 
 import contextlib
+import re
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import msgspec
+import structlog
 from aiohttp import web
 from opentelemetry.trace import SpanKind, StatusCode
 
@@ -116,6 +118,25 @@ def auth_middleware(api_key: str | None) -> Any:
 
 
 _GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+_X_REQUEST_ID = re.compile(r"[!-~]{1,256}")  # visible ASCII: safe to send back in a header
+_X_REQUEST_ID_KEY = web.RequestKey("x_request_id", str)
+
+
+def x_request_id(request: web.Request) -> str:
+    """The id a `/v1` response carries in `x-request-id` (as OpenAI's do): the client's own
+    `X-Request-Id` when it sent one (visible ASCII, up to 256 characters), else a new one.
+    The request's root span and log lines carry it too, so a client's id finds its trace."""
+    value = request.get(_X_REQUEST_ID_KEY)
+    if value is None:
+        given = request.headers.get("X-Request-Id", "")
+        value = request[_X_REQUEST_ID_KEY] = (given if _X_REQUEST_ID.fullmatch(given)
+                                              else f"req-{uuid.uuid4().hex}")
+    return value
+
+
+async def _send_x_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    if request.path.startswith("/v1/"):
+        response.headers["x-request-id"] = x_request_id(request)
 
 
 def observe_middleware(metrics: GatewayMetrics) -> Any:
@@ -128,10 +149,13 @@ def observe_middleware(metrics: GatewayMetrics) -> Any:
             return await handler(request)
         metrics.requests_in_flight.inc()
         status = 500
+        request_id = x_request_id(request)
         try:
-            with tracing.span(__name__, "gateway.request", kind=SpanKind.SERVER,
-                              attributes={"http.request.method": request.method,
-                                          "http.route": request.path}) as span:
+            with structlog.contextvars.bound_contextvars(x_request_id=request_id), \
+                    tracing.span(__name__, "gateway.request", kind=SpanKind.SERVER,
+                                 attributes={"http.request.method": request.method,
+                                             "http.route": request.path,
+                                             "halfmoon.x_request_id": request_id}) as span:
                 response = await handler(request)
                 status = response.status
                 if span is not None:
@@ -152,6 +176,7 @@ def build_app(backend: GatewayBackend) -> web.Application:
                      auth_middleware(backend.api_key)],
         client_max_size=16 * 1024 * 1024,
     )
+    app.on_response_prepare.append(_send_x_request_id)
     routes = _Routes(backend)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat_completions)

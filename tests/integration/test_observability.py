@@ -52,11 +52,14 @@ def trace_of(spans: list[ReadableSpan], root_name: str) -> list[ReadableSpan]:
 async def test_a_request_is_one_connected_trace_across_every_service_and_the_transfer(
         spans: InMemorySpanExporter, torch_stack: Stack) -> None:
     status, body = await torch_stack.post("/v1/completions", {
-        "model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True})
+        "model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True},
+        headers={"X-Request-Id": "client-trace-1"})
     assert status == 200, body
     await eventually(lambda: any(s.name == "gateway.request" for s in spans.get_finished_spans()))
     finished = list(spans.get_finished_spans())
     trace = trace_of(finished, "gateway.request")
+    root = next(s for s in trace if s.name == "gateway.request")
+    assert (root.attributes or {})["halfmoon.x_request_id"] == "client-trace-1"  # found by it
     names = {s.name for s in trace}
     assert names >= {"gateway.request", "conductor.schedule", "prefill.request",
                      "kv.transfer", "decode.stream"}

@@ -207,3 +207,30 @@ async def test_load_generators_default_bodies_are_served(
         assert counts == sorted(counts) and counts[-1] == 6
     else:
         assert all(c["usage"] is None for c in with_choices)
+
+
+async def test_responses_carry_the_clients_x_request_id_or_a_new_one(stack: Stack) -> None:
+    """`x-request-id` on every /v1 response, as OpenAI sends it: the client's own id back
+    (streamed or not, errors too), a new one when the client sent none or one that is not
+    safe to send back in a header."""
+    url = stack.gateway.url
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
+    async with aiohttp.ClientSession() as session:
+        for extra in ({}, {"stream": True}):
+            async with session.post(f"{url}/v1/completions", json={**body, **extra},
+                                    headers={"X-Request-Id": "client-7/a"}) as response:
+                assert response.status == 200
+                assert response.headers["x-request-id"] == "client-7/a"
+                await response.read()
+        async with session.post(f"{url}/v1/completions", json={**body, "max_tokens": 0},
+                                headers={"X-Request-Id": "bad-one"}) as response:
+            assert response.status == 400
+            assert response.headers["x-request-id"] == "bad-one"
+        ids = set()
+        for header in ({}, {"X-Request-Id": "has space"}, {"X-Request-Id": "x" * 257}):
+            async with session.get(f"{url}/v1/models", headers=header) as response:
+                assert response.status == 200
+                ids.add(response.headers["x-request-id"])
+        assert len(ids) == 3 and all(i.startswith("req-") for i in ids)
+        async with session.get(f"{url}/health") as response:
+            assert "x-request-id" not in response.headers  # the OpenAI API's routes only
