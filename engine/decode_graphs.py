@@ -5,12 +5,13 @@ A graph has fixed shapes, so a step is padded to a bucket: its sequences to the 
 size of `BATCH_SIZES` and its longest context to the next power of two of blocks (at least
 `MIN_CONTEXT_BLOCKS`, at most `MAX_CONTEXT_TOKENS`: the padded attention gathers K/V for the
 whole bucket, so longer steps run eagerly). Every bucket's graph is captured when the engine
-starts (`capture_all`), before any transfer runs: capturing while another thread queues
-CUDA work (the transfer engine's staging copies, which order themselves after the legacy
-default stream) would invalidate the capture. They share one memory pool: they are never replayed concurrently, and each keeps
-its output alive. Each has static inputs (token ids, positions, the slots their K/V go to,
-the attention plan's block table and mask) that a step fills before the replay, and a
-static output (the final hidden states); sampling stays outside the graph.
+starts (`capture_all`), before any transfer runs: capturing while another thread queues CUDA
+work (the transfer engine's staging copies, which order themselves after the legacy default
+stream) would invalidate the capture. They share one memory pool: they are never replayed
+concurrently, and each keeps its output alive. Each has static inputs (token ids, positions,
+the slots their K/V go to, the attention plan's block table and mask) that a step fills
+before the replay, and a static output (the final hidden states); sampling stays outside the
+graph.
 
 Padding rows are harmless by construction: they write their K/V into a block reserved for
 them at start (`pad_block`, never handed to a sequence) and attend to its first slot alone;
