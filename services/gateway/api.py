@@ -18,6 +18,7 @@ import structlog
 from aiohttp import web
 from opentelemetry.trace import SpanKind, StatusCode
 
+from services.gateway.cors import Cors
 from services.gateway.generation import Generator, TextChunk
 from services.gateway.merge import merged
 from services.gateway.model_catalog import ServedModel
@@ -50,6 +51,7 @@ class GatewayBackend(Protocol):
     """What the routes need from the gateway service."""
 
     api_key: str | None
+    cors_origins: frozenset[str]
     generator: Generator
     metrics: GatewayMetrics
 
@@ -171,12 +173,14 @@ def observe_middleware(metrics: GatewayMetrics) -> Any:
 
 
 def build_app(backend: GatewayBackend) -> web.Application:
+    cors = Cors(backend.cors_origins)
     app = web.Application(
-        middlewares=[observe_middleware(backend.metrics), error_middleware,
+        middlewares=[cors.preflight, observe_middleware(backend.metrics), error_middleware,
                      auth_middleware(backend.api_key)],
         client_max_size=16 * 1024 * 1024,
     )
     app.on_response_prepare.append(_send_x_request_id)
+    app.on_response_prepare.append(cors.on_response_prepare)
     routes = _Routes(backend)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat_completions)

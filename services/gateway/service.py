@@ -20,6 +20,7 @@ import nats.errors
 from aiohttp import web
 
 from services.gateway.api import build_app
+from services.gateway.cors import parse_origins
 from services.gateway.generation import Generator, GeneratorContext
 from services.gateway.model_catalog import ModelCatalog, ServedModel
 from services.gateway.openai_schema import (
@@ -61,6 +62,7 @@ class GatewayService(Service):
         self.gateway_id = config.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
         self._tokenizer = tokenizer
         self.api_key = config.api_key
+        self.cors_origins = parse_origins(config.cors_origins)
         self.table = StreamTable()
         self.workers = WorkerDirectory(timeout_s=config.heartbeat_timeout_s)
         self.catalog: ModelCatalog | None = None

@@ -218,9 +218,11 @@ async def test_responses_carry_the_clients_x_request_id_or_a_new_one(stack: Stac
     async with aiohttp.ClientSession() as session:
         for extra in ({}, {"stream": True}):
             async with session.post(f"{url}/v1/completions", json={**body, **extra},
-                                    headers={"X-Request-Id": "client-7/a"}) as response:
+                                    headers={"X-Request-Id": "client-7/a",
+                                             "Origin": "https://app.example.com"}) as response:
                 assert response.status == 200
                 assert response.headers["x-request-id"] == "client-7/a"
+                assert "Access-Control-Allow-Origin" not in response.headers  # CORS is off
                 await response.read()
         async with session.post(f"{url}/v1/completions", json={**body, "max_tokens": 0},
                                 headers={"X-Request-Id": "bad-one"}) as response:

@@ -116,6 +116,50 @@ async def test_api_key_is_required_when_configured(nats_url: str) -> None:
             assert (await sdk.models.list()).data[0].id == MODEL
 
 
+async def test_browser_pages_of_allowed_origins_may_call_the_api(nats_url: str) -> None:
+    """CORS (`cors_origins`): an allowed origin's preflight is answered without the API key
+    (browsers send none); its requests, streamed too, say the origin may read them and
+    expose `x-request-id`; another origin gets no CORS header and still needs the key."""
+    app, other = "https://app.example.com", "https://evil.example.com"
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    async with Stack(nats_url, gateway_options={"api_key": "s3cret", "cors_origins":
+                                                f"{app}, https://other.example.com/"}) as stack, \
+            aiohttp.ClientSession() as session:
+        url = f"{stack.gateway.url}/v1/chat/completions"
+        async with session.options(url, headers={"Origin": app, **preflight}) as response:
+            assert response.status == 204
+            assert response.headers["Access-Control-Allow-Origin"] == app
+            assert "POST" in response.headers["Access-Control-Allow-Methods"]
+            assert response.headers["Access-Control-Allow-Headers"] == \
+                "authorization, content-type"
+        async with session.options(url, headers={"Origin": other, **preflight}) as response:
+            assert response.status != 204  # refused as any OPTIONS is: no key, no CORS
+            assert "Access-Control-Allow-Origin" not in response.headers
+        auth = {"Authorization": "Bearer s3cret"}
+        for stream in (False, True):
+            async with session.post(url, json={**CHAT, "max_tokens": 3, "stream": stream},
+                                    headers={"Origin": app, **auth}) as response:
+                assert response.status == 200
+                assert response.headers["Access-Control-Allow-Origin"] == app
+                assert response.headers["Access-Control-Expose-Headers"] == "x-request-id"
+                assert response.headers["Vary"] == "Origin"
+                await response.read()
+        async with session.post(url, json={**CHAT, "max_tokens": 3},
+                                headers={"Origin": other}) as response:
+            assert response.status == 401
+            assert "Access-Control-Allow-Origin" not in response.headers
+    async with Stack(nats_url, gateway_options={"cors_origins": "*"}) as stack, \
+            aiohttp.ClientSession() as session:
+        async with session.get(f"{stack.gateway.url}/v1/models",
+                               headers={"Origin": other}) as response:
+            assert response.status == 200
+            assert response.headers["Access-Control-Allow-Origin"] == "*"
+        async with session.get(f"{stack.gateway.url}/health",
+                               headers={"Origin": other}) as response:
+            assert "Access-Control-Allow-Origin" not in response.headers  # /v1 only
+
+
 async def test_request_beyond_kv_capacity_gets_429(nats_url: str) -> None:
     async with Stack(nats_url, worker={"num_blocks": 4, "block_size": 4}) as stack:
         status, body = await stack.post("/v1/completions", {**GOOD, "max_tokens": 100})
