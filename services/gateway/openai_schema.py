@@ -244,6 +244,9 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
                 f"messages[{i}].role {message.role!r} is not one of {sorted(CHAT_ROLES)}",
                 param="messages",
             )
+        if message.content is None and message.role != "assistant":
+            raise InvalidRequest(f"messages[{i}].content is missing: a {message.role} turn "
+                                 "needs a string or text parts", param="messages")
         turn: dict[str, Any] = {"role": message.role, "content": _message_text(message, i)}
         if message.tool_calls:
             if message.role != "assistant":

@@ -50,6 +50,8 @@ BAD_REQUESTS = [
     ("n_two", "/v1/chat/completions", {**CHAT, "n": 2}, 400, "n"),
     ("empty_prompt", "/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt"),
     ("unknown_model", "/v1/completions", {**GOOD, "model": "gpt-9"}, 404, "model"),
+    ("user_turn_without_content", "/v1/chat/completions",
+     {**CHAT, "messages": [{"role": "user", "content": None}]}, 400, "messages"),
     ("stream_options_without_stream", "/v1/chat/completions",
      {**CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
 ]
