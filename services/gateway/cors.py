@@ -30,6 +30,8 @@ def parse_origins(setting: str | None) -> frozenset[str]:
 
 
 class Cors:
+    """The allowed origins; a middleware for preflights and a hook for response headers."""
+
     def __init__(self, origins: frozenset[str]) -> None:
         self._origins = origins
 
