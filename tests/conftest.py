@@ -14,8 +14,15 @@ configure_logging("warning", "console")
 
 
 @pytest.fixture(scope="session")
-def nats_url() -> Iterator[str]:
-    server = EmbeddedNatsServer()
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Every stack of the session gets a cluster of its own, and each cluster's KV-event
+    stream reserves its `max_bytes` (256 MiB) of the server's JetStream storage, by default
+    75 % of the disk's free space: a session of a few hundred stacks would run out on a
+    fuller disk ("insufficient storage resources"). The tests write little; the limit is
+    raised so that what they reserve never decides."""
+    config = tmp_path_factory.mktemp("nats") / "nats.conf"
+    config.write_text("jetstream {\n  max_file_store: 1TB\n}\n")
+    server = EmbeddedNatsServer(config_file=config)
     url = server.start()
     yield url
     server.stop()
