@@ -58,9 +58,9 @@ class Cors:
 
     async def on_response_prepare(self, request: web.Request,
                                   response: web.StreamResponse) -> None:
+        if self._origins and "*" not in self._origins and request.path.startswith("/v1/"):
+            response.headers["Vary"] = "Origin"  # the answer depends on it: caches must know
         allow = self.allowed(request)
         if allow is not None:
             response.headers["Access-Control-Allow-Origin"] = allow
             response.headers["Access-Control-Expose-Headers"] = EXPOSED_HEADERS
-            if allow != "*":
-                response.headers["Vary"] = "Origin"

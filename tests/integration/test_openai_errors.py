@@ -151,6 +151,7 @@ async def test_browser_pages_of_allowed_origins_may_call_the_api(nats_url: str) 
                                 headers={"Origin": other}) as response:
             assert response.status == 401
             assert "Access-Control-Allow-Origin" not in response.headers
+            assert response.headers["Vary"] == "Origin"
     async with Stack(nats_url, gateway_options={"cors_origins": "*"}) as stack, \
             aiohttp.ClientSession() as session:
         async with session.get(f"{stack.gateway.url}/v1/models",
