@@ -495,6 +495,7 @@ class StreamResume(Message, frozen=True, kw_only=True):
     reply_subject: str
     points: list[ResumePoint]
 
+
 class ShedLoad(Message, frozen=True, kw_only=True):
     """Command to one decode worker (request/reply, `Subjects.shed_load`), from a conductor's
     planner: hand up to `num_requests` of your running requests back to be placed again, on
