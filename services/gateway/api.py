@@ -28,12 +28,19 @@ from services.gateway.openai_schema import (
     ParsedRequest,
     decode_body,
 )
+from services.gateway.response_events import Event, ResponseState, settings_of
 from services.gateway.responses import (
     ChatFormat,
     Choice,
     CompletionFormat,
     ResponseFormat,
     total_usage,
+)
+from services.gateway.responses_api import (
+    ResponsesRequest,
+    chat_request,
+    named_for_responses,
+    wants_logprobs,
 )
 from shared import tracing
 from shared.errors import AuthenticationFailed, HalfmoonError, InvalidRequest, ModelNotFound
@@ -119,7 +126,7 @@ def auth_middleware(api_key: str | None) -> Any:
     return check
 
 
-_GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+_GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 _X_REQUEST_ID = re.compile(r"[!-~]{1,256}")  # visible ASCII: safe to send back in a header
 _X_REQUEST_ID_KEY = web.RequestKey("x_request_id", str)
 
@@ -184,6 +191,7 @@ def build_app(backend: GatewayBackend) -> web.Application:
     routes = _Routes(backend)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
+    app.router.add_post("/v1/responses", routes.responses)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/models/{model:.+}", routes.model)  # ids may hold "/" (org/name)
     app.router.add_get("/health", routes.health)
@@ -214,6 +222,20 @@ class _Routes:
         return await _respond(request, self.backend.generator, request_id, parsed,
                               ChatFormat(request_id, model.name, model.token_text,
                                          parsed[0].sampling.logprobs is not None))
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API, served as the chat request it means (responses_api.py)."""
+        self.backend.check_accepting()
+        body = decode_body(await request.read(), ResponsesRequest)
+        model = await self.backend.served_model(body.model)
+        try:
+            parsed = self.backend.parse_chat(chat_request(body), model)[0]
+        except InvalidRequest as exc:
+            raise named_for_responses(exc) from None
+        response_id = f"resp_{uuid.uuid4().hex}"
+        state = ResponseState(response_id, model.name, settings_of(body), model.token_text,
+                              parsed, wants_logprobs=wants_logprobs(body))
+        return await _respond_events(request, self.backend.generator, parsed, state)
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         return json_response({"object": "list", "data": self.backend.model_list()})
@@ -252,6 +274,35 @@ async def _respond(
         await response.prepare(request)
         await _stream_events(response, chunks, first, fmt, choices, parsed[0])
         return response
+
+
+async def _respond_events(request: web.Request, generator: Generator, parsed: ParsedRequest,
+                          state: ResponseState) -> web.StreamResponse:
+    """A Responses API answer: the whole object, or its events as they happen (named SSE
+    events, no `[DONE]`)."""
+    async with contextlib.aclosing(generator.stream(state.response_id, parsed)) as chunks:
+        if not parsed.is_stream:
+            async for _, chunk in chunks:
+                state.add(chunk)
+            return json_response(state.body())
+        first = await anext(chunks)  # as `_respond`: a rejection still gets its status
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+        })
+        await response.prepare(request)
+        try:
+            await _send_events(response, state.opening() + state.add(first[1]))
+            async for _, chunk in chunks:
+                await _send_events(response, state.add(chunk))
+        except HalfmoonError as exc:
+            await _send_events(response, state.failed(exc))
+        return response
+
+
+async def _send_events(response: web.StreamResponse, events: list[Event]) -> None:
+    for event in events:
+        await response.write(b"event: " + event["type"].encode() + b"\ndata: "
+                             + _json.encode(event) + b"\n\n")
 
 
 def _choice_chunks(generator: Generator, request_id: str, parsed: list[ParsedRequest]

@@ -76,6 +76,17 @@ class TokenText:
     def bytes(self, token_id: int) -> list[int]:
         return list(self.tokenizer.token_bytes(token_id))
 
+    def entries(self, token_ids: list[int], logprobs: list[TokenLogprob]
+                ) -> list[dict[str, Any]]:
+        """Logprobs as chat and the Responses API spell them: `token`, `logprob`, `bytes`,
+        `top_logprobs` of the same."""
+        return [{**self._entry(t, e.logprob or 0.0),
+                 "top_logprobs": [self._entry(top, value) for top, value in e.top]}
+                for t, e in zip(token_ids, logprobs, strict=True)]
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": self.text(token_id), "logprob": logprob, "bytes": self.bytes(token_id)}
+
 
 class CompletionFormat:
     """Bodies of `/v1/completions`; logprobs as `tokens`, `token_logprobs`, `top_logprobs`
@@ -190,15 +201,7 @@ class ChatFormat:
                   ) -> dict[str, Any] | None:
         if not self.wants_logprobs or entries is None:
             return None
-        return {"content": [
-            {**self._token(t, e.logprob or 0.0),
-             "top_logprobs": [self._token(top, value) for top, value in e.top]}
-            for t, e in zip(token_ids, entries, strict=True)
-        ], "refusal": None}
-
-    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": self.tokens.text(token_id), "logprob": logprob,
-                "bytes": self.tokens.bytes(token_id)}
+        return {"content": self.tokens.entries(token_ids, entries), "refusal": None}
 
 
 ResponseFormat = CompletionFormat | ChatFormat

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.e2e
 MODEL = "halfmoon-tiny"
 GOOD = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+RESPONSE = {"model": MODEL, "input": "hi", "max_output_tokens": 4}
 
 
 def assert_openai_error(body: Any, *, type_: str, param: str | None = None,
@@ -54,6 +55,16 @@ BAD_REQUESTS = [
      {**CHAT, "messages": [{"role": "user", "content": None}]}, 400, "messages"),
     ("stream_options_without_stream", "/v1/chat/completions",
      {**CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("responses_empty_input", "/v1/responses", {**RESPONSE, "input": []}, 400, "input"),
+    ("responses_wrong_type", "/v1/responses", {**RESPONSE, "max_output_tokens": "ten"}, 400,
+     "max_output_tokens"),
+    ("responses_stateful", "/v1/responses", {**RESPONSE, "previous_response_id": "resp_1"},
+     400, "previous_response_id"),
+    ("responses_unknown_model", "/v1/responses", {**RESPONSE, "model": "gpt-9"}, 404, "model"),
+    ("responses_beyond_context", "/v1/responses", {**RESPONSE, "max_output_tokens": 5000},
+     400, "max_output_tokens"),
+    ("responses_input_beyond_context", "/v1/responses", {**RESPONSE, "input": "x" * 3000},
+     400, "input"),
 ]
 
 

@@ -1,0 +1,289 @@
+"""The Responses API's request (`POST /v1/responses`), served statelessly: translated into the
+chat request it means, which the chat path then validates, renders and serves.
+
+Stateless: the gateway keeps no responses, so `previous_response_id`, `conversation` and
+`background` are refused (send the whole conversation in `input`, as with `store: false`), and
+every response says `store: false`. Input items are messages (text parts only), function calls
+and their outputs; tools are function tools. What would change the output and is not served
+(other tool types, reasoning settings, images) is refused with a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+from services.gateway.openai_schema import (
+    MAX_LOGPROBS,
+    CalledFunction,
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionDef,
+    FunctionName,
+    JsonSchemaFormat,
+    MessageToolCall,
+    NamedToolChoice,
+    ResponseFormat,
+    StreamOptions,
+    ToolDef,
+)
+from shared.errors import InvalidRequest, UnsupportedParameter
+
+MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant"})
+TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# `include` entries with nothing to add here: halfmoon emits no reasoning items.
+NOTHING_TO_INCLUDE = frozenset({"reasoning.encrypted_content"})
+# The chat path's checks name chat's fields: an error names the field this request sent.
+_PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+           "messages": "input", "response_format": "text.format",
+           "logprobs": "include", "prompt": "input"}
+
+
+class InputPart(msgspec.Struct, kw_only=True):
+    """A content part of an input message; replayed output parts carry more (annotations,
+    logprobs), which are not input and are ignored."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class InputItem(msgspec.Struct, kw_only=True):
+    """One item of `input`: a message (`type` may be left out), a `function_call` replayed
+    from an earlier response, or a `function_call_output`. Replayed items keep their `id`
+    and `status`; they do not change what is rendered."""
+
+    type: str = "message"
+    role: str | None = None
+    content: str | list[InputPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[InputPart] | None = None
+
+
+class ResponsesTool(msgspec.Struct, kw_only=True):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesToolChoice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: str
+    name: str | None = None
+
+
+class TextFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: str = "text"
+    name: str | None = None
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
+class Reasoning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: str | ResponsesToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextSettings | None = None
+    reasoning: Reasoning | None = None
+    truncation: str | None = None
+    # Stateful features, refused: this gateway keeps no responses.
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    background: bool | None = None
+    # Metadata only: accepted, no effect on generation.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+
+def chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request that `request` means; refuses what it cannot mean here."""
+    _check_served(request)
+    messages = [ChatMessage(role="system", content=request.instructions)
+                ] if request.instructions else []
+    messages += input_messages(request.input)
+    fmt = request.text.format if request.text is not None else None
+    return ChatCompletionRequest(
+        model=request.model, messages=messages,
+        max_completion_tokens=request.max_output_tokens,
+        temperature=request.temperature, top_p=request.top_p,
+        stream=request.stream, stream_options=None,
+        logprobs=wants_logprobs(request) or None, top_logprobs=request.top_logprobs,
+        tools=[_tool(tool, i) for i, tool in enumerate(request.tools)] if request.tools else None,
+        tool_choice=_tool_choice(request.tool_choice),
+        parallel_tool_calls=request.parallel_tool_calls,
+        response_format=None if fmt is None else _response_format(fmt),
+        user=request.user, metadata=request.metadata, store=request.store,
+        service_tier=request.service_tier, prompt_cache_key=request.prompt_cache_key,
+        safety_identifier=request.safety_identifier,
+    )
+
+
+def named_for_responses(error: InvalidRequest) -> InvalidRequest:
+    """`error` from the chat path's checks, its `param` named as this API names it."""
+    if error.param in _PARAMS:
+        error.param = _PARAMS[error.param]
+    return error
+
+
+def wants_logprobs(request: ResponsesRequest) -> bool:
+    """Logprobs come with the output text when `include` asks, or `top_logprobs` is set."""
+    return LOGPROBS_INCLUDE in (request.include or ()) or request.top_logprobs is not None
+
+
+def _check_served(request: ResponsesRequest) -> None:
+    stateful = ("previous_response_id" if request.previous_response_id is not None
+                else "conversation" if request.conversation is not None
+                else "background" if request.background else None)
+    if stateful is not None:
+        raise UnsupportedParameter(
+            f"halfmoon's gateway is stateless and does not support `{stateful}`: send the "
+            "whole conversation in `input`", param=stateful)
+    for entry in request.include or ():
+        if entry != LOGPROBS_INCLUDE and entry not in NOTHING_TO_INCLUDE:
+            raise UnsupportedParameter(f"include {entry!r} is not supported", param="include")
+    if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must lie in [0, {MAX_LOGPROBS}]",
+                             param="top_logprobs")
+    if request.truncation not in (None, "disabled"):
+        raise UnsupportedParameter("only truncation 'disabled' is supported: an input too "
+                                   "long for the model is refused", param="truncation")
+    reasoning = request.reasoning
+    if reasoning is not None and (reasoning.effort or reasoning.summary
+                                  or reasoning.generate_summary):
+        raise UnsupportedParameter("halfmoon does not support `reasoning`", param="reasoning")
+    if request.text is not None and request.text.verbosity not in (None, "medium"):
+        raise UnsupportedParameter("halfmoon does not support `text.verbosity`",
+                                   param="text.verbosity")
+    if request.stream_options is not None and not request.stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true",
+                             param="stream_options")
+
+
+def input_messages(items: str | list[InputItem]) -> list[ChatMessage]:
+    """`input` as chat turns: function calls in a row become one assistant turn's calls."""
+    if isinstance(items, str):
+        return [ChatMessage(role="user", content=items)]
+    if not items:
+        raise InvalidRequest("input must not be empty", param="input")
+    messages: list[ChatMessage] = []
+    calls: list[MessageToolCall] = []
+    for i, item in enumerate(items):
+        if item.type == "function_call":
+            calls.append(_call(item, i))
+            continue
+        if calls:
+            messages.append(ChatMessage(role="assistant", tool_calls=calls))
+            calls = []
+        if item.type == "message":
+            messages.append(_message(item, i))
+        elif item.type == "function_call_output":
+            if not item.call_id or item.output is None:
+                raise InvalidRequest(f"input[{i}]: a function_call_output needs call_id and "
+                                     "output", param="input")
+            messages.append(ChatMessage(role="tool", tool_call_id=item.call_id,
+                                        content=_text(item.output, i)))
+        else:
+            raise UnsupportedParameter(f"input[{i}]: item type {item.type!r} is not supported "
+                                       "(messages, function_call, function_call_output)",
+                                       param="input")
+    if calls:
+        messages.append(ChatMessage(role="assistant", tool_calls=calls))
+    return messages
+
+
+def _message(item: InputItem, i: int) -> ChatMessage:
+    if item.role not in MESSAGE_ROLES:
+        raise InvalidRequest(f"input[{i}].role {item.role!r} is not one of "
+                             f"{sorted(MESSAGE_ROLES)}", param="input")
+    if item.content is None:
+        raise InvalidRequest(f"input[{i}].content is missing", param="input")
+    return ChatMessage(role=item.role, content=_text(item.content, i))
+
+
+def _text(content: str | list[InputPart], i: int) -> str:
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type == "refusal":
+            continue  # an earlier answer's refusal, replayed: as chat, not rendered
+        if part.type not in TEXT_PARTS or part.text is None:
+            raise InvalidRequest(f"input[{i}].content: only text parts are supported, got "
+                                 f"{part.type!r}", param="input")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _call(item: InputItem, i: int) -> MessageToolCall:
+    if not item.call_id or not item.name or item.arguments is None:
+        raise InvalidRequest(f"input[{i}]: a function_call needs call_id, name and arguments",
+                             param="input")
+    try:
+        json.loads(item.arguments)
+    except ValueError as exc:
+        raise InvalidRequest(f"input[{i}]: the arguments of {item.name!r} are not JSON",
+                             param="input") from exc
+    return MessageToolCall(id=item.call_id,
+                           function=CalledFunction(name=item.name, arguments=item.arguments))
+
+
+def _tool(tool: ResponsesTool, i: int) -> ToolDef:
+    if tool.type != "function":
+        raise UnsupportedParameter(f"tools[{i}]: tool type {tool.type!r} is not supported "
+                                   "(function tools only)", param="tools")
+    if not tool.name:
+        raise InvalidRequest(f"tools[{i}] needs a name", param="tools")
+    return ToolDef(type="function", function=FunctionDef(
+        name=tool.name, description=tool.description, parameters=tool.parameters,
+        strict=tool.strict))
+
+
+def _tool_choice(choice: str | ResponsesToolChoice | None) -> str | NamedToolChoice | None:
+    if not isinstance(choice, ResponsesToolChoice):
+        return choice  # "none", "auto", "required" (the chat path checks the word)
+    if choice.type != "function" or not choice.name:
+        raise UnsupportedParameter(f"tool_choice of type {choice.type!r} is not supported "
+                                   "(a function, by name)", param="tool_choice")
+    return NamedToolChoice(type="function", function=FunctionName(name=choice.name))
+
+
+def _response_format(fmt: TextFormat) -> ResponseFormat:
+    if fmt.type != "json_schema":
+        return ResponseFormat(type=fmt.type)  # "text", "json_object" (the chat path checks)
+    if fmt.schema_ is None:
+        raise InvalidRequest("text.format json_schema needs a schema", param="text.format")
+    return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
+        name=fmt.name or "response", schema_=fmt.schema_, description=fmt.description,
+        strict=fmt.strict))
