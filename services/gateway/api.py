@@ -192,6 +192,10 @@ def build_app(backend: GatewayBackend) -> web.Application:
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
     app.router.add_post("/v1/responses", routes.responses)
+    for path in ("/v1/responses/{response_id}", "/v1/responses/{response_id}/{action}"):
+        app.router.add_get(path, routes.kept_response)  # action: input_items
+        app.router.add_delete(path, routes.kept_response)
+        app.router.add_post(path, routes.kept_response)  # action: cancel
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/models/{model:.+}", routes.model)  # ids may hold "/" (org/name)
     app.router.add_get("/health", routes.health)
@@ -236,6 +240,12 @@ class _Routes:
         state = ResponseState(response_id, model.name, settings_of(body), model.token_text,
                               parsed, wants_logprobs=wants_logprobs(body))
         return await _respond_events(request, self.backend.generator, parsed, state)
+
+    async def kept_response(self, request: web.Request) -> web.StreamResponse:
+        """Retrieving, deleting or cancelling a response: none is kept, so none is found."""
+        raise web.HTTPNotFound(reason=f"No response found with id "
+                               f"'{request.match_info['response_id']}' (halfmoon's gateway "
+                               "keeps no responses: every one is store: false)")
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         return json_response({"object": "list", "data": self.backend.model_list()})

@@ -94,6 +94,19 @@ async def test_unknown_route_is_a_json_404(stack: Stack) -> None:
     assert_openai_error(body, type_="invalid_request_error")
 
 
+@pytest.mark.parametrize(("method", "path"), [
+    ("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1"),
+    ("POST", "/v1/responses/resp_1/cancel"), ("GET", "/v1/responses/resp_1/input_items")])
+async def test_a_kept_response_is_never_found(stack: Stack, method: str, path: str) -> None:
+    async with aiohttp.ClientSession() as session, \
+            session.request(method, f"{stack.gateway.url}{path}") as response:
+        assert response.status == 404
+        body = await response.json()
+    assert_openai_error(body, type_="invalid_request_error")
+    assert "'resp_1'" in body["error"]["message"] and "keeps no responses" in \
+        body["error"]["message"]
+
+
 async def test_sdk_raises_typed_errors(stack: Stack) -> None:
     async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x", max_retries=0) as sdk:
         with pytest.raises(openai.NotFoundError, match="gpt-9"):
