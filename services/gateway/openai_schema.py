@@ -150,6 +150,10 @@ class ChatCompletionRequest(_GenerationParams, kw_only=True, forbid_unknown_fiel
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None  # only ["text"]
+    # Chat template extensions (vLLM's names and meanings).
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -237,6 +241,9 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
         raise InvalidRequest("messages must not be empty", param="messages")
     if request.modalities not in (None, ["text"]):
         raise UnsupportedParameter("only the text modality is served", param="modalities")
+    if request.continue_final_message and request.add_generation_prompt:
+        raise InvalidRequest("continue_final_message and add_generation_prompt cannot both "
+                             "be true", param="continue_final_message")
     rendered = []
     for i, message in enumerate(request.messages):
         if message.role not in CHAT_ROLES:

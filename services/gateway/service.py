@@ -223,7 +223,10 @@ class GatewayService(Service):
         if output.grammar is not None:
             check_grammar(output.grammar, "tools" if use and use.is_forced else PARAM)
         text = template.render(chat_messages(request), bos_token=tokenizer.bos_token,
-                               eos_token=tokenizer.eos_token, tools=tools)
+                               eos_token=tokenizer.eos_token, tools=tools,
+                               add_generation_prompt=request.add_generation_prompt is not False,
+                               continue_final_message=bool(request.continue_final_message),
+                               variables=request.chat_template_kwargs)
         return [validate(request, tokenizer.encode(text), model.limits,
                          output=output, default_max_tokens=None)]
 
