@@ -110,6 +110,8 @@ class Grammars:
         try:
             if spec.kind == "ebnf":
                 return compiler.compile_grammar(spec.source)
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.source)
             if spec.kind == "json_object":  # any object, compact (no runaway whitespace)
                 grammar = xgr.Grammar.from_json_schema('{"type": "object"}',
                                                        any_whitespace=False, strict_mode=False)
@@ -131,7 +133,7 @@ class Grammars:
 
         compiled = self.compile(spec)
         closer = None
-        if spec.kind != "ebnf" and self._vocab is not None:
+        if spec.kind in ("json_object", "json_schema") and self._vocab is not None:
             closer = JsonCloser(self._vocab)
         matcher = Matcher(xgr.GrammarMatcher(compiled), self.vocab_size, closer)
         for token_id in accepted:

@@ -38,11 +38,12 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag=True, tag_field="ty
 
 class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True):
     """What the output must match (structured outputs): `json_object` any JSON object;
-    `json_schema` the JSON schema in `source` (JSON text); `ebnf` the grammar in `source`.
+    `json_schema` the JSON schema in `source` (JSON text); `ebnf` the grammar in `source`;
+    `regex` the regular expression in `source` (a worker older than `regex` refuses it).
     A JSON output may be wrapped in the literal texts `begin` and `end` (a forced tool
     call: `<tool_call>{...}</tool_call>`)."""
 
-    kind: Literal["json_object", "json_schema", "ebnf"]
+    kind: Literal["json_object", "json_schema", "ebnf", "regex"]
     source: str = ""
     begin: str = ""
     end: str = ""

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from services.gateway.guided import GuidedParams, guided_grammar
 from services.gateway.tool_calls import (
     ToolFormat,
     ToolUse,
@@ -56,7 +57,7 @@ class ResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _GenerationParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class _GenerationParams(GuidedParams, kw_only=True, forbid_unknown_fields=True):
     model: str
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -79,6 +80,7 @@ class _GenerationParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     response_format: ResponseFormat | None = None  # on completions too, as vLLM
+    # vLLM's structured-output extensions come from GuidedParams (guided.py).
     # Metadata only: accepted, no effect on generation.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -330,9 +332,6 @@ def forced_tool_grammar(request: ChatCompletionRequest, use: ToolUse | None
              else set(use.names))
     tools = {t.function.name: t.function.parameters or {"type": "object", "properties": {}}
              for t in request.tools if t.function.name in names}
-    if request.response_format is not None and request.response_format.type != "text":
-        raise InvalidRequest("a forced tool call and response_format cannot be combined",
-                             param="tool_choice")
     return forced_call_grammar(tools, use.format)
 
 
@@ -357,7 +356,21 @@ class Output:
     logprobs: int | None = None  # alternatives per token; None: no logprobs
     echo: bool = False
     grammar: GrammarSpec | None = None  # what the output must match
+    grammar_param: str = "response_format"  # the field that asked for it
     tools: ToolUse | None = None
+
+
+def output_constraint(request: _GenerationParams) -> tuple[GrammarSpec | None, str]:
+    """The grammar the output must keep to (`response_format` or vLLM's extensions, one of
+    them) and the field that asked for it."""
+    fmt = response_grammar(request.response_format)
+    guided = guided_grammar(request)
+    if guided is None:
+        return fmt, "response_format"
+    if fmt is not None:
+        raise InvalidRequest(f"one output constraint per request, got response_format and "
+                             f"{guided[1]}", param=guided[1])
+    return guided
 
 
 def response_grammar(response_format: ResponseFormat | None) -> GrammarSpec | None:
@@ -383,8 +396,9 @@ def completion_output(request: CompletionRequest) -> Output:
         raise InvalidRequest(f"logprobs must lie in [0, {MAX_LOGPROBS}]", param="logprobs")
     if request.best_of not in (None, 1):
         raise UnsupportedParameter("best_of is not supported", param="best_of")
-    return Output(logprobs=request.logprobs, echo=bool(request.echo),
-                  grammar=response_grammar(request.response_format))
+    grammar, param = output_constraint(request)
+    return Output(logprobs=request.logprobs, echo=bool(request.echo), grammar=grammar,
+                  grammar_param=param)
 
 
 def chat_output(request: ChatCompletionRequest, tools: ToolUse | None = None) -> Output:
@@ -394,9 +408,14 @@ def chat_output(request: ChatCompletionRequest, tools: ToolUse | None = None) ->
                              param="top_logprobs")
     if top is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs: true", param="top_logprobs")
-    return Output(logprobs=(top or 0) if request.logprobs else None,
-                  grammar=(forced_tool_grammar(request, tools)
-                           or response_grammar(request.response_format)), tools=tools)
+    grammar, param = output_constraint(request)
+    if (forced := forced_tool_grammar(request, tools)) is not None:
+        if grammar is not None:
+            raise InvalidRequest(f"a forced tool call and {param} cannot be combined",
+                                 param="tool_choice")
+        grammar, param = forced, "tools"
+    return Output(logprobs=(top or 0) if request.logprobs else None, grammar=grammar,
+                  grammar_param=param, tools=tools)
 
 
 def validate(

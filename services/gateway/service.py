@@ -35,7 +35,7 @@ from services.gateway.openai_schema import (
     validate,
 )
 from services.gateway.request_stream import StreamTable
-from services.gateway.structured import PARAM, check_grammar
+from services.gateway.structured import check_grammar
 from services.gateway.tokenizer import Tokenizer
 from services.gateway.tool_calls import tool_format
 from shared.config import GatewayConfig
@@ -198,7 +198,7 @@ class GatewayService(Service):
                          ) -> list[ParsedRequest]:
         output = completion_output(request)
         if output.grammar is not None:
-            check_grammar(output.grammar)
+            check_grammar(output.grammar, output.grammar_param)
         tokenizer = model.tokenizer
         parsed = []
         for index, prompt in enumerate(completion_prompts(request)):
@@ -221,7 +221,7 @@ class GatewayService(Service):
                                 template_has_tools=template.supports_tools)
         output = chat_output(request, use)
         if output.grammar is not None:
-            check_grammar(output.grammar, "tools" if use and use.is_forced else PARAM)
+            check_grammar(output.grammar, output.grammar_param)
         text = template.render(chat_messages(request), bos_token=tokenizer.bos_token,
                                eos_token=tokenizer.eos_token, tools=tools,
                                add_generation_prompt=request.add_generation_prompt is not False,

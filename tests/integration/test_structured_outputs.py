@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -101,6 +102,41 @@ async def test_completions_take_response_format_too(sdk: openai.AsyncOpenAI) -> 
         extra_body={"response_format": {"type": "json_schema", "json_schema": {
             "name": "p", "schema": SCHEMAS["person"]}}})
     jsonschema.validate(json.loads(response.choices[0].text), SCHEMAS["person"])
+
+
+CHOICES = ["yes", "no", "not \"sure\""]
+GUIDED = [  # vLLM's fields, and what every output must then be
+    pytest.param({"guided_choice": CHOICES}, CHOICES.__contains__, id="guided_choice"),
+    pytest.param({"structured_outputs": {"choice": CHOICES}}, CHOICES.__contains__,
+                 id="structured_outputs.choice"),
+    pytest.param({"guided_regex": r"[0-9]{3}-[a-z]{2,4}"},
+                 re.compile(r"[0-9]{3}-[a-z]{2,4}").fullmatch, id="guided_regex"),
+    pytest.param({"structured_outputs": {"regex": r"(ab)+c?"}},
+                 re.compile(r"(ab)+c?").fullmatch, id="structured_outputs.regex"),
+    pytest.param({"structured_outputs": {"grammar": 'root ::= "x" [0-9] [0-9]?'}},
+                 re.compile(r"x[0-9][0-9]?").fullmatch, id="structured_outputs.grammar"),
+    pytest.param({"guided_json": SCHEMAS["person"]},
+                 lambda text: jsonschema.validate(json.loads(text), SCHEMAS["person"]) is None,
+                 id="guided_json"),
+]
+
+
+@pytest.mark.parametrize(("fields", "is_valid"), GUIDED)
+async def test_vllms_structured_output_fields_hold_every_output(
+        sdk: openai.AsyncOpenAI, fields: dict[str, Any], is_valid: Any) -> None:
+    async def one(seed: int) -> str:
+        options: dict[str, Any] = {"model": MODEL, "max_tokens": 64, "temperature": 1.0,
+                                   "seed": seed, "extra_body": fields}
+        if seed % 2:
+            response = await sdk.completions.create(prompt=f"#{seed}", **options)
+            return response.choices[0].text
+        chat = await sdk.chat.completions.create(
+            messages=[{"role": "user", "content": f"#{seed}"}], **options)
+        assert chat.choices[0].finish_reason == "stop"
+        return chat.choices[0].message.content or ""
+
+    outputs = await asyncio.gather(*(one(seed) for seed in range(12)))
+    assert all(is_valid(output) for output in outputs), outputs
 
 
 @pytest.mark.parametrize("path", PATHS)
