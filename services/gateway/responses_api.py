@@ -151,7 +151,9 @@ def chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
 
 
 def named_for_responses(error: InvalidRequest) -> InvalidRequest:
-    """`error` from the chat path's checks, its `param` named as this API names it."""
+    """`error` from the chat path's checks, its field named as this API names it."""
+    if error.param in ("max_tokens", "max_completion_tokens"):  # named in the message too
+        error.message = error.message.replace(error.param, "max_output_tokens")
     if error.param in _PARAMS:
         error.param = _PARAMS[error.param]
     return error

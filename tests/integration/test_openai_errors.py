@@ -88,6 +88,13 @@ async def test_context_errors_carry_openais_code(stack: Stack) -> None:
     assert body["error"]["code"] == "context_length_exceeded"
 
 
+async def test_responses_errors_name_the_responses_fields(stack: Stack) -> None:
+    status, body = await stack.post("/v1/responses", {**RESPONSE, "max_output_tokens": 5000})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert "max_output_tokens asks for 5000" in body["error"]["message"]
+    assert "max_tokens" not in body["error"]["message"]
+
+
 async def test_unknown_route_is_a_json_404(stack: Stack) -> None:
     status, body = await stack.post("/v1/embeddings", {"model": MODEL})
     assert status == 404
