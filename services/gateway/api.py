@@ -350,7 +350,8 @@ async def _stream_events(
             choice.has_started = True
             if (opening := fmt.opening(choice)) is not None:
                 await _send(response, {**opening, **extra})
-        await _send(response, {**fmt.chunk(choice, chunk), **extra})
+        if (body := fmt.chunk(choice, chunk)) is not None:
+            await _send(response, {**body, **extra})
 
     try:
         await send(*first)

@@ -104,11 +104,13 @@ class CompletionFormat:
     def opening(self, choice: Choice) -> dict[str, Any] | None:
         return None
 
-    def chunk(self, choice: Choice, chunk: TextChunk) -> dict[str, Any]:
+    def chunk(self, choice: Choice, chunk: TextChunk) -> dict[str, Any] | None:
+        """The chunk to send, or None when it would say nothing (its text held back)."""
+        logprobs = self._logprobs(choice, chunk.token_ids, chunk.logprobs)
+        if not chunk.text and logprobs is None and chunk.finish_reason is None:
+            return None
         return self._envelope([{"index": choice.index, "text": chunk.text,
-                                "logprobs": self._logprobs(choice, chunk.token_ids,
-                                                           chunk.logprobs),
-                                "finish_reason": chunk.finish_reason}])
+                                "logprobs": logprobs, "finish_reason": chunk.finish_reason}])
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return self._envelope([], usage=usage_body)
@@ -159,7 +161,9 @@ class ChatFormat:
                                       "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}])
 
-    def chunk(self, choice: Choice, chunk: TextChunk) -> dict[str, Any]:
+    def chunk(self, choice: Choice, chunk: TextChunk) -> dict[str, Any] | None:
+        """The chunk to send, or None when it would say nothing (text that may be a call
+        or a stop string, held back)."""
         text, calls, finish = chunk.text, [], chunk.finish_reason
         if choice.tool_stream is not None:  # text that may be a call waits for the end
             text = choice.tool_stream.push(text)
@@ -170,10 +174,11 @@ class ChatFormat:
         delta: dict[str, Any] = {"content": text} if text else {}
         if calls:
             delta["tool_calls"] = [{"index": i, **call.body()} for i, call in enumerate(calls)]
+        logprobs = self._logprobs(chunk.token_ids, chunk.logprobs)
+        if not delta and logprobs is None and finish is None:
+            return None
         return self._chunk_envelope([{"index": choice.index, "delta": delta,
-                                      "logprobs": self._logprobs(chunk.token_ids,
-                                                                 chunk.logprobs),
-                                      "finish_reason": finish}])
+                                      "logprobs": logprobs, "finish_reason": finish}])
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return self._chunk_envelope([], usage=usage_body)

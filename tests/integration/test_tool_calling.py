@@ -68,6 +68,10 @@ async def test_a_forced_call_is_well_formed(sdk: openai.AsyncOpenAI, choice: Any
         finish, content = None, ""
         async for chunk in stream:
             for delta_choice in chunk.choices:
+                delta = delta_choice.delta
+                # Text held back while it may be a call sends nothing, not empty deltas.
+                assert (delta.content is not None or delta.role or delta.tool_calls
+                        or delta_choice.finish_reason)
                 content += delta_choice.delta.content or ""
                 finish = delta_choice.finish_reason or finish
                 for call in delta_choice.delta.tool_calls or []:
