@@ -340,11 +340,14 @@ def _message_text(message: ChatMessage, i: int) -> str:
         return message.content or ""
     texts = []
     for part in message.content:
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise InvalidRequest(
                 f"messages[{i}].content: only text parts are supported, got {part.type!r}",
                 param="messages",
             )
+        if part.text is None:
+            raise InvalidRequest(f"messages[{i}].content: a text part needs its text",
+                                 param="messages")
         texts.append(part.text)
     return "".join(texts)
 
@@ -441,8 +444,8 @@ def validate(
     is_prompt_only = max_tokens == 0 and output.echo
     room = limits.max_model_len - len(prompt_token_ids)
     if max_tokens is not None and max_tokens <= 0 and not is_prompt_only:
-        raise InvalidRequest("max_tokens must be at least 1 (0 only with echo)",
-                             param="max_tokens")
+        echo_note = " (0 only with echo)" if isinstance(request, CompletionRequest) else ""
+        raise InvalidRequest(f"max_tokens must be at least 1{echo_note}", param="max_tokens")
     if max_tokens is not None and max_tokens > room:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {limits.max_model_len} tokens; the prompt "

@@ -241,9 +241,12 @@ def _text(content: str | list[InputPart], i: int) -> str:
     for part in content:
         if part.type == "refusal":
             continue  # an earlier answer's refusal, replayed: as chat, not rendered
-        if part.type not in TEXT_PARTS or part.text is None:
+        if part.type not in TEXT_PARTS:
             raise InvalidRequest(f"input[{i}].content: only text parts are supported, got "
                                  f"{part.type!r}", param="input")
+        if part.text is None:
+            raise InvalidRequest(f"input[{i}].content: a text part needs its text",
+                                 param="input")
         texts.append(part.text)
     return "".join(texts)
 
@@ -275,15 +278,21 @@ def _tool(tool: ResponsesTool, i: int) -> ToolDef:
 def _tool_choice(choice: str | ResponsesToolChoice | None) -> str | NamedToolChoice | None:
     if not isinstance(choice, ResponsesToolChoice):
         return choice  # "none", "auto", "required" (the chat path checks the word)
-    if choice.type != "function" or not choice.name:
+    if choice.type != "function":
         raise UnsupportedParameter(f"tool_choice of type {choice.type!r} is not supported "
                                    "(a function, by name)", param="tool_choice")
+    if not choice.name:
+        raise InvalidRequest("tool_choice of type 'function' needs the function's name",
+                             param="tool_choice")
     return NamedToolChoice(type="function", function=FunctionName(name=choice.name))
 
 
 def _response_format(fmt: TextFormat) -> ResponseFormat:
+    if fmt.type not in ("text", "json_object", "json_schema"):
+        raise InvalidRequest(f"text.format.type {fmt.type!r} is not one of 'text', "
+                             "'json_object', 'json_schema'", param="text.format")
     if fmt.type != "json_schema":
-        return ResponseFormat(type=fmt.type)  # "text", "json_object" (the chat path checks)
+        return ResponseFormat(type=fmt.type)
     if fmt.schema_ is None:
         raise InvalidRequest("text.format json_schema needs a schema", param="text.format")
     return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(

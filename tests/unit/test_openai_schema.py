@@ -206,3 +206,17 @@ def test_unknown_role_is_refused() -> None:
     body = b'{"model": "m", "messages": [{"role": "wizard", "content": "x"}]}'
     with pytest.raises(InvalidRequest, match="wizard"):
         chat_messages(decode_body(body, ChatCompletionRequest))
+
+
+def test_a_text_part_without_text_says_so() -> None:
+    request = decode_body(b'{"model": "m", "messages": [{"role": "user", "content": '
+                          b'[{"type": "text"}]}]}', ChatCompletionRequest)
+    with pytest.raises(InvalidRequest, match=r"messages\[0\].content: a text part needs"):
+        chat_messages(request)
+
+
+def test_chat_max_tokens_zero_does_not_mention_echo() -> None:
+    request = decode_body(b'{"model": "m", "messages": [], "max_tokens": 0}',
+                          ChatCompletionRequest)
+    with pytest.raises(InvalidRequest, match=r"^max_tokens must be at least 1$"):
+        validate(request, [1, 2], LIMITS, default_max_tokens=None, output=chat_output(request))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 from services.gateway.generation import TextChunk
@@ -93,11 +94,15 @@ def test_logprobs_are_asked_by_include_or_top_logprobs() -> None:
     ({"truncation": "auto"}, UnsupportedParameter, "truncation"),
     ({"top_logprobs": 21}, InvalidRequest, "top_logprobs"),
     ({"input": []}, InvalidRequest, "input must not be empty"),
+    ({"tool_choice": {"type": "function"}}, InvalidRequest, "needs the function's name"),
+    ({"tool_choice": {"type": "allowed_tools"}}, UnsupportedParameter, "'allowed_tools'"),
+    ({"text": {"format": {"type": "yaml"}}}, InvalidRequest, "text.format.type 'yaml'"),
 ])
 def test_what_is_not_served_is_refused(fields: dict[str, Any], error: type[Exception],
                                        message: str) -> None:
+    body = msgspec.json.encode({"model": "m", "input": "hi", **fields})
     with pytest.raises(error, match=message):
-        chat_request(request(**fields))
+        chat_request(decoded(body))
 
 
 @pytest.mark.parametrize(("body", "message"), [
@@ -109,6 +114,7 @@ def test_what_is_not_served_is_refused(fields: dict[str, Any], error: type[Excep
     (b'{"role": "tool", "content": "x"}', "role 'tool'"),
     (b'{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}',
      "only text parts"),
+    (b'{"role": "user", "content": [{"type": "input_text"}]}', "a text part needs its text"),
 ])
 def test_a_bad_input_item_names_its_place(body: bytes, message: str) -> None:
     with pytest.raises(InvalidRequest, match=message) as info:
