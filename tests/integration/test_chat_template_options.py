@@ -4,7 +4,6 @@ and `chat_template_kwargs` reach the template, and a misuse is a 400."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -13,26 +12,12 @@ import pytest
 
 from services.gateway.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from services.gateway.tokenizer import HfTokenizer
-from tests.stack import Stack, torch_stack_on
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "halfmoon-tiny"
 MESSAGES: list[Any] = [{"role": "user", "content": "Tell me of the harbour."},
                        {"role": "assistant", "content": "The half moon rose over"}]
-
-
-@pytest.fixture(scope="module")
-async def stack(nats_url: str, tiny_dir: Path) -> AsyncIterator[Stack]:
-    async with torch_stack_on("disaggregated", nats_url, str(tiny_dir)) as running:
-        yield running
-
-
-@pytest.fixture
-async def sdk(stack: Stack) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x", max_retries=0,
-                                  timeout=120) as client:
-        yield client
 
 
 def prompt_ids(tiny_dir: Path, **options: Any) -> list[int]:

@@ -6,15 +6,11 @@ for what a stateless gateway cannot serve."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
-
-from tests.stack import Stack, torch_stack_on
 
 pytestmark = pytest.mark.e2e
 
@@ -30,19 +26,6 @@ CHAT_TURNS = [{"role": "system", "content": INSTRUCTIONS}, *TURNS[:2],
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
     "required": ["city"]}}
-
-
-@pytest.fixture(scope="module")
-async def stack(nats_url: str, tiny_dir: Path) -> AsyncIterator[Stack]:
-    async with torch_stack_on("disaggregated", nats_url, str(tiny_dir)) as running:
-        yield running
-
-
-@pytest.fixture
-async def sdk(stack: Stack) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x", max_retries=0,
-                                  timeout=120) as client:
-        yield client
 
 
 async def test_a_response_is_the_chat_answer_to_the_same_conversation(
