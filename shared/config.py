@@ -89,6 +89,9 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     # Other models' files, one directory each by model name (`<models_dir>/<model>`), for
     # models whose workers' own directories this gateway cannot read.
     models_dir: str | None = None
+    # Responses API responses asked to be stored (`store`, default true) are kept this long
+    # in NATS KV, for `previous_response_id` and GET /v1/responses/{id}; 0: none is stored.
+    responses_ttl_s: float = 86400.0
 
 
 class PlannerSettings(msgspec.Struct, frozen=True, kw_only=True):

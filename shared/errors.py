@@ -74,6 +74,21 @@ class ModelNotFound(HalfmoonError):
     openai_code = "model_not_found"
 
 
+class ResponseNotFound(HalfmoonError):
+    """A stored Responses API response that does not exist (never stored, deleted, or past
+    its time to live)."""
+
+    code = ErrorCode.INVALID_REQUEST
+    http_status = 404
+    error_type = "invalid_request_error"
+
+
+class PreviousResponseNotFound(InvalidRequest):
+    """`previous_response_id` names no stored response."""
+
+    openai_code = "previous_response_not_found"
+
+
 class CapacityExhausted(HalfmoonError):
     """No worker can take the request now (queues full, KV blocks exhausted)."""
 

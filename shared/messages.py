@@ -22,7 +22,7 @@ A request's life on the wire:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -332,6 +332,18 @@ class AbortRequest(Message, frozen=True, kw_only=True):
     request_id: str
     reason: str = ""
     worker_id: str = ""  # only this worker drops the request; empty: every worker
+
+
+class StoredResponse(Message, frozen=True, kw_only=True):
+    """A Responses API response a gateway stored (its `store` was true), the value under its
+    id in `Subjects.responses_bucket`; any gateway reads it for `previous_response_id` and
+    GET /v1/responses/{id}. `conversation` is what a later turn continues: the items the
+    model saw (earlier turns, this input) and then its output items, as `input` takes them
+    (`instructions` are not carried over, as OpenAI's are not)."""
+
+    response: dict[str, Any]
+    conversation: list[dict[str, Any]]
+    num_input_items: int  # the leading items of `conversation` that were input
 
 
 class WorkerHeartbeat(Message, frozen=True, kw_only=True):

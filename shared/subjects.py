@@ -152,6 +152,11 @@ class Subjects:
     def planner_lease(self) -> str:
         return "leader"
 
+    # NATS KV bucket: stored Responses API responses (`StoredResponse`), by response id.
+    @property
+    def responses_bucket(self) -> str:
+        return f"halfmoon_{self.cluster.replace('-', '_')}_responses"
+
     # NATS KV bucket: transfer-engine descriptors (`TransferEndpoint`), one per engine.
     @property
     def transfer_bucket(self) -> str:

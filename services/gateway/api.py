@@ -13,13 +13,13 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
-import msgspec
 import structlog
 from aiohttp import web
 from opentelemetry.trace import SpanKind, StatusCode
 
 from services.gateway.cors import Cors
 from services.gateway.generation import Generator, TextChunk
+from services.gateway.json_bodies import encoder, error_body, json_response
 from services.gateway.merge import merged
 from services.gateway.model_catalog import ServedModel
 from services.gateway.openai_schema import (
@@ -28,7 +28,7 @@ from services.gateway.openai_schema import (
     ParsedRequest,
     decode_body,
 )
-from services.gateway.response_events import Event, ResponseState, settings_of
+from services.gateway.response_store import ResponseStore
 from services.gateway.responses import (
     ChatFormat,
     Choice,
@@ -36,12 +36,7 @@ from services.gateway.responses import (
     ResponseFormat,
     total_usage,
 )
-from services.gateway.responses_api import (
-    ResponsesRequest,
-    chat_request,
-    named_for_responses,
-    wants_logprobs,
-)
+from services.gateway.responses_route import ResponsesRoutes
 from shared import tracing
 from shared.errors import AuthenticationFailed, HalfmoonError, InvalidRequest, ModelNotFound
 from shared.logs import get_logger
@@ -51,9 +46,6 @@ log = get_logger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-_json = msgspec.json.Encoder()
-
-
 class GatewayBackend(Protocol):
     """What the routes need from the gateway service."""
 
@@ -61,6 +53,7 @@ class GatewayBackend(Protocol):
     cors_origins: frozenset[str]
     generator: Generator
     metrics: GatewayMetrics
+    responses: ResponseStore
 
     async def metrics_handler(self, request: web.Request) -> web.Response: ...
 
@@ -80,15 +73,6 @@ class GatewayBackend(Protocol):
     def health(self) -> dict[str, Any]: ...
 
     def check_accepting(self) -> None: ...
-
-
-def error_body(exc: HalfmoonError) -> dict[str, Any]:
-    return {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param,
-                      "code": exc.openai_code or exc.code.value}}
-
-
-def json_response(body: Any, status: int = 200) -> web.Response:
-    return web.Response(body=_json.encode(body), status=status, content_type="application/json")
 
 
 @web.middleware
@@ -191,11 +175,7 @@ def build_app(backend: GatewayBackend) -> web.Application:
     routes = _Routes(backend)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
-    app.router.add_post("/v1/responses", routes.responses)
-    for path in ("/v1/responses/{response_id}", "/v1/responses/{response_id}/{action}"):
-        app.router.add_get(path, routes.kept_response)  # action: input_items
-        app.router.add_delete(path, routes.kept_response)
-        app.router.add_post(path, routes.kept_response)  # action: cancel
+    ResponsesRoutes(backend).add_to(app.router)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/models/{model:.+}", routes.model)  # ids may hold "/" (org/name)
     app.router.add_get("/health", routes.health)
@@ -226,26 +206,6 @@ class _Routes:
         return await _respond(request, self.backend.generator, request_id, parsed,
                               ChatFormat(request_id, model.name, model.token_text,
                                          parsed[0].sampling.logprobs is not None))
-
-    async def responses(self, request: web.Request) -> web.StreamResponse:
-        """The Responses API, served as the chat request it means (responses_api.py)."""
-        self.backend.check_accepting()
-        body = decode_body(await request.read(), ResponsesRequest)
-        model = await self.backend.served_model(body.model)
-        try:
-            parsed = self.backend.parse_chat(chat_request(body), model)[0]
-        except InvalidRequest as exc:
-            raise named_for_responses(exc) from None
-        response_id = f"resp_{uuid.uuid4().hex}"
-        state = ResponseState(response_id, model.name, settings_of(body), model.token_text,
-                              parsed, wants_logprobs=wants_logprobs(body))
-        return await _respond_events(request, self.backend.generator, parsed, state)
-
-    async def kept_response(self, request: web.Request) -> web.StreamResponse:
-        """Retrieving, deleting or cancelling a response: none is kept, so none is found."""
-        raise web.HTTPNotFound(reason=f"No response found with id "
-                               f"'{request.match_info['response_id']}' (halfmoon's gateway "
-                               "keeps no responses: every one is store: false)")
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         return json_response({"object": "list", "data": self.backend.model_list()})
@@ -284,35 +244,6 @@ async def _respond(
         await response.prepare(request)
         await _stream_events(response, chunks, first, fmt, choices, parsed[0])
         return response
-
-
-async def _respond_events(request: web.Request, generator: Generator, parsed: ParsedRequest,
-                          state: ResponseState) -> web.StreamResponse:
-    """A Responses API answer: the whole object, or its events as they happen (named SSE
-    events, no `[DONE]`)."""
-    async with contextlib.aclosing(generator.stream(state.response_id, parsed)) as chunks:
-        if not parsed.is_stream:
-            async for _, chunk in chunks:
-                state.add(chunk)
-            return json_response(state.body())
-        first = await anext(chunks)  # as `_respond`: a rejection still gets its status
-        response = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-        })
-        await response.prepare(request)
-        try:
-            await _send_events(response, state.opening() + state.add(first[1]))
-            async for _, chunk in chunks:
-                await _send_events(response, state.add(chunk))
-        except HalfmoonError as exc:
-            await _send_events(response, state.failed(exc))
-        return response
-
-
-async def _send_events(response: web.StreamResponse, events: list[Event]) -> None:
-    for event in events:
-        await response.write(b"event: " + event["type"].encode() + b"\ndata: "
-                             + _json.encode(event) + b"\n\n")
 
 
 def _choice_chunks(generator: Generator, request_id: str, parsed: list[ParsedRequest]
@@ -365,4 +296,4 @@ async def _stream_events(
 
 
 async def _send(response: web.StreamResponse, body: dict[str, Any]) -> None:
-    await response.write(b"data: " + _json.encode(body) + b"\n\n")
+    await response.write(b"data: " + encoder.encode(body) + b"\n\n")

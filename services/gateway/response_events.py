@@ -50,15 +50,17 @@ def settings_of(request: ResponsesRequest) -> dict[str, Any]:
         "service_tier": request.service_tier or "default",
         "prompt_cache_key": request.prompt_cache_key,
         "safety_identifier": request.safety_identifier,
-        "store": False,  # stateless: nothing is kept to fetch later
-        "background": False, "previous_response_id": None, "truncation": "disabled",
+        "store": request.store is not False,  # until it turns out it could not be
+        "background": False, "previous_response_id": request.previous_response_id,
+        "truncation": "disabled",
         "reasoning": {"effort": None, "summary": None}, "max_tool_calls": None,
     }
 
 
 class ResponseState:
-    """One response, from its first chunk to its end; `events` of each step for a stream,
-    `body()` for the whole object."""
+    """One response, from its first chunk to its end: the events of each step for a
+    stream (`opening`, `add` per chunk, then `finished` once `is_done`), `body()` for the
+    whole object."""
 
     def __init__(self, response_id: str, model: str, settings: dict[str, Any],
                  tokens: TokenText, parsed: ParsedRequest, *, wants_logprobs: bool) -> None:
@@ -100,6 +102,15 @@ class ResponseState:
             events += self._closing()
         return events
 
+    @property
+    def is_done(self) -> bool:
+        return self.status != "in_progress"
+
+    def finished(self) -> Event:
+        """The last event: `response.completed`, or `response.incomplete` when cut short."""
+        name = "response.incomplete" if self.status == "incomplete" else "response.completed"
+        return self._lifecycle(name)
+
     def failed(self, error: HalfmoonError) -> list[Event]:
         """The response ended by an error after it began."""
         self.status = "failed"
@@ -108,13 +119,13 @@ class ResponseState:
 
     def body(self) -> dict[str, Any]:
         """The response object as it stands."""
-        is_done = self.status != "in_progress"
+        is_done = self.is_done
         return {
             "id": self.response_id, "object": "response", "created_at": self.created_at,
             "status": self.status, "error": self.error,
             "incomplete_details": ({"reason": "max_output_tokens"}
                                    if self.status == "incomplete" else None),
-            "model": self.model, "output": self._output() if is_done else [],
+            "model": self.model, "output": self.output() if is_done else [],
             "usage": self._usage() if is_done else None, **self.settings,
         }
 
@@ -162,8 +173,7 @@ class ResponseState:
                 self._event("response.function_call_arguments.done", item_id=item["id"],
                             output_index=index, name=call.name, arguments=call.arguments),
                 self._event("response.output_item.done", output_index=index, item=item)]
-        name = "response.incomplete" if self.status == "incomplete" else "response.completed"
-        return [*events, self._lifecycle(name)]
+        return events
 
     def _lifecycle(self, kind: str) -> Event:
         return self._event(kind, response=self.body())
@@ -173,7 +183,8 @@ class ResponseState:
 
     # --- the response object ---------------------------------------------------------------
 
-    def _output(self) -> list[dict[str, Any]]:
+    def output(self) -> list[dict[str, Any]]:
+        """The output items (a message, function calls), as a later turn's input takes them."""
         items = [self._message_item()] if self.has_message else []
         return items + [_call_item(call) for call in self.calls]
 

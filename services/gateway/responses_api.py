@@ -1,11 +1,11 @@
-"""The Responses API's request (`POST /v1/responses`), served statelessly: translated into the
-chat request it means, which the chat path then validates, renders and serves.
+"""The Responses API's request (`POST /v1/responses`): translated into the chat request it
+means, which the chat path then validates, renders and serves.
 
-Stateless: the gateway keeps no responses, so `previous_response_id`, `conversation` and
-`background` are refused (send the whole conversation in `input`, as with `store: false`), and
-every response says `store: false`. Input items are messages (text parts only), function calls
-and their outputs; tools are function tools. What would change the output and is not served
-(other tool types, reasoning settings, images) is refused with a 400 naming it.
+Input items are messages (text parts only), function calls and their outputs; a request
+with `previous_response_id` continues that stored response's conversation (response_store.py).
+Tools are function tools. What would change the output and is not served (other tool types,
+reasoning settings, images, `conversation` objects, `background`) is refused with a 400
+naming it.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ _PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_outp
            "logprobs": "include", "prompt": "input"}
 
 
-class InputPart(msgspec.Struct, kw_only=True):
+class InputPart(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A content part of an input message; replayed output parts carry more (annotations,
     logprobs), which are not input and are ignored."""
 
@@ -51,7 +51,7 @@ class InputPart(msgspec.Struct, kw_only=True):
     refusal: str | None = None
 
 
-class InputItem(msgspec.Struct, kw_only=True):
+class InputItem(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One item of `input`: a message (`type` may be left out), a `function_call` replayed
     from an earlier response, or a `function_call_output`. Replayed items keep their `id`
     and `status`; they do not change what is rendered."""
@@ -114,8 +114,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     text: TextSettings | None = None
     reasoning: Reasoning | None = None
     truncation: str | None = None
-    # Stateful features, refused: this gateway keeps no responses.
     previous_response_id: str | None = None
+    # Refused: conversation objects and background runs are not served.
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
     # Metadata only: accepted, no effect on generation.
@@ -127,12 +127,23 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     safety_identifier: str | None = None
 
 
-def chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that `request` means; refuses what it cannot mean here."""
+def input_items(request: ResponsesRequest) -> list[InputItem]:
+    """`input` as items (a string is one user message)."""
+    if isinstance(request.input, str):
+        return [InputItem(role="user", content=request.input)]
+    if not request.input:
+        raise InvalidRequest("input must not be empty", param="input")
+    return request.input
+
+
+def chat_request(request: ResponsesRequest, history: list[InputItem] | None = None
+                 ) -> ChatCompletionRequest:
+    """The chat request that `request` means, after the `history` of the response it
+    continues; refuses what it cannot mean here."""
     _check_served(request)
     messages = [ChatMessage(role="system", content=request.instructions)
                 ] if request.instructions else []
-    messages += input_messages(request.input)
+    messages += input_messages(history or []) + input_messages(input_items(request))
     fmt = request.text.format if request.text is not None else None
     return ChatCompletionRequest(
         model=request.model, messages=messages,
@@ -165,13 +176,13 @@ def wants_logprobs(request: ResponsesRequest) -> bool:
 
 
 def _check_served(request: ResponsesRequest) -> None:
-    stateful = ("previous_response_id" if request.previous_response_id is not None
-                else "conversation" if request.conversation is not None
+    unserved = ("conversation" if request.conversation is not None
                 else "background" if request.background else None)
-    if stateful is not None:
+    if unserved is not None:
         raise UnsupportedParameter(
-            f"halfmoon's gateway is stateless and does not support `{stateful}`: send the "
-            "whole conversation in `input`", param=stateful)
+            f"halfmoon does not support `{unserved}`: continue a response with "
+            "`previous_response_id`, or send the whole conversation in `input`",
+            param=unserved)
     for entry in request.include or ():
         if entry != LOGPROBS_INCLUDE and entry not in NOTHING_TO_INCLUDE:
             raise UnsupportedParameter(f"include {entry!r} is not supported", param="include")
@@ -193,12 +204,8 @@ def _check_served(request: ResponsesRequest) -> None:
                              param="stream_options")
 
 
-def input_messages(items: str | list[InputItem]) -> list[ChatMessage]:
-    """`input` as chat turns: function calls in a row become one assistant turn's calls."""
-    if isinstance(items, str):
-        return [ChatMessage(role="user", content=items)]
-    if not items:
-        raise InvalidRequest("input must not be empty", param="input")
+def input_messages(items: list[InputItem]) -> list[ChatMessage]:
+    """Items as chat turns: function calls in a row become one assistant turn's calls."""
     messages: list[ChatMessage] = []
     calls: list[MessageToolCall] = []
     for i, item in enumerate(items):

@@ -35,6 +35,7 @@ from services.gateway.openai_schema import (
     validate,
 )
 from services.gateway.request_stream import StreamTable
+from services.gateway.response_store import ResponseStore
 from services.gateway.structured import check_grammar
 from services.gateway.tokenizer import Tokenizer
 from services.gateway.tool_calls import tool_format
@@ -43,7 +44,7 @@ from shared.errors import ConfigError, RequestAborted, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
 from shared.messages import GatewayEvent, StreamResume, WorkerHeartbeat
 from shared.metrics import GatewayMetrics
-from shared.nats_client import encode, ensure_work_queue, read_registry
+from shared.nats_client import encode, ensure_bucket, ensure_work_queue, read_registry
 from shared.service import Service
 
 # OpenAI's legacy completions endpoint defaults to 16 new tokens; chat fills the context.
@@ -68,6 +69,7 @@ class GatewayService(Service):
         self.catalog: ModelCatalog | None = None
         self.port: int | None = None
         self._generator: Generator | None = None
+        self.responses = ResponseStore(None)  # stored responses: in NATS KV once started
         self._runner: web.AppRunner | None = None
         self._is_accepting = False
         self._created = int(time.time())  # each model's `created` in /v1/models: stable
@@ -105,6 +107,9 @@ class GatewayService(Service):
         await self.serve(self.subjects.all_heartbeats, WorkerHeartbeat, self._on_heartbeat)
         for heartbeat in await read_registry(self.nc.jetstream(), self.subjects.workers_bucket):
             self._observe(heartbeat, from_registry=True)
+        self.responses = ResponseStore(await ensure_bucket(
+            js, self.subjects.responses_bucket, self.config.responses_ttl_s,
+            replicas=self.config.js_replicas) if self.config.responses_ttl_s > 0 else None)
         self._generator = Generator(GeneratorContext(
             nc=self.nc, js=js, subjects=self.subjects, reply_subject=reply_subject,
             table=self.table, tokenizer_of=self._tokenizer_of,

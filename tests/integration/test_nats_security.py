@@ -102,7 +102,7 @@ async def test_the_stack_serves_with_one_least_privilege_user_per_role(
         secure_nats: SecureNats, tiny_dir: Path) -> None:
     """On the real engine, so every kind of message flows: placement, the KV handoff (its
     target, commit and lease renewal), the transfer registry, a prefix fetched from the
-    other prefill worker, prefix-cache events, the conductor's snapshot."""
+    other prefill worker, prefix-cache events, the conductor's snapshot, stored responses."""
     worker = {"engine": "torch", "model_path": str(tiny_dir), "num_blocks": 256}
     violations_before = len(secure_nats.violations())
     async with Stack(
@@ -123,6 +123,14 @@ async def test_the_stack_serves_with_one_least_privilege_user_per_role(
                 model="halfmoon-tiny", messages=[{"role": "user", "content": "hi"}],
                 max_tokens=5, stream=True, extra_body={"ignore_eos": True})
             chunks = [chunk async for chunk in stream]
+            # A stored response (the gateway's KV bucket), continued, fetched and deleted.
+            first = await sdk.responses.create(model="halfmoon-tiny", input="hi",
+                                               max_output_tokens=2)
+            second = await sdk.responses.create(model="halfmoon-tiny", input="more",
+                                                max_output_tokens=2,
+                                                previous_response_id=first.id)
+            assert (await sdk.responses.retrieve(second.id)).previous_response_id == first.id
+            await sdk.responses.delete(first.id)
         assert all(c.usage is not None and c.usage.completion_tokens == 6 for c in completions)
         assert chunks[-1].choices[0].finish_reason == "length"
         moved = sum(counter(w.metrics, "halfmoon_kv_transfer_bytes_total")

@@ -58,8 +58,8 @@ BAD_REQUESTS = [
     ("responses_empty_input", "/v1/responses", {**RESPONSE, "input": []}, 400, "input"),
     ("responses_wrong_type", "/v1/responses", {**RESPONSE, "max_output_tokens": "ten"}, 400,
      "max_output_tokens"),
-    ("responses_stateful", "/v1/responses", {**RESPONSE, "previous_response_id": "resp_1"},
-     400, "previous_response_id"),
+    ("responses_unknown_previous", "/v1/responses",
+     {**RESPONSE, "previous_response_id": "resp_1"}, 400, "previous_response_id"),
     ("responses_unknown_model", "/v1/responses", {**RESPONSE, "model": "gpt-9"}, 404, "model"),
     ("responses_beyond_context", "/v1/responses", {**RESPONSE, "max_output_tokens": 5000},
      400, "max_output_tokens"),
@@ -103,15 +103,16 @@ async def test_unknown_route_is_a_json_404(stack: Stack) -> None:
 
 @pytest.mark.parametrize(("method", "path"), [
     ("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1"),
-    ("POST", "/v1/responses/resp_1/cancel"), ("GET", "/v1/responses/resp_1/input_items")])
-async def test_a_kept_response_is_never_found(stack: Stack, method: str, path: str) -> None:
+    ("POST", "/v1/responses/resp_1/cancel"), ("GET", "/v1/responses/resp_1/input_items"),
+    ("GET", "/v1/responses/no%20such%20key")])
+async def test_a_response_never_stored_is_not_found(stack: Stack, method: str,
+                                                    path: str) -> None:
     async with aiohttp.ClientSession() as session, \
             session.request(method, f"{stack.gateway.url}{path}") as response:
         assert response.status == 404
         body = await response.json()
     assert_openai_error(body, type_="invalid_request_error")
-    assert "'resp_1'" in body["error"]["message"] and "keeps no responses" in \
-        body["error"]["message"]
+    assert body["error"]["message"].startswith("No response found with id")
 
 
 async def test_sdk_raises_typed_errors(stack: Stack) -> None:

@@ -1,7 +1,8 @@
 """The Responses API (`/v1/responses`) through the `openai` SDK against a real stack on the
 torch engine: the answer is the chat answer to the same conversation, streamed events build
-the same response, logprobs, function calls and their results, JSON schema outputs, and 400s
-for what a stateless gateway cannot serve."""
+the same response, logprobs, function calls and their results, JSON schema outputs, stored
+responses continued by id (through another gateway too), retrieved and deleted, and 400s for
+what is not served."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import json
 from typing import Any
 
 import jsonschema
+import msgspec
 import openai
 import pytest
+
+from services.gateway.service import GatewayService
+from tests.stack import Stack, eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -44,7 +49,7 @@ async def test_a_response_is_the_chat_answer_to_the_same_conversation(
     if is_cut:
         assert response.incomplete_details is not None
         assert response.incomplete_details.reason == "max_output_tokens"
-    assert response.instructions == INSTRUCTIONS and response.store is False
+    assert response.instructions == INSTRUCTIONS and response.store is True
 
 
 async def test_streamed_events_build_the_same_response(sdk: openai.AsyncOpenAI) -> None:
@@ -126,7 +131,8 @@ async def test_a_json_schema_output_keeps_to_the_schema(sdk: openai.AsyncOpenAI)
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"previous_response_id": "resp_1"}, "stateless"),
+    ({"previous_response_id": "resp_1"}, "Previous response with id 'resp_1' not found"),
+    ({"conversation": "conv_1"}, "`conversation`"),
     ({"tools": [{"type": "web_search"}]}, "tool type 'web_search'"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "only text parts"),
@@ -139,3 +145,77 @@ async def test_what_is_not_served_is_refused_with_400(sdk: openai.AsyncOpenAI,
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 4, **fields}
     with pytest.raises(openai.BadRequestError, match=message):
         await sdk.post("/responses", body=body, cast_to=dict)
+
+
+async def test_a_continued_response_answers_the_whole_conversation(
+        sdk: openai.AsyncOpenAI) -> None:
+    first = await sdk.responses.create(model=MODEL, input=TURNS[:1], max_output_tokens=6,
+                                       temperature=0)
+    second = await sdk.responses.create(model=MODEL, previous_response_id=first.id,
+                                        input="And when?", max_output_tokens=6, temperature=0)
+    whole = await sdk.responses.create(model=MODEL, input=[
+        TURNS[0], {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And when?"}], max_output_tokens=6, temperature=0)
+    assert second.previous_response_id == first.id
+    assert second.output_text == whole.output_text
+    assert second.usage is not None and whole.usage is not None
+    assert second.usage.input_tokens == whole.usage.input_tokens
+
+
+async def test_a_stored_response_is_retrieved_listed_and_deleted(
+        sdk: openai.AsyncOpenAI) -> None:
+    created = await sdk.responses.create(model=MODEL, input=TURNS, max_output_tokens=4,
+                                         stream=False)
+    fetched = await sdk.responses.retrieve(created.id)
+    assert fetched.model_dump() == created.model_dump()
+    items = await sdk.responses.input_items.list(created.id)
+    assert [item.role for item in items.data] == ["user", "assistant", "user"]  # type: ignore[union-attr]
+    await sdk.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError, match=created.id):
+        await sdk.responses.retrieve(created.id)
+
+
+async def test_a_streamed_response_is_stored_before_its_last_event(
+        sdk: openai.AsyncOpenAI) -> None:
+    stream = await sdk.responses.create(model=MODEL, input="hi", max_output_tokens=4,
+                                        stream=True)
+    async for event in stream:
+        if event.type in ("response.completed", "response.incomplete"):
+            break  # the stream is still open: the response is stored already
+    final = event.response  # type: ignore[union-attr]
+    fetched = await sdk.responses.retrieve(final.id)
+    assert fetched.output_text == final.output_text and final.store is True
+    await stream.close()
+
+
+async def test_store_false_keeps_nothing(sdk: openai.AsyncOpenAI) -> None:
+    response = await sdk.responses.create(model=MODEL, input="hi", max_output_tokens=2,
+                                          store=False)
+    assert response.store is False
+    with pytest.raises(openai.NotFoundError):
+        await sdk.responses.retrieve(response.id)
+    with pytest.raises(openai.BadRequestError) as info:
+        await sdk.responses.create(model=MODEL, input="more", max_output_tokens=2,
+                                   previous_response_id=response.id)
+    assert info.value.code == "previous_response_not_found"
+
+
+async def test_another_gateway_continues_a_stored_response(
+        module_stack: Stack, sdk: openai.AsyncOpenAI) -> None:
+    """Stored in NATS, not in the gateway: any gateway of the cluster continues it."""
+    first = await sdk.responses.create(model=MODEL, input="hi", max_output_tokens=3,
+                                       temperature=0)
+    other = GatewayService(msgspec.structs.replace(module_stack.gateway.config,
+                                                   gateway_id=None))
+    await other.start()
+    try:
+        async with openai.AsyncOpenAI(base_url=f"{other.url}/v1", api_key="x",
+                                      max_retries=0) as client:
+            await eventually(lambda: other.health()["status"] == "ok")
+            second = await client.responses.create(model=MODEL, input="more",
+                                                   previous_response_id=first.id,
+                                                   max_output_tokens=3)
+            assert (await client.responses.retrieve(second.id)).previous_response_id == \
+                first.id
+    finally:
+        await other.stop()

@@ -17,7 +17,7 @@ from services.gateway.openai_schema import (
 )
 from services.gateway.response_events import ResponseState, settings_of
 from services.gateway.responses import TokenText
-from services.gateway.responses_api import ResponsesRequest, chat_request
+from services.gateway.responses_api import InputItem, ResponsesRequest, chat_request
 from services.gateway.tokenizer import ByteTokenizer
 from services.gateway.tool_calls import ToolUse
 from shared.errors import InvalidRequest, UnsupportedParameter
@@ -30,6 +30,16 @@ def request(**fields: Any) -> ResponsesRequest:
 
 def decoded(body: bytes) -> ResponsesRequest:
     return decode_body(body, ResponsesRequest)
+
+
+def test_a_continued_conversation_comes_before_the_new_input() -> None:
+    history = [InputItem(role="user", content="hi"),
+               InputItem(type="function_call", call_id="c1", name="f", arguments="{}")]
+    chat = chat_request(request(instructions="be brief", input=[
+        InputItem(type="function_call_output", call_id="c1", output="done")]), history)
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("system", "be brief"), ("user", "hi"), ("assistant", None), ("tool", "done")]
+    assert chat.messages[2].tool_calls is not None
 
 
 def test_instructions_and_input_become_chat_turns() -> None:
@@ -87,7 +97,6 @@ def test_logprobs_are_asked_by_include_or_top_logprobs() -> None:
 
 
 @pytest.mark.parametrize(("fields", "error", "message"), [
-    ({"previous_response_id": "resp_1"}, UnsupportedParameter, "stateless"),
     ({"conversation": "conv_1"}, UnsupportedParameter, "`conversation`"),
     ({"background": True}, UnsupportedParameter, "`background`"),
     ({"include": ["file_search_call.results"]}, UnsupportedParameter, "include"),
@@ -138,6 +147,8 @@ def test_chunks_become_text_events_then_the_closing_ones() -> None:
     response = state()
     events = response.opening() + response.add(chunk("he", 2)) + response.add(
         chunk("y", 3, "stop"))
+    assert response.is_done
+    events.append(response.finished())
     assert [e["type"] for e in events] == [
         "response.created", "response.in_progress", "response.output_item.added",
         "response.content_part.added", "response.output_text.delta",
@@ -155,8 +166,8 @@ def test_chunks_become_text_events_then_the_closing_ones() -> None:
 
 def test_a_response_cut_by_its_token_limit_is_incomplete() -> None:
     response = state()
-    events = response.add(chunk("abcd", 4, "length"))
-    assert events[-1]["type"] == "response.incomplete"
+    response.add(chunk("abcd", 4, "length"))
+    assert response.finished()["type"] == "response.incomplete"
     body = response.body()
     assert body["status"] == "incomplete"
     assert body["incomplete_details"] == {"reason": "max_output_tokens"}
