@@ -92,6 +92,7 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     # Responses API responses asked to be stored (`store`, default true) are kept this long
     # in NATS KV, for `previous_response_id` and GET /v1/responses/{id}; 0: none is stored.
     responses_ttl_s: float = 86400.0
+    responses_max_bytes: int = 1 << 30  # the bucket's size; when full, the oldest go first
 
 
 class PlannerSettings(msgspec.Struct, frozen=True, kw_only=True):

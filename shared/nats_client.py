@@ -14,7 +14,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
@@ -281,20 +281,26 @@ def _shown(value: object) -> object:
 
 
 async def ensure_bucket(js: JetStreamContext, bucket: str, ttl_s: float, *,
-                        replicas: int = 1) -> KeyValue:
+                        replicas: int = 1, max_bytes: int | None = None) -> KeyValue:
     """The KV bucket, created if missing; an existing one must have these replicas (its TTL
-    stays what its creator set)."""
-    return await answered(lambda: _open_bucket(js, bucket, ttl_s, replicas),
+    and size stay what its creator set). With `max_bytes`, a full bucket drops its oldest
+    entries for new ones (a KV bucket would refuse the new ones)."""
+    return await answered(lambda: _open_bucket(js, bucket, ttl_s, replicas, max_bytes),
                           f"KV bucket {bucket}", within_s=ASSET_WAIT_S)
 
 
-async def _open_bucket(js: JetStreamContext, bucket: str, ttl_s: float, replicas: int
-                       ) -> KeyValue:
+async def _open_bucket(js: JetStreamContext, bucket: str, ttl_s: float, replicas: int,
+                       max_bytes: int | None) -> KeyValue:
     try:
         kv = await js.key_value(bucket)
     except nats.js.errors.BucketNotFoundError:
-        return await js.create_key_value(bucket=bucket, ttl=ttl_s, history=1,
-                                         replicas=replicas)
+        kv = await js.create_key_value(bucket=bucket, ttl=ttl_s, history=1,
+                                       replicas=replicas, max_bytes=max_bytes)
+        if max_bytes is not None:
+            config = (await js.stream_info(f"KV_{bucket}")).config
+            config.discard = DiscardPolicy.OLD
+            await js.update_stream(config)
+        return kv
     config = (await kv.status()).stream_info.config
     _refuse_differences(f"KV bucket {bucket}", [("replicas", config.num_replicas, replicas)])
     return kv

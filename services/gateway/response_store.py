@@ -69,9 +69,9 @@ class ResponseStore:
         return stored
 
     async def delete(self, response_id: str) -> None:
-        await self.get(response_id)
-        assert self._bucket is not None  # get() found it
-        await self._bucket.purge(response_id)
+        await self.get(response_id)  # ResponseNotFound if there is none
+        if self._bucket is not None:
+            await self._bucket.purge(response_id)
 
     async def _read(self, response_id: str) -> StoredResponse | None:
         if self._bucket is None or not _KEY.fullmatch(response_id):

@@ -109,7 +109,8 @@ class GatewayService(Service):
             self._observe(heartbeat, from_registry=True)
         self.responses = ResponseStore(await ensure_bucket(
             js, self.subjects.responses_bucket, self.config.responses_ttl_s,
-            replicas=self.config.js_replicas) if self.config.responses_ttl_s > 0 else None)
+            replicas=self.config.js_replicas, max_bytes=self.config.responses_max_bytes,
+        ) if self.config.responses_ttl_s > 0 else None)
         self._generator = Generator(GeneratorContext(
             nc=self.nc, js=js, subjects=self.subjects, reply_subject=reply_subject,
             table=self.table, tokenizer_of=self._tokenizer_of,
