@@ -6,9 +6,11 @@ with the status its typed exception carries; never a stack trace.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import secrets
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -50,6 +52,7 @@ class GatewayBackend(Protocol):
     """What the routes need from the gateway service."""
 
     api_key: str | None
+    access_log: bool
     cors_origins: frozenset[str]
     generator: Generator
     metrics: GatewayMetrics
@@ -132,9 +135,10 @@ async def _send_x_request_id(request: web.Request, response: web.StreamResponse)
         response.headers["x-request-id"] = x_request_id(request)
 
 
-def observe_middleware(metrics: GatewayMetrics) -> Any:
-    """The request's root span (`gateway.request`, the trace every other service joins) and
-    the request counters, around everything else: they see the final status."""
+def observe_middleware(metrics: GatewayMetrics, *, access_log: bool = False) -> Any:
+    """The request's root span (`gateway.request`, the trace every other service joins), the
+    request counters and, with `access_log`, one `http.request` log line when it ends (a
+    stream: when its last event left), around everything else: they see the final status."""
 
     @web.middleware
     async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -143,14 +147,24 @@ def observe_middleware(metrics: GatewayMetrics) -> Any:
         metrics.requests_in_flight.inc()
         status = 500
         request_id = x_request_id(request)
+        started = time.perf_counter()
         try:
             with structlog.contextvars.bound_contextvars(x_request_id=request_id), \
                     tracing.span(__name__, "gateway.request", kind=SpanKind.SERVER,
                                  attributes={"http.request.method": request.method,
                                              "http.route": request.path,
                                              "halfmoon.x_request_id": request_id}) as span:
-                response = await handler(request)
-                status = response.status
+                try:
+                    response = await handler(request)
+                    status = response.status
+                except (asyncio.CancelledError, ConnectionResetError):
+                    status = 499  # the client went away (nginx's code for it)
+                    raise
+                finally:
+                    if access_log:  # inside the span: the line carries the trace id
+                        log.info("http.request", method=request.method, path=request.path,
+                                 status=status,
+                                 duration_ms=round((time.perf_counter() - started) * 1e3, 1))
                 if span is not None:
                     span.set_attribute("http.response.status_code", status)
                     if status >= 400:
@@ -166,8 +180,9 @@ def observe_middleware(metrics: GatewayMetrics) -> Any:
 def build_app(backend: GatewayBackend) -> web.Application:
     cors = Cors(backend.cors_origins)
     app = web.Application(
-        middlewares=[cors.preflight, observe_middleware(backend.metrics), error_middleware,
-                     auth_middleware(backend.api_key)],
+        middlewares=[cors.preflight,
+                     observe_middleware(backend.metrics, access_log=backend.access_log),
+                     error_middleware, auth_middleware(backend.api_key)],
         client_max_size=16 * 1024 * 1024,
     )
     app.on_response_prepare.append(_send_x_request_id)

@@ -63,6 +63,7 @@ class GatewayService(Service):
         self.gateway_id = config.gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
         self._tokenizer = tokenizer
         self.api_key = config.api_key
+        self.access_log = config.access_log
         self.cors_origins = parse_origins(config.cors_origins)
         self.table = StreamTable()
         self.workers = WorkerDirectory(timeout_s=config.heartbeat_timeout_s)

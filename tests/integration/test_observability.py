@@ -255,8 +255,12 @@ def json_record(line: str) -> dict[str, Any] | None:
 
 def assert_logs_join_the_trace(records: list[dict[str, Any]], trace_id: str) -> None:
     about_request = [r for r in records if r.get("trace_id") == trace_id]
-    assert {r["event"] for r in about_request} >= {"prefill.committed", "decode.kv_committed"}
-    assert all(r.get("request_id") and r.get("span_id") for r in about_request)
+    assert {r["event"] for r in about_request} >= {"prefill.committed", "decode.kv_committed",
+                                                   "http.request"}
+    assert all((r.get("request_id") or r.get("x_request_id")) and r.get("span_id")
+               for r in about_request)
+    (access,) = [r for r in about_request if r["event"] == "http.request"]
+    assert access["status"] == 200 and access["duration_ms"] > 0
 
 
 async def test_spans_reach_an_otlp_http_receiver_and_logs_carry_their_trace_ids(

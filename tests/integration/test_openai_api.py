@@ -157,6 +157,10 @@ async def test_client_disconnect_aborts_the_request_downstream(nats_url: str) ->
         await eventually(lambda: stack.decodes[0].engine.stats().num_running == 0)
         await stack.wait_blocks_free()
         await eventually(lambda: len(stack.gateway.table) == 0)
+        # Counted as the client's going (nginx's 499), not as a server error.
+        await eventually(lambda: stack.gateway.metrics.registry.get_sample_value(
+            "halfmoon_requests_total",
+            {"route": "/v1/completions", "status": "499"}) == 1)
 
 
 async def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(
