@@ -230,7 +230,7 @@ async def one_traced_request(*flags: str, received: Callable[[], dict[str, set[s
     holds its trace; return the trace id and the cluster's JSON log records."""
     logs: list[str] = []
     process, url = await asyncio.to_thread(launch, "--engine", "fake", "--log-level", "info",
-                                           *flags, logs=logs)
+                                           "--access-log", *flags, logs=logs)
     try:
         async with aiohttp.ClientSession() as session, session.post(
                 f"{url}/v1/completions",
