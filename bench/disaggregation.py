@@ -137,7 +137,7 @@ def measure(model: str, model_dir: Path | None, setup: str, args: argparse.Names
             rate: float) -> Run:
     logs: list[str] = []
     model_flags = ("--model", str(model_dir)) if model_dir is not None else ()
-    process, url = launch("--log-level", "info", *model_flags, *SETUPS[setup], logs=logs)
+    process, url = launch("--log-level", "debug", *model_flags, *SETUPS[setup], logs=logs)
     run = Run(model, setup, model_dir.name if model_dir is not None else "halfmoon-tiny")
     try:
         asyncio.run(drive(url, run, args, rate))

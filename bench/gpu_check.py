@@ -201,7 +201,7 @@ async def check_serving(tmp: Path, device: torch.device) -> dict[str, Any]:
                vocab_size=ModelConfig.from_dir(builtin).vocab_size)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (model_dir / name).write_bytes((builtin / name).read_bytes())
-    common = ["--model", str(model_dir), "--device", str(device)]
+    common = ["--model", str(model_dir), "--device", str(device), "--log-level", "debug"]
     outputs, transports = {}, {}
     for name, args in SERVING_SETUPS.items():
         logs: list[str] = []

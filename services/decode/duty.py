@@ -279,9 +279,9 @@ class DecodeDuty(Duty):
         reservation.commit = message
         lease = self.leases.release("decode_reservation", message.request_id)
         self._count_commit(message.transport)
-        self.log.info("decode.kv_committed", request_id=message.request_id,
-                      prefill_worker_id=message.prefill_worker_id,
-                      kv_bytes=message.num_kv_bytes, transport=message.transport)
+        self.log.debug("decode.kv_committed", request_id=message.request_id,
+                       prefill_worker_id=message.prefill_worker_id,
+                       kv_bytes=message.num_kv_bytes, transport=message.transport)
         if reservation.readied.done() and reservation.readied.result() is None:
             self._join(reservation, message, lease)
         else:  # the grammar still compiles (or cannot be): join when it is done

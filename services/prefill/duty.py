@@ -286,11 +286,11 @@ class PrefillDuty(Duty):
             decode_worker_id=target.decode_worker_id, num_kv_bytes=report.num_bytes,
             transport=report.transport, kv_seconds=report.seconds,
             kv_compression=report.compression, num_kv_wire_bytes=report.wire_bytes)
-        self.log.info("prefill.committed", request_id=request.request_id,
-                      decode_worker_id=target.decode_worker_id, kv_bytes=report.num_bytes,
-                      kv_wire_bytes=report.wire_bytes, kv_compression=report.compression,
-                      transport=report.transport, kv_seconds=round(report.seconds, 6),
-                      kv_tail_seconds=round(report.tail_s, 6))
+        self.log.debug("prefill.committed", request_id=request.request_id,
+                       decode_worker_id=target.decode_worker_id, kv_bytes=report.num_bytes,
+                       kv_wire_bytes=report.wire_bytes, kv_compression=report.compression,
+                       transport=report.transport, kv_seconds=round(report.seconds, 6),
+                       kv_tail_seconds=round(report.tail_s, 6))
 
     async def _send_commit(self, request: GenerateRequest, result: PrefillResult,
                            report: HandoffReport, target: KvTarget) -> DispatchReply:

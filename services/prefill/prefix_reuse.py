@@ -107,10 +107,10 @@ class PrefixSharing:
         self.leases.release("prefix_fetch", request_id)
         num_blocks = min(reply.num_blocks, len(wanted))
         self.cache.cache_blocks(block_ids, wanted[:num_blocks])
-        log.info("prefix.fetched", request_id=request_id, holder=source.worker_id,
-                 num_blocks=num_blocks, kv_bytes=reply.num_bytes, transport=reply.transport,
-                 kv_compression=reply.compression,
-                 seconds=round(time.perf_counter() - started, 6))
+        log.debug("prefix.fetched", request_id=request_id, holder=source.worker_id,
+                  num_blocks=num_blocks, kv_bytes=reply.num_bytes, transport=reply.transport,
+                  kv_compression=reply.compression,
+                  seconds=round(time.perf_counter() - started, 6))
         if reply.num_bytes:
             self.metrics.observe_transfer(reply.transport, reply.num_bytes,
                                           time.perf_counter() - started)

@@ -229,7 +229,7 @@ async def one_traced_request(*flags: str, received: Callable[[], dict[str, set[s
     """Run `halfmoon up` with these tracing flags, send one request, wait until a receiver
     holds its trace; return the trace id and the cluster's JSON log records."""
     logs: list[str] = []
-    process, url = await asyncio.to_thread(launch, "--engine", "fake", "--log-level", "info",
+    process, url = await asyncio.to_thread(launch, "--engine", "fake", "--log-level", "debug",
                                            "--access-log", *flags, logs=logs)
     try:
         async with aiohttp.ClientSession() as session, session.post(
