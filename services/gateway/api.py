@@ -39,6 +39,8 @@ from services.gateway.responses import (
     total_usage,
 )
 from services.gateway.responses_route import ResponsesRoutes
+from services.gateway.tokenize_routes import TOKENIZER_ROUTES, TokenizeRoutes
+from services.gateway.tool_calls import ToolUse
 from shared import tracing
 from shared.errors import AuthenticationFailed, HalfmoonError, InvalidRequest, ModelNotFound
 from shared.logs import get_logger
@@ -73,6 +75,10 @@ class GatewayBackend(Protocol):
     def parse_chat(self, request: ChatCompletionRequest, model: ServedModel
                    ) -> list[ParsedRequest]: ...
 
+    def render_chat(self, request: ChatCompletionRequest, model: ServedModel
+                    ) -> tuple[str, ToolUse | None]:
+        """A chat request's prompt text, and how its output may call its tools."""
+
     def health(self) -> dict[str, Any]: ...
 
     def check_accepting(self) -> None: ...
@@ -103,7 +109,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 def auth_middleware(api_key: str | None) -> Any:
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if api_key is not None and request.path.startswith("/v1/"):
+        if api_key is not None and (request.path.startswith("/v1/")
+                                    or request.path in TOKENIZER_ROUTES):
             header = request.headers.get("Authorization", "")
             token = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
             if not secrets.compare_digest(token.encode(), api_key.encode()):
@@ -191,6 +198,7 @@ def build_app(backend: GatewayBackend) -> web.Application:
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
     ResponsesRoutes(backend).add_to(app.router)
+    TokenizeRoutes(backend).add_to(app.router)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/models/{model:.+}", routes.model)  # ids may hold "/" (org/name)
     app.router.add_get("/health", routes.health)

@@ -38,7 +38,7 @@ from services.gateway.request_stream import StreamTable
 from services.gateway.response_store import ResponseStore
 from services.gateway.structured import check_grammar
 from services.gateway.tokenizer import Tokenizer
-from services.gateway.tool_calls import tool_format
+from services.gateway.tool_calls import ToolUse, tool_format
 from shared.config import GatewayConfig
 from shared.errors import ConfigError, RequestAborted, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
@@ -223,19 +223,25 @@ class GatewayService(Service):
 
     def parse_chat(self, request: ChatCompletionRequest, model: ServedModel
                    ) -> list[ParsedRequest]:
-        template, tokenizer = model.template, model.tokenizer
-        tools, use = chat_tools(request, tool_format(template.source),
-                                template_has_tools=template.supports_tools)
+        text, use = self.render_chat(request, model)
         output = chat_output(request, use)
         if output.grammar is not None:
             check_grammar(output.grammar, output.grammar_param)
+        return [validate(request, model.tokenizer.encode(text), model.limits,
+                         output=output, default_max_tokens=None)]
+
+    def render_chat(self, request: ChatCompletionRequest, model: ServedModel
+                    ) -> tuple[str, ToolUse | None]:
+        """The prompt text of a chat request, and how its output may call its tools."""
+        template, tokenizer = model.template, model.tokenizer
+        tools, use = chat_tools(request, tool_format(template.source),
+                                template_has_tools=template.supports_tools)
         text = template.render(chat_messages(request), bos_token=tokenizer.bos_token,
                                eos_token=tokenizer.eos_token, tools=tools,
                                add_generation_prompt=request.add_generation_prompt is not False,
                                continue_final_message=bool(request.continue_final_message),
                                variables=request.chat_template_kwargs)
-        return [validate(request, tokenizer.encode(text), model.limits,
-                         output=output, default_max_tokens=None)]
+        return text, use
 
     def health(self) -> dict[str, Any]:
         """Ready when workers of this gateway's own model can serve a request; `models` says
