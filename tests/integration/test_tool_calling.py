@@ -60,12 +60,13 @@ async def test_a_forced_call_is_well_formed(sdk: openai.AsyncOpenAI, choice: Any
         assert len(calls) == 1 and calls[0].type == "function" and calls[0].id
         check_call(calls[0].function.name, calls[0].function.arguments, allowed)
 
-    async def streamed(seed: int) -> None:
+    async def streamed(seed: int) -> int:
+        """Checks one streamed call; returns how many chunks carried its arguments."""
         stream = await sdk.chat.completions.create(
             model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=choice,  # type: ignore[arg-type]
             max_tokens=128, temperature=1.0, seed=seed, stream=True)
         calls: dict[int, dict[str, str]] = {}
-        finish, content = None, ""
+        finish, content, num_pieces = None, "", 0
         async for chunk in stream:
             for delta_choice in chunk.choices:
                 delta = delta_choice.delta
@@ -78,11 +79,14 @@ async def test_a_forced_call_is_well_formed(sdk: openai.AsyncOpenAI, choice: Any
                     entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
                     entry["name"] += (call.function.name or "") if call.function else ""
                     entry["arguments"] += (call.function.arguments or "") if call.function else ""
+                    num_pieces += bool(call.function and call.function.arguments)
         assert finish == "tool_calls" and content == "" and len(calls) == 1
         check_call(calls[0]["name"], calls[0]["arguments"], allowed)
+        return num_pieces
 
-    await asyncio.gather(*(whole(seed) for seed in range(10)),
-                         *(streamed(seed) for seed in range(10, 20)))
+    _, pieces = await asyncio.gather(asyncio.gather(*(whole(seed) for seed in range(10))),
+                                     asyncio.gather(*(streamed(seed) for seed in range(10, 20))))
+    assert all(num_pieces > 1 for num_pieces in pieces)  # arguments as they come
 
 
 async def test_auto_without_a_call_is_plain_text_and_history_is_served(

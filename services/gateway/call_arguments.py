@@ -1,0 +1,166 @@
+"""Hermes-format tool calls streamed as the model writes them, as OpenAI streams
+`delta.tool_calls`: a call's id and name once its head (`<tool_call>{"name": "...",
+"arguments": {`) is written, then its arguments text piece by piece until the object closes.
+
+Fed the whole output of a choice; it finds the calls itself. A call to a tool not offered,
+a second call when calls are not parallel, or one not in that shape (another key order, say)
+is not streamed: the parse at the end (`ToolUse.parse`) finds what it can of those, and
+`unsent` gives them whole.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.tool_calls import ToolCall, ToolUse
+
+_MARKER, _END = "<tool_call>", "</tool_call>"
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:')
+_HEAD_MAX_CHARS = 256  # a head not complete by then is not one this streams
+
+
+@dataclass
+class StreamedCall:
+    id: str
+    name: str
+    arguments: str = ""  # the JSON text sent so far
+
+
+class CallArguments:
+    """The `delta.tool_calls` entries of one choice's calls, as its text arrives."""
+
+    def __init__(self, use: ToolUse) -> None:
+        self.use = use
+        self.calls: list[StreamedCall] = []
+        self._text = ""
+        self._at = 0  # where the scan goes on in `_text`
+        self._state = self._seek
+        self._name = ""  # of the call whose arguments are about to begin
+        self._depth = 0  # of brackets inside the arguments
+        self._is_in_string = self._is_escaped = False
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        """The delta entries that `text`, the choice's next output, completes."""
+        self._text += text
+        deltas: list[dict[str, Any]] = []
+        while self._state(deltas):  # each step says whether it moved on
+            pass
+        return _merged(deltas)
+
+    def unsent(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        """Delta entries, whole, for the calls parsed at the end that were not streamed
+        (those that were are matched in order, by name)."""
+        streamed = iter(self.calls)
+        pending = next(streamed, None)
+        entries = []
+        for call in calls:
+            if pending is not None and call.name == pending.name:
+                pending = next(streamed, None)
+                continue
+            entries.append({"index": len(self.calls) + len(entries), **call.body()})
+        return entries
+
+    def _seek(self, deltas: list[dict[str, Any]]) -> bool:
+        at = self._text.find(_MARKER, self._at)
+        if at < 0:
+            return False
+        self._at, self._state = at + len(_MARKER), self._head
+        return True
+
+    def _head(self, deltas: list[dict[str, Any]]) -> bool:
+        match = _HEAD.match(self._text, self._at)
+        if match is None:
+            left = self._text[self._at:]
+            if len(left) > _HEAD_MAX_CHARS or _END in left:
+                self._state = self._skip
+                return True
+            return False  # the head may still come
+        try:
+            name = json.loads(f'"{match.group(1)}"')
+        except ValueError:
+            name = None
+        if name not in self.use.names or (self.calls and not self.use.is_parallel):
+            self._state = self._skip
+            return True
+        self._name, self._at, self._state = name, match.end(), self._opening
+        return True
+
+    def _opening(self, deltas: list[dict[str, Any]]) -> bool:
+        """Past the head: the arguments must open an object, else the call is not streamed."""
+        rest = self._text[self._at:]
+        if not rest.strip():
+            return False
+        if not rest.lstrip().startswith("{"):
+            self._state = self._skip
+            return True
+        call = StreamedCall(f"call_{uuid.uuid4().hex[:24]}", self._name)
+        self.calls.append(call)
+        deltas.append({"index": len(self.calls) - 1, **call_opening(call)})
+        self._at += len(rest) - len(rest.lstrip())
+        self._depth, self._is_in_string, self._is_escaped = 0, False, False
+        self._state = self._arguments
+        return True
+
+    def _arguments(self, deltas: list[dict[str, Any]]) -> bool:
+        start = end = self._at
+        is_closed = False
+        for char in self._text[start:]:
+            end += 1
+            if self._closes(char):
+                is_closed = True
+                break
+        if end > start:
+            piece = self._text[start:end]
+            self.calls[-1].arguments += piece
+            deltas.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
+        self._at = end
+        if is_closed:
+            self._state = self._skip  # on to the end of this call
+        return is_closed
+
+    def _closes(self, char: str) -> bool:
+        """Take one character of the arguments; True when it closes their object."""
+        if self._is_in_string:
+            if self._is_escaped:
+                self._is_escaped = False
+            elif char == "\\":
+                self._is_escaped = True
+            elif char == '"':
+                self._is_in_string = False
+            return False
+        if char == '"':
+            self._is_in_string = True
+        elif char in "{[":
+            self._depth += 1
+        elif char in "}]":
+            self._depth -= 1
+            return self._depth == 0
+        return False
+
+    def _skip(self, deltas: list[dict[str, Any]]) -> bool:
+        at = self._text.find(_END, self._at)
+        if at < 0:
+            return False
+        self._at, self._state = at + len(_END), self._seek
+        return True
+
+
+def call_opening(call: StreamedCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": ""}}
+
+
+def _merged(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per call: a call's opening and arguments in one chunk go out together."""
+    merged: list[dict[str, Any]] = []
+    for entry in entries:
+        if merged and merged[-1]["index"] == entry["index"]:
+            function = merged[-1]["function"]
+            function["arguments"] += entry["function"]["arguments"]
+        else:
+            merged.append({**entry, "function": dict(entry["function"])})
+    return merged

@@ -1,0 +1,85 @@
+"""Hermes calls streamed as they are written: the id and name once the head is complete,
+then the arguments piece by piece; what is not streamed comes whole at the end."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from services.gateway.call_arguments import CallArguments
+from services.gateway.tool_calls import ToolUse
+
+USE = ToolUse("hermes", frozenset({"get_weather", "add"}), is_forced=False)
+CALL = ('<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "O{s}lo \\" }", "n": [1, {"a": 2}]}}\n</tool_call>')
+
+
+def fed(stream: CallArguments, text: str, piece_chars: int = 1) -> list[dict[str, Any]]:
+    entries = []
+    for at in range(0, len(text), piece_chars):
+        entries += stream.feed(text[at:at + piece_chars])
+    return entries
+
+
+def calls_of(entries: list[dict[str, Any]]) -> dict[int, dict[str, str]]:
+    """What a client accumulates from the entries, by call index."""
+    calls: dict[int, dict[str, str]] = {}
+    for entry in entries:
+        call = calls.setdefault(entry["index"], {"id": "", "name": "", "arguments": ""})
+        call["id"] += entry.get("id", "")
+        call["name"] += entry["function"].get("name", "")
+        call["arguments"] += entry["function"]["arguments"]
+    return calls
+
+
+def test_a_call_streams_its_name_then_its_arguments_a_piece_at_a_time() -> None:
+    stream = CallArguments(USE)
+    entries = fed(stream, "Checking. " + CALL)
+    opening = entries[0]
+    assert opening["id"].startswith("call_") and opening["function"]["name"] == "get_weather"
+    assert len(entries) > 10  # not held to the end
+    (call,) = calls_of(entries).values()
+    assert json.loads(call["arguments"]) == {"city": 'O{s}lo " }', "n": [1, {"a": 2}]}
+    assert call["arguments"] == stream.calls[0].arguments
+    _, parsed = USE.parse("Checking. " + CALL)
+    assert stream.unsent(parsed) == []  # the parse finds the one already streamed
+
+
+def test_parallel_calls_stream_under_their_own_indexes() -> None:
+    second = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    calls = calls_of(fed(CallArguments(USE), CALL + "\n" + second, piece_chars=7))
+    assert [c["name"] for c in calls.values()] == ["get_weather", "add"]
+    assert json.loads(calls[1]["arguments"]) == {"a": 1, "b": 2}
+
+
+def test_only_the_first_call_streams_when_calls_are_not_parallel() -> None:
+    use = ToolUse("hermes", USE.names, is_forced=False, is_parallel=False)
+    text = CALL + '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    stream = CallArguments(use)
+    assert list(calls_of(fed(stream, text))) == [0]
+    assert stream.unsent(use.parse(text)[1]) == []
+
+
+def test_a_call_to_a_tool_not_offered_is_not_streamed() -> None:
+    text = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    assert fed(CallArguments(USE), text) == []
+
+
+def test_a_call_in_another_shape_comes_whole_at_the_end() -> None:
+    text = '<tool_call>{"arguments": {"a": 1, "b": 2}, "name": "add"}</tool_call>'
+    stream = CallArguments(USE)
+    assert fed(stream, text, piece_chars=5) == []
+    (entry,) = stream.unsent(USE.parse(text)[1])
+    assert entry["index"] == 0 and entry["function"]["name"] == "add"
+    assert json.loads(entry["function"]["arguments"]) == {"a": 1, "b": 2}
+
+
+def test_arguments_that_are_not_an_object_are_not_streamed() -> None:
+    text = '<tool_call>{"name": "add", "arguments": "a=1"}</tool_call>'
+    assert fed(CallArguments(USE), text) == []
+
+
+def test_a_chunk_holding_a_whole_call_sends_it_as_one_entry() -> None:
+    (entry,) = CallArguments(USE).feed(CALL)
+    assert entry["function"]["name"] == "get_weather"
+    assert json.loads(entry["function"]["arguments"])["n"] == [1, {"a": 2}]
