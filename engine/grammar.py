@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shared.errors import InvalidRequest
+from shared.json_state import JsonState
 from shared.messages import GrammarSpec
 
 if TYPE_CHECKING:
@@ -233,67 +234,6 @@ class JsonCloser:
 
 
 _STRUCTURAL = frozenset(b'"{}[],:')
-
-
-class JsonState:
-    """Where a compact JSON text stands: open containers, an open string (key or value),
-    and what the innermost container expects next."""
-
-    __slots__ = ("escape", "expect", "in_string", "is_key", "stack")
-
-    def __init__(self) -> None:
-        self.stack: list[str] = []  # "{" or "["
-        self.in_string = self.is_key = self.escape = False
-        self.expect = "value"  # value | key | colon | after
-
-    def copy(self) -> JsonState:
-        other = JsonState()
-        other.stack = list(self.stack)
-        other.in_string, other.is_key, other.escape = self.in_string, self.is_key, self.escape
-        other.expect = self.expect
-        return other
-
-    def after(self, data: bytes) -> JsonState:
-        state = self.copy()
-        for byte in data:
-            state._push(chr(byte))
-        return state
-
-    def _push(self, char: str) -> None:
-        if self.in_string:
-            if self.escape:
-                self.escape = False
-            elif char == "\\":
-                self.escape = True
-            elif char == '"':
-                self.in_string = False
-                self.expect = "colon" if self.is_key else "after"
-            return
-        if char == '"':
-            self.in_string, self.is_key = True, self.expect == "key"
-        elif char in "{[":
-            self.stack.append(char)
-            self.expect = "key" if char == "{" else "value"
-        elif char in "}]":
-            if self.stack:
-                self.stack.pop()
-            self.expect = "after"
-        elif char == ":":
-            self.expect = "value"
-        elif char == ",":
-            self.expect = "key" if self.stack and self.stack[-1] == "{" else "value"
-        elif not char.isspace():
-            self.expect = "after"  # a number or literal, under way
-
-    def owed(self) -> int:
-        owed = len(self.stack)
-        if self.in_string:
-            owed += 1 + (2 if self.is_key else 0)  # the quote; a key's colon and value
-        elif self.expect == "colon":
-            owed += 2
-        elif self.expect == "value":
-            owed += 1
-        return owed
 
 
 def json_schema_spec(schema: dict[str, Any]) -> GrammarSpec:

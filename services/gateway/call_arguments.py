@@ -1,6 +1,7 @@
 """Hermes-format tool calls streamed as the model writes them, as OpenAI streams
 `delta.tool_calls`: a call's id and name once its head (`<tool_call>{"name": "...",
-"arguments": {`) is written, then its arguments text piece by piece until the object closes.
+"arguments": {`) is written, then its arguments text piece by piece until their object
+closes (`shared/json_state.py` follows it).
 
 Fed the whole output of a choice; it finds the calls itself. A call to a tool not offered,
 a second call when calls are not parallel, or one not in that shape (another key order, say)
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.tool_calls import ToolCall, ToolUse
+from shared.json_state import JsonState
 
 _MARKER, _END = "<tool_call>", "</tool_call>"
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:')
@@ -40,8 +42,7 @@ class CallArguments:
         self._at = 0  # where the scan goes on in `_text`
         self._state = self._seek
         self._name = ""  # of the call whose arguments are about to begin
-        self._depth = 0  # of brackets inside the arguments
-        self._is_in_string = self._is_escaped = False
+        self._json = JsonState()  # where the arguments' text stands
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         """The delta entries that `text`, the choice's next output, completes."""
@@ -101,7 +102,7 @@ class CallArguments:
         self.calls.append(call)
         deltas.append({"index": len(self.calls) - 1, **call_opening(call)})
         self._at += len(rest) - len(rest.lstrip())
-        self._depth, self._is_in_string, self._is_escaped = 0, False, False
+        self._json = JsonState()
         self._state = self._arguments
         return True
 
@@ -110,7 +111,8 @@ class CallArguments:
         is_closed = False
         for char in self._text[start:]:
             end += 1
-            if self._closes(char):
+            self._json.push(char)
+            if not self._json.stack:  # the arguments' object closed
                 is_closed = True
                 break
         if end > start:
@@ -121,25 +123,6 @@ class CallArguments:
         if is_closed:
             self._state = self._skip  # on to the end of this call
         return is_closed
-
-    def _closes(self, char: str) -> bool:
-        """Take one character of the arguments; True when it closes their object."""
-        if self._is_in_string:
-            if self._is_escaped:
-                self._is_escaped = False
-            elif char == "\\":
-                self._is_escaped = True
-            elif char == '"':
-                self._is_in_string = False
-            return False
-        if char == '"':
-            self._is_in_string = True
-        elif char in "{[":
-            self._depth += 1
-        elif char in "}]":
-            self._depth -= 1
-            return self._depth == 0
-        return False
 
     def _skip(self, deltas: list[dict[str, Any]]) -> bool:
         at = self._text.find(_END, self._at)

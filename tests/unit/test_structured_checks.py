@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from engine.builtin_model import write_builtin_model
-from engine.grammar import Grammars, JsonState
+from engine.grammar import Grammars
 from services.gateway.structured import check_grammar
 from shared.errors import InvalidRequest
+from shared.json_state import JsonState
 from shared.messages import GrammarSpec
 
 
