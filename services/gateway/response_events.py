@@ -2,9 +2,10 @@
 
 `ResponseState` follows one response as its chunks arrive and says, for each, the events a
 stream sends (`response.output_text.delta`, ...); the whole response object is built from the
-same state. Its output is a message (text streams as it comes; with tools, text that may be a
-call waits for the end, as in chat) and then the function calls parsed from the output, each
-one item. A response cut short by `max_output_tokens` is `incomplete`.
+same state. Its output items are a message (text streams as it comes; with tools, text that
+may be a call is held back, as in chat) and the function calls, each item opened when it
+begins (a Hermes call's arguments stream as they are written, `CallArguments`; others come
+whole at the end). A response cut short by `max_output_tokens` is `incomplete`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import time
 import uuid
 from typing import Any
 
+from services.gateway.call_arguments import CallArguments
 from services.gateway.generation import TextChunk
 from services.gateway.openai_schema import ParsedRequest
 from services.gateway.responses import TokenText
 from services.gateway.responses_api import ResponsesRequest
-from services.gateway.tool_calls import ToolCall, ToolCallStream
+from services.gateway.tool_calls import ToolCallStream
 from shared.errors import HalfmoonError
 from shared.messages import FinishReason
 
@@ -68,14 +70,18 @@ class ResponseState:
         self.created_at = int(time.time())
         self.tokens, self.wants_logprobs = tokens, wants_logprobs
         self.num_prompt_tokens = len(parsed.prompt_token_ids)
-        self.tool_stream = ToolCallStream(parsed.tools) if parsed.tools is not None else None
+        tools = parsed.tools
+        self.tool_stream = ToolCallStream(tools) if tools is not None else None
+        self.call_arguments = (CallArguments(tools) if tools is not None
+                               and tools.format == "hermes" else None)
         self.status = "in_progress"
         self.message_id = f"msg_{uuid.uuid4().hex}"
-        self.has_message = False
+        self.message_index: int | None = None  # its place among the output items, once begun
+        self._calls: dict[int, dict[str, Any]] = {}  # function_call items by output index
+        self._call_index: dict[int, int] = {}  # a call's delta index -> its output index
         self.text = ""
         self.logprobs: list[dict[str, Any]] = []
         self._unsent_logprobs: list[dict[str, Any]] = []  # of text held back (tools)
-        self.calls: list[ToolCall] = []
         self.finish_reason: FinishReason | None = None
         self.num_completion_tokens = self.num_cached_tokens = 0
         self.error: dict[str, Any] | None = None
@@ -90,13 +96,18 @@ class ResponseState:
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
         if self.wants_logprobs and chunk.logprobs is not None:
             self._unsent_logprobs += self.tokens.entries(chunk.token_ids, chunk.logprobs)
-        text = chunk.text
-        if self.tool_stream is not None:
+        text, calls = chunk.text, []
+        if self.tool_stream is not None:  # text that may be a call is held back
             text = self.tool_stream.push(text)
+            calls = self.call_arguments.feed(chunk.text) if self.call_arguments else []
             if chunk.finish_reason is not None:
-                rest, self.calls = self.tool_stream.finish()
+                rest, parsed = self.tool_stream.finish()
                 text += rest
+                calls += (self.call_arguments.unsent(parsed) if self.call_arguments
+                          else [{"index": i, **call.body()} for i, call in enumerate(parsed)])
         events = self._text(text) if text else []
+        for entry in calls:
+            events += self._call(entry)
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
             events += self._closing()
@@ -132,46 +143,67 @@ class ResponseState:
     # --- events ----------------------------------------------------------------------------
 
     def _text(self, text: str) -> list[Event]:
-        events = [] if self.has_message else self._message_opening()
+        events = [] if self.message_index is not None else self._message_opening()
         logprobs, self._unsent_logprobs = self._unsent_logprobs, []
         self.text += text
         self.logprobs += logprobs
         events.append(self._event("response.output_text.delta", item_id=self.message_id,
-                                  output_index=0, content_index=0, delta=text,
-                                  logprobs=logprobs))
+                                  output_index=self.message_index, content_index=0,
+                                  delta=text, logprobs=logprobs))
         return events
 
     def _message_opening(self) -> list[Event]:
-        self.has_message = True
+        self.message_index = self._next_index
         item = {**self._message_item(), "status": "in_progress", "content": []}
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [self._event("response.output_item.added", output_index=0, item=item),
+        return [self._event("response.output_item.added", output_index=self.message_index,
+                            item=item),
                 self._event("response.content_part.added", item_id=self.message_id,
-                            output_index=0, content_index=0, part=part)]
+                            output_index=self.message_index, content_index=0, part=part)]
+
+    def _call(self, entry: dict[str, Any]) -> list[Event]:
+        """A function call's item opened (`entry` has its id), or its arguments grown."""
+        events = []
+        if "id" in entry:
+            index = self._call_index[entry["index"]] = self._next_index
+            self._calls[index] = {
+                "type": "function_call", "id": f"fc_{entry['id'].removeprefix('call_')}",
+                "call_id": entry["id"], "name": entry["function"]["name"], "arguments": "",
+                "status": "in_progress"}
+            events.append(self._event("response.output_item.added", output_index=index,
+                                      item=dict(self._calls[index])))
+        index = self._call_index[entry["index"]]
+        if piece := entry["function"]["arguments"]:
+            self._calls[index]["arguments"] += piece
+            events.append(self._event("response.function_call_arguments.delta",
+                                      item_id=self._calls[index]["id"], output_index=index,
+                                      delta=piece))
+        return events
+
+    @property
+    def _next_index(self) -> int:
+        return len(self._calls) + (self.message_index is not None)
 
     def _closing(self) -> list[Event]:
-        events = [] if self.has_message or self.calls else self._message_opening()
+        events = [] if self.message_index is not None or self._calls else (
+            self._message_opening())
         self.status = "incomplete" if self.finish_reason == "length" else "completed"
-        if self.has_message:
+        if (at := self.message_index) is not None:
             self.logprobs += self._unsent_logprobs
             item = self._message_item()
             events += [
                 self._event("response.output_text.done", item_id=self.message_id,
-                            output_index=0, content_index=0, text=self.text,
+                            output_index=at, content_index=0, text=self.text,
                             logprobs=self.logprobs),
                 self._event("response.content_part.done", item_id=self.message_id,
-                            output_index=0, content_index=0, part=item["content"][0]),
-                self._event("response.output_item.done", output_index=0, item=item)]
-        first = int(self.has_message)
-        for index, call in enumerate(self.calls, start=first):
-            item = _call_item(call)
+                            output_index=at, content_index=0, part=item["content"][0]),
+                self._event("response.output_item.done", output_index=at, item=item)]
+        for index, item in self._calls.items():
+            item["status"] = "completed"
             events += [
-                self._event("response.output_item.added", output_index=index,
-                            item={**item, "arguments": "", "status": "in_progress"}),
-                self._event("response.function_call_arguments.delta", item_id=item["id"],
-                            output_index=index, delta=call.arguments),
                 self._event("response.function_call_arguments.done", item_id=item["id"],
-                            output_index=index, name=call.name, arguments=call.arguments),
+                            output_index=index, name=item["name"],
+                            arguments=item["arguments"]),
                 self._event("response.output_item.done", output_index=index, item=item)]
         return events
 
@@ -185,8 +217,10 @@ class ResponseState:
 
     def output(self) -> list[dict[str, Any]]:
         """The output items (a message, function calls), as a later turn's input takes them."""
-        items = [self._message_item()] if self.has_message else []
-        return items + [_call_item(call) for call in self.calls]
+        items = dict(self._calls)
+        if self.message_index is not None:
+            items[self.message_index] = self._message_item()
+        return [items[index] for index in sorted(items)]
 
     def _message_item(self) -> dict[str, Any]:
         return {"type": "message", "id": self.message_id,
@@ -201,9 +235,3 @@ class ResponseState:
                 "output_tokens": self.num_completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": self.num_prompt_tokens + self.num_completion_tokens}
-
-
-def _call_item(call: ToolCall) -> dict[str, Any]:
-    return {"type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}",
-            "call_id": call.id, "name": call.name, "arguments": call.arguments,
-            "status": "completed"}

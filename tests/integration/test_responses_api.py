@@ -105,7 +105,8 @@ async def test_a_forced_function_call_and_then_its_result(sdk: openai.AsyncOpenA
     assert answer.output[0].type == "message" and answer.output_text
 
 
-async def test_a_streamed_function_call_arrives_whole(sdk: openai.AsyncOpenAI) -> None:
+async def test_a_streamed_function_call_arrives_as_it_is_written(
+        sdk: openai.AsyncOpenAI) -> None:
     async with sdk.responses.stream(
             model=MODEL, input="Weather?", tools=[WEATHER],  # type: ignore[list-item]
             tool_choice={"type": "function", "name": "get_weather"},
@@ -114,6 +115,7 @@ async def test_a_streamed_function_call_arrives_whole(sdk: openai.AsyncOpenAI) -
         final = await stream.get_final_response()
     kinds = [event.type for event in events]
     assert "response.function_call_arguments.done" in kinds
+    assert kinds.count("response.function_call_arguments.delta") > 1
     call = final.output[-1]
     assert call.type == "function_call" and call.name == "get_weather"
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])

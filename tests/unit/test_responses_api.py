@@ -215,3 +215,22 @@ def test_an_error_after_the_start_fails_the_response() -> None:
     assert event["type"] == "response.failed"
     assert event["response"]["status"] == "failed"
     assert event["response"]["error"]["message"] == "boom"
+
+
+def test_a_call_streams_as_it_is_written_beside_the_message() -> None:
+    response = state(ToolUse("hermes", frozenset({"add"}), is_forced=False))
+    text = 'Sure. <tool_call>{"name": "add", "arguments": {"a": 12, "b": 3}}</tool_call>'
+    before_end = [event for char in text for event in response.add(chunk(char, 1))]
+    kinds = [e["type"] for e in before_end]
+    assert "response.output_item.added" in kinds  # the call's item, before the end
+    added = [e for e in before_end if e["type"] == "response.output_item.added"]
+    assert [(e["output_index"], e["item"]["type"]) for e in added] == [
+        (0, "message"), (1, "function_call")]
+    pieces = [e["delta"] for e in before_end
+              if e["type"] == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and "".join(pieces) == '{"a": 12, "b": 3}'
+    closing = response.add(chunk("", 60, "stop"))
+    done = next(e for e in closing if e["type"] == "response.function_call_arguments.done")
+    assert (done["output_index"], done["arguments"]) == (1, '{"a": 12, "b": 3}')
+    message, call = response.body()["output"]
+    assert message["content"][0]["text"] == "Sure. " and call["status"] == "completed"
