@@ -17,12 +17,38 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.tool_calls import ToolCall, ToolUse
+from services.gateway.tool_calls import ToolCall, ToolCallStream, ToolUse
 from shared.json_state import JsonState
 
 _MARKER, _END = "<tool_call>", "</tool_call>"
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:')
 _HEAD_MAX_CHARS = 256  # a head not complete by then is not one this streams
+
+
+class CallStream:
+    """A choice's output when it may call tools: the text safe to stream (`ToolCallStream`
+    holds back what may be a call) and the `delta.tool_calls` entries of its calls, streamed
+    as they are written (Hermes) or whole at the end (Llama 3.1 JSON, other shapes)."""
+
+    def __init__(self, use: ToolUse) -> None:
+        self._text = ToolCallStream(use)
+        self._arguments = CallArguments(use) if use.format == "hermes" else None
+        self.has_calls = False  # known at the end: whether the output called a tool
+
+    def push(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """The part of `text` safe to stream now, and the call entries it completes."""
+        entries = self._arguments.feed(text) if self._arguments is not None else []
+        return self._text.push(text), entries
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """At the end: the held text that is not a call, and the calls not streamed yet."""
+        rest, calls = self._text.finish()
+        if self._arguments is None:
+            entries = [{"index": i, **call.body()} for i, call in enumerate(calls)]
+        else:
+            entries = self._arguments.unsent(calls)
+        self.has_calls = bool(calls) or bool(self._arguments and self._arguments.calls)
+        return rest, entries
 
 
 @dataclass

@@ -15,12 +15,11 @@ import time
 import uuid
 from typing import Any
 
-from services.gateway.call_arguments import CallArguments
+from services.gateway.call_arguments import CallStream
 from services.gateway.generation import TextChunk
 from services.gateway.openai_schema import ParsedRequest
 from services.gateway.responses import TokenText
 from services.gateway.responses_api import ResponsesRequest
-from services.gateway.tool_calls import ToolCallStream
 from shared.errors import HalfmoonError
 from shared.messages import FinishReason
 
@@ -70,10 +69,7 @@ class ResponseState:
         self.created_at = int(time.time())
         self.tokens, self.wants_logprobs = tokens, wants_logprobs
         self.num_prompt_tokens = len(parsed.prompt_token_ids)
-        tools = parsed.tools
-        self.tool_stream = ToolCallStream(tools) if tools is not None else None
-        self.call_arguments = (CallArguments(tools) if tools is not None
-                               and tools.format == "hermes" else None)
+        self.call_stream = CallStream(parsed.tools) if parsed.tools is not None else None
         self.status = "in_progress"
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.message_index: int | None = None  # its place among the output items, once begun
@@ -97,14 +93,11 @@ class ResponseState:
         if self.wants_logprobs and chunk.logprobs is not None:
             self._unsent_logprobs += self.tokens.entries(chunk.token_ids, chunk.logprobs)
         text, calls = chunk.text, []
-        if self.tool_stream is not None:  # text that may be a call is held back
-            text = self.tool_stream.push(text)
-            calls = self.call_arguments.feed(chunk.text) if self.call_arguments else []
+        if self.call_stream is not None:  # text that may be a call is held back
+            text, calls = self.call_stream.push(text)
             if chunk.finish_reason is not None:
-                rest, parsed = self.tool_stream.finish()
-                text += rest
-                calls += (self.call_arguments.unsent(parsed) if self.call_arguments
-                          else [{"index": i, **call.body()} for i, call in enumerate(parsed)])
+                rest, unsent = self.call_stream.finish()
+                text, calls = text + rest, calls + unsent
         events = self._text(text) if text else []
         for entry in calls:
             events += self._call(entry)

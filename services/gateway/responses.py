@@ -11,11 +11,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.call_arguments import CallArguments
+from services.gateway.call_arguments import CallStream
 from services.gateway.generation import TextChunk
 from services.gateway.openai_schema import usage
 from services.gateway.tokenizer import Tokenizer
-from services.gateway.tool_calls import ToolCall, ToolCallStream, ToolUse
+from services.gateway.tool_calls import ToolCall, ToolUse
 from shared.messages import FinishReason, TokenLogprob
 
 
@@ -32,14 +32,11 @@ class Choice:
     text_offset: int = 0  # characters of this choice's text before the next chunk
     has_started: bool = False
     tools: ToolUse | None = None  # chat with tools: calls to find in the text
-    tool_stream: ToolCallStream | None = None
-    call_arguments: CallArguments | None = None  # hermes calls, streamed as they come
+    call_stream: CallStream | None = None
 
     def __post_init__(self) -> None:
         if self.tools is not None:
-            self.tool_stream = ToolCallStream(self.tools)
-            if self.tools.format == "hermes":
-                self.call_arguments = CallArguments(self.tools)
+            self.call_stream = CallStream(self.tools)
 
     def add(self, chunk: TextChunk, *, keeps_output: bool = True) -> None:
         """Count the chunk; keep its text and tokens too for a whole body (`keeps_output`),
@@ -170,12 +167,12 @@ class ChatFormat:
         or a stop string, held back)."""
         text, finish = chunk.text, chunk.finish_reason
         calls: list[dict[str, Any]] = []
-        if (tool_stream := choice.tool_stream) is not None:  # a possible call is held back
-            text = tool_stream.push(text)
-            calls = choice.call_arguments.feed(chunk.text) if choice.call_arguments else []
+        if (stream := choice.call_stream) is not None:  # text that may be a call is held
+            text, calls = stream.push(text)
             if finish is not None:
-                text, finish, rest = self._finish_calls(choice, tool_stream, text, finish)
-                calls += rest
+                rest, unsent = stream.finish()
+                text, calls = text + rest, calls + unsent
+                finish = "tool_calls" if stream.has_calls else finish
         delta: dict[str, Any] = {"content": text} if text else {}
         if calls:
             delta["tool_calls"] = calls
@@ -187,17 +184,6 @@ class ChatFormat:
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return self._chunk_envelope([], usage=usage_body)
-
-    @staticmethod
-    def _finish_calls(choice: Choice, tool_stream: ToolCallStream, text: str,
-                      finish: FinishReason) -> tuple[str, str, list[dict[str, Any]]]:
-        """At a choice's end: its held text that is not a call, its finish reason, and the
-        calls not streamed yet, whole."""
-        rest, calls = tool_stream.finish()
-        streamed = choice.call_arguments.calls if choice.call_arguments else []
-        unsent = (choice.call_arguments.unsent(calls) if choice.call_arguments
-                  else [{"index": i, **call.body()} for i, call in enumerate(calls)])
-        return text + rest, "tool_calls" if calls or streamed else finish, unsent
 
     def body(self, choices: list[Choice]) -> dict[str, Any]:
         return {"id": self.request_id, "object": "chat.completion", "created": self.created,
