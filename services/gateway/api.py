@@ -50,6 +50,7 @@ log = get_logger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+
 class GatewayBackend(Protocol):
     """What the routes need from the gateway service."""
 
