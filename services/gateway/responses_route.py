@@ -71,7 +71,8 @@ class ResponsesRoutes:
             raise named_for_responses(exc) from None
         state = ResponseState(f"resp_{uuid.uuid4().hex}", model.name, settings_of(body),
                               model.token_text, parsed, wants_logprobs=wants_logprobs(body))
-        seen = history + msgspec.to_builtins(input_items(body))
+        seen = history + [{"type": item.type, **msgspec.to_builtins(item)}
+                          for item in input_items(body)]
         return await self._respond(request, parsed, state, seen)
 
     async def retrieve(self, request: web.Request) -> web.StreamResponse:

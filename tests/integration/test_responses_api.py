@@ -171,7 +171,8 @@ async def test_a_stored_response_is_retrieved_listed_and_deleted(
     fetched = await sdk.responses.retrieve(created.id)
     assert fetched.model_dump() == created.model_dump()
     items = await sdk.responses.input_items.list(created.id)
-    assert [item.role for item in items.data] == ["user", "assistant", "user"]  # type: ignore[union-attr]
+    assert [(item.type, item.role) for item in items.data] == [  # type: ignore[union-attr]
+        ("message", "user"), ("message", "assistant"), ("message", "user")]
     await sdk.responses.delete(created.id)
     with pytest.raises(openai.NotFoundError, match=created.id):
         await sdk.responses.retrieve(created.id)
