@@ -92,11 +92,19 @@ class CallArguments:
         return entries
 
     def _seek(self, deltas: list[dict[str, Any]]) -> bool:
-        at = self._text.find(_MARKER, self._at)
+        at = self._found(_MARKER)
         if at < 0:
             return False
         self._at, self._state = at + len(_MARKER), self._head
         return True
+
+    def _found(self, marker: str) -> int:
+        """Where `marker` begins past the scan's place, or -1; the place moves on to where
+        the marker could still begin (a long output is not scanned again per chunk)."""
+        at = self._text.find(marker, self._at)
+        if at < 0:
+            self._at = max(self._at, len(self._text) - len(marker) + 1)
+        return at
 
     def _head(self, deltas: list[dict[str, Any]]) -> bool:
         match = _HEAD.match(self._text, self._at)
@@ -151,7 +159,7 @@ class CallArguments:
         return is_closed
 
     def _skip(self, deltas: list[dict[str, Any]]) -> bool:
-        at = self._text.find(_END, self._at)
+        at = self._found(_END)
         if at < 0:
             return False
         self._at, self._state = at + len(_END), self._seek

@@ -83,3 +83,10 @@ def test_a_chunk_holding_a_whole_call_sends_it_as_one_entry() -> None:
     (entry,) = CallArguments(USE).feed(CALL)
     assert entry["function"]["name"] == "get_weather"
     assert json.loads(entry["function"]["arguments"])["n"] == [1, {"a": 2}]
+
+
+def test_a_marker_split_across_chunks_is_still_found() -> None:
+    stream = CallArguments(USE)
+    text = "x" * 300 + CALL
+    assert calls_of(fed(stream, text, piece_chars=3))[0]["name"] == "get_weather"
+    assert calls_of(fed(CallArguments(USE), text, piece_chars=1))[0]["name"] == "get_weather"
