@@ -89,7 +89,7 @@ async def test_logprobs_come_with_the_text_when_included(sdk: openai.AsyncOpenAI
 async def test_a_forced_function_call_and_then_its_result(sdk: openai.AsyncOpenAI) -> None:
     response = await sdk.responses.create(model=MODEL, input="Weather in Oslo?",
                                           tools=[WEATHER], tool_choice="required",  # type: ignore[list-item]
-                                          max_output_tokens=128, temperature=1.0)
+                                          max_output_tokens=128, temperature=0)
     calls = [item for item in response.output if item.type == "function_call"]
     assert response.status == "completed" and len(calls) == 1
     call = calls[0]
@@ -110,7 +110,7 @@ async def test_a_streamed_function_call_arrives_as_it_is_written(
     async with sdk.responses.stream(
             model=MODEL, input="Weather?", tools=[WEATHER],  # type: ignore[list-item]
             tool_choice={"type": "function", "name": "get_weather"},
-            max_output_tokens=128) as stream:
+            max_output_tokens=128, temperature=0) as stream:
         events = [event async for event in stream]
         final = await stream.get_final_response()
     kinds = [event.type for event in events]
