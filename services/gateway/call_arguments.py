@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,10 +93,17 @@ class CallArguments:
         return entries
 
     def _seek(self, deltas: list[dict[str, Any]]) -> bool:
-        at = self._found(_MARKER)
+        return self._past(_MARKER, self._head)
+
+    def _skip(self, deltas: list[dict[str, Any]]) -> bool:
+        return self._past(_END, self._seek)
+
+    def _past(self, marker: str, then: Callable[[list[dict[str, Any]]], bool]) -> bool:
+        """Move past the next `marker`, on to the step `then`; False while it has not come."""
+        at = self._found(marker)
         if at < 0:
             return False
-        self._at, self._state = at + len(_MARKER), self._head
+        self._at, self._state = at + len(marker), then
         return True
 
     def _found(self, marker: str) -> int:
@@ -134,7 +142,8 @@ class CallArguments:
             return True
         call = StreamedCall(f"call_{uuid.uuid4().hex[:24]}", self._name)
         self.calls.append(call)
-        deltas.append({"index": len(self.calls) - 1, **call_opening(call)})
+        deltas.append({"index": len(self.calls) - 1,
+                       **ToolCall(call.name, "", call.id).body()})
         self._at += len(rest) - len(rest.lstrip())
         self._json = JsonState()
         self._state = self._arguments
@@ -158,17 +167,6 @@ class CallArguments:
             self._state = self._skip  # on to the end of this call
         return is_closed
 
-    def _skip(self, deltas: list[dict[str, Any]]) -> bool:
-        at = self._found(_END)
-        if at < 0:
-            return False
-        self._at, self._state = at + len(_END), self._seek
-        return True
-
-
-def call_opening(call: StreamedCall) -> dict[str, Any]:
-    return {"id": call.id, "type": "function",
-            "function": {"name": call.name, "arguments": ""}}
 
 
 def _merged(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
