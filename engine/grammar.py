@@ -7,10 +7,12 @@ sequence; it never crosses a process: a decode worker rebuilds it from the outpu
 came with the request (prefill's first token, or a continuation's tail). Grammars compile
 once per spec and worker (`Grammars` keeps the last `MAX_COMPILED`).
 
-JSON outputs get two more guards, so that even a model with random weights returns JSON
-that parses: no token with a control byte (xgrammar's strings admit some that JSON
-forbids unescaped), and, once the token budget barely covers closing what is open
-(`JsonCloser`), the allowed token that leaves the least to close.
+Every grammar's output stays valid UTF-8: xgrammar's character classes admit the UTF-8
+encoding of a surrogate (ED A0..BF xx), which no decoder accepts (`GrammarVocab`). JSON
+outputs get two more guards, so that even a model with random weights returns JSON that
+parses: no token with a control byte (xgrammar's strings admit some that JSON forbids
+unescaped), and, once the token budget barely covers closing what is open (`JsonCloser`),
+the allowed token that leaves the least to close.
 
 xgrammar (and the transformers tokenizer it reads the vocabulary through) is imported on
 first use: a worker that never sees a structured request never pays for it.
@@ -19,8 +21,9 @@ first use: a worker that never sees a structured request never pays for it.
 from __future__ import annotations
 
 import json
+import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +60,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
-        self._vocab: JsonVocab | None = None
+        self._vocab: GrammarVocab | None = None
         self._compiled: dict[GrammarSpec, xgrammar.CompiledGrammar] = {}  # oldest first
         self._lock = threading.Lock()
         self._flights: dict[GrammarSpec, threading.Lock] = {}  # specs being compiled
@@ -74,7 +77,7 @@ class Grammars:
                 info = xgr.TokenizerInfo.from_huggingface(
                     tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2)
-                self._vocab = JsonVocab(info.decoded_vocab, self.vocab_size)
+                self._vocab = GrammarVocab(info.decoded_vocab, self.vocab_size)
             return self._compiler
 
     def compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
@@ -133,10 +136,10 @@ class Grammars:
         import xgrammar as xgr
 
         compiled = self.compile(spec)
-        closer = None
-        if spec.kind in ("json_object", "json_schema") and self._vocab is not None:
-            closer = JsonCloser(self._vocab)
-        matcher = Matcher(xgr.GrammarMatcher(compiled), self.vocab_size, closer)
+        vocab = self._vocab
+        assert vocab is not None  # read with the compiler
+        closer = JsonCloser(vocab) if spec.kind in ("json_object", "json_schema") else None
+        matcher = Matcher(xgr.GrammarMatcher(compiled), vocab, closer)
         for token_id in accepted:
             matcher.accept(token_id)
         return matcher
@@ -145,13 +148,14 @@ class Grammars:
 class Matcher:
     """One sequence's place in its grammar."""
 
-    def __init__(self, matcher: Any, vocab_size: int, closer: JsonCloser | None) -> None:
+    def __init__(self, matcher: Any, vocab: GrammarVocab, closer: JsonCloser | None) -> None:
         import xgrammar as xgr
 
         self._matcher = matcher
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-        self._vocab_size = vocab_size
+        self._vocab = vocab
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab.size)
         self._closer = closer
+        self._ends_with_ed = False  # the output so far ends with a lone ED lead byte
 
     def mask(self, logits: torch.Tensor, remaining: int, budget: int) -> None:
         """Leave, in one row of logits, only the tokens the grammar allows next; with
@@ -161,13 +165,17 @@ class Matcher:
         self._matcher.fill_next_token_bitmask(self._bitmask)
         row = logits.unsqueeze(0)
         xgr.apply_token_bitmask_inplace(row, self._bitmask.to(logits.device),
-                                        vocab_size=self._vocab_size)
+                                        vocab_size=self._vocab.size)
+        self._vocab.forbid_surrogates(logits, after_ed=self._ends_with_ed)
         if self._closer is not None:
             self._closer.steer(logits, remaining, budget)
 
     def accept(self, token_id: int) -> None:
         if not self._matcher.accept_token(token_id):
             raise InvalidRequest(f"token {token_id} breaks the request's grammar")
+        token_bytes = self._vocab.token_bytes[token_id]
+        if token_bytes:
+            self._ends_with_ed = token_bytes[-1] == _SURROGATE_LEAD
         if self._closer is not None:
             self._closer.advance(token_id)
 
@@ -177,19 +185,41 @@ class Matcher:
         return bool(self._matcher.is_terminated())
 
 
-class JsonVocab:
-    """Each token's bytes, read as JSON: which carry a control byte (never allowed), and
-    which are short enough to be closing candidates."""
+_SURROGATE_LEAD = 0xED  # then A0..BF: U+D800..DFFF, which UTF-8 may not encode
+_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+
+
+class GrammarVocab:
+    """Each token's bytes, and the tokens no grammar may let through:
+    - those that would write a surrogate's UTF-8 encoding, which xgrammar admits and no
+      decoder does (each of its bytes decodes to U+FFFD: three characters where the grammar
+      counted one, breaking a schema's `maxLength`, and text no one asked for). A byte-level
+      vocabulary has a token for every byte, so a surrogate can also be written across
+      tokens: after a token that ends with the lead byte ED, one starting with A0..BF;
+    - for JSON: those with a control byte (never allowed), and the short ones that are
+      closing candidates."""
 
     MAX_CLOSING_BYTES = 3
 
     def __init__(self, decoded: Sequence[bytes], vocab_size: int) -> None:
+        self.size = vocab_size
         self.token_bytes = list(decoded) + [b""] * (vocab_size - len(decoded))
-        banned = [i for i, b in enumerate(self.token_bytes) if any(c < 0x20 for c in b)]
-        self.banned = torch.tensor(banned, dtype=torch.long)
-        self.short = torch.tensor([i for i, b in enumerate(self.token_bytes)
-                                   if 0 < len(b) <= self.MAX_CLOSING_BYTES
-                                   and not any(c < 0x20 for c in b)], dtype=torch.long)
+        self.surrogates = _ids(_SURROGATE.search(b) for b in self.token_bytes)
+        self.surrogate_tails = _ids(b[:1] and 0xA0 <= b[0] <= 0xBF for b in self.token_bytes)
+        self.banned = _ids(any(c < 0x20 for c in b) for b in self.token_bytes)
+        self.short = _ids(0 < len(b) <= self.MAX_CLOSING_BYTES and not any(c < 0x20 for c in b)
+                          for b in self.token_bytes)
+
+    def forbid_surrogates(self, logits: torch.Tensor, *, after_ed: bool) -> None:
+        """Mask, in one row of logits, the tokens that would write a surrogate next."""
+        for ids in (self.surrogates, self.surrogate_tails) if after_ed else (self.surrogates,):
+            if len(ids):
+                logits[ids.to(logits.device)] = float("-inf")
+
+
+def _ids(flags: Iterable[object]) -> torch.Tensor:
+    """The token ids whose flag is true."""
+    return torch.tensor([i for i, flag in enumerate(flags) if flag], dtype=torch.long)
 
 
 class JsonCloser:
@@ -203,7 +233,7 @@ class JsonCloser:
     MARGIN = 6
     MARGIN_SHARE = 4  # of the budget
 
-    def __init__(self, vocab: JsonVocab) -> None:
+    def __init__(self, vocab: GrammarVocab) -> None:
         self.vocab = vocab
         self.state = JsonState()
 

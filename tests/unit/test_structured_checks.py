@@ -7,9 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.builtin_model import write_builtin_model
-from engine.grammar import Grammars
+from engine.grammar import Grammars, GrammarVocab
 from services.gateway.structured import check_grammar
 from shared.errors import InvalidRequest
 from shared.json_state import JsonState
@@ -67,3 +68,48 @@ def test_a_spec_compiles_once_per_worker(tmp_path: Path) -> None:
     assert compiles == [spec] and all(g is burst[0] for g in burst)
     assert grammars.compile(spec) is burst[0]
     assert grammars.compile(GrammarSpec(kind="json_object")) is not burst[0]
+
+
+def test_the_vocab_knows_which_tokens_write_a_surrogate() -> None:
+    vocab = GrammarVocab([b"a", b"\xed\xa0", b"x\xed\xbf\x80", b"\xed", b"\xa0", b"\x9f",
+                          b"\xed\x9f\xbf"], 8)
+    assert vocab.surrogates.tolist() == [1, 2]  # U+D800.., U+DFC0: never valid UTF-8
+    assert vocab.surrogate_tails.tolist() == [4]  # one only after a lone ED
+    assert vocab.token_bytes[7] == b""  # padded to the model's vocabulary
+
+
+@pytest.mark.parametrize("spec", [
+    GrammarSpec(kind="regex", source='"[^"]{8}"'),
+    schema({"type": "object", "properties": {"a": {"type": "string", "maxLength": 8}},
+            "required": ["a"]}),
+])
+def test_grammar_outputs_never_write_a_surrogate(tmp_path: Path, spec: GrammarSpec) -> None:
+    """xgrammar's character classes admit ED A0..BF (a surrogate, invalid UTF-8): decoded, it
+    is three replacement characters. Sampling that prefers exactly those bytes still writes
+    valid UTF-8, as long as the grammar asks, whole characters included."""
+    model_dir = write_builtin_model(tmp_path / "model")
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    grammars = Grammars(model_dir, vocab_size, [2])
+    matcher = grammars.matcher(spec)
+    vocab = grammars._vocab
+    assert vocab is not None
+    one_byte = {b[0]: i for i, b in enumerate(vocab.token_bytes) if len(b) == 1}
+    lure = torch.zeros(vocab_size)
+    lure[one_byte[0xED]] = 8.0  # the lead byte, then a surrogate's second byte
+    lure[[one_byte[b] for b in range(0xA0, 0xC0)]] = 6.0
+    generator = torch.Generator().manual_seed(0)
+    written = b""
+    for step in range(40):
+        logits = lure + torch.rand(vocab_size, generator=generator)
+        matcher.mask(logits, remaining=40 - step, budget=40)
+        token_id = int(torch.argmax(logits))
+        if token_id == 2:  # the stop token: the grammar is complete
+            break
+        matcher.accept(token_id)
+        written += vocab.token_bytes[token_id]
+    assert b"\xed" in written  # the lure was taken where it is valid (ED 80..9F)
+    text = written.decode()  # strict: raises on a surrogate
+    if spec.kind == "regex":
+        assert len(text) == 10 and text[0] == text[-1] == '"'
+    else:
+        assert len(json.loads(text)["a"]) <= 8
