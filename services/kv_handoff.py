@@ -245,7 +245,8 @@ class _LayerStream:
         started_at = time.perf_counter()
         self._first_write_at = self._first_write_at or started_at
         result = await self._transfer.write(target.decode_worker_id, pieces,
-                                            compression=self._compression)
+                                            compression=self._compression,
+                                            incarnation=target.engine_incarnation)
         if self._link is not None:
             await self._link.carry(result.wire_bytes, started_at)
         self._num_bytes += result.num_bytes

@@ -228,7 +228,10 @@ class KvTarget(Message, frozen=True, kw_only=True):
     reserved for the request, where prefill must write its KV. `kv_layout` is the decode
     pool's layout in its transfer engine's segment `kv` (engine id = `decode_worker_id`);
     None when it has no KV pool. `kv_num_blocks` and `kv_block_bytes` (one piece: a layer's
-    K or V of one block) repeat it for peers from before `kv_layout`; 0 without a pool."""
+    K or V of one block) repeat it for peers from before `kv_layout`; 0 without a pool.
+    `engine_incarnation` is the incarnation of that transfer engine the blocks belong to
+    (`TransferEndpoint.incarnation`): a worker restarted since under the same id is not
+    written; empty from peers before it."""
 
     request_id: str
     decode_worker_id: str
@@ -236,6 +239,7 @@ class KvTarget(Message, frozen=True, kw_only=True):
     kv_num_blocks: int = 0
     kv_block_bytes: int = 0
     kv_layout: KvPoolLayout | None = None
+    engine_incarnation: str = ""
 
 
 class KvCommitted(Message, frozen=True, kw_only=True):
@@ -266,8 +270,9 @@ class PrefixFetch(Message, frozen=True, kw_only=True):
     request: write the KV of the cached blocks `block_hashes` (hex chain hashes, consecutive
     prompt blocks) into the requester's `block_ids`, every layer, through the transfer engine
     (engine id = `requester_id`, segment `kv`, pool layout `kv_layout`; peers before it sent
-    only `kv_num_blocks` and `kv_block_bytes`, one piece's size). The holder writes the
-    leading run it still holds and answers `PrefixFetched`."""
+    only `kv_num_blocks` and `kv_block_bytes`, one piece's size; `engine_incarnation` as in
+    `KvTarget`). The holder writes the leading run it still holds and answers
+    `PrefixFetched`."""
 
     request_id: str
     requester_id: str
@@ -276,6 +281,7 @@ class PrefixFetch(Message, frozen=True, kw_only=True):
     kv_num_blocks: int
     kv_block_bytes: int
     kv_layout: KvPoolLayout | None = None
+    engine_incarnation: str = ""
 
 
 class PrefixFetched(Message, frozen=True, kw_only=True):
@@ -620,7 +626,10 @@ class TransferEndpoint(Message, frozen=True, kw_only=True):
     """A transfer engine's descriptor. Put by each engine in `Subjects.transfer_bucket` under
     its `engine_id` (and sent in its handshake); read by peers to choose a transport
     (`host_id` equal: shared memory; `rdma` on both sides: RDMA; else TCP) and to address
-    segments. No KV bytes ever travel on NATS, only this."""
+    segments. No KV bytes ever travel on NATS, only this. `incarnation` is new at each start
+    of the engine: the addresses a peer was given (segments, offsets, a pool's block ids)
+    belong to one incarnation, and a process restarted under the same `engine_id` is
+    another; empty from engines that predate it."""
 
     engine_id: str
     host_id: str
@@ -628,3 +637,4 @@ class TransferEndpoint(Message, frozen=True, kw_only=True):
     tcp_port: int
     segments: list[SegmentInfo] = []
     rdma: RdmaPort | None = None
+    incarnation: str = ""

@@ -16,6 +16,7 @@ mapping and shared-memory name, and removes the descriptor.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +40,7 @@ from transfer_engine.errors import (
     AuthenticationRefused,
     InvalidTransfer,
     PeerNotFound,
+    PeerRestarted,
     TransferFailed,
     TransferTimeout,
 )
@@ -56,6 +58,7 @@ log = structlog.get_logger(__name__)
 TRANSPORTS = ("cuda", "rdma", "shm", "tcp", "loopback")
 _UNPUBLISH_TIMEOUT_S = 1.0
 Peer = str | TransferEndpoint  # an engine id, "tcp://host:port", or a descriptor
+_Planned = tuple[TransferEndpoint, list[Transport], list[Run]]  # descriptor, transports, runs
 Batch = Sequence[TransferPiece | tuple[str, int, str, int, int]] | PieceArrays
 
 
@@ -72,6 +75,7 @@ class TransferEngine:
         self._on_notification = on_notification
         self.notifications: asyncio.Queue[Notification] = asyncio.Queue()
         self._memory = LocalMemory(config.engine_id)
+        self.incarnation = os.urandom(8).hex()  # this start's: see TransferEndpoint
         self._peers: dict[str, TransferEndpoint] = {}
         self._routes: dict[tuple[str, str, str], Route] = {}
         self._transports: list[Transport] = []
@@ -136,7 +140,7 @@ class TransferEngine:
         return TransferEndpoint(engine_id=config.engine_id, host_id=config.host_id,
                                 tcp_host=self._advertised_host(),
                                 tcp_port=self._port, segments=self._memory.infos(),
-                                rdma=self._rdma_port)
+                                rdma=self._rdma_port, incarnation=self.incarnation)
 
     def _advertised_host(self) -> str:
         """What peers dial: the configured address, else the listening one, else (listening
@@ -179,32 +183,36 @@ class TransferEngine:
         await self._publish()
 
     async def write(self, peer: Peer, batch: Batch, *, notify: bytes | None = None,
-                    compression: Compression | None = None,
-                    timeout_s: float | None = None) -> TransferResult:
+                    compression: Compression | None = None, timeout_s: float | None = None,
+                    incarnation: str | None = None) -> TransferResult:
         """Copy each piece's local bytes into the peer's segment; return when all landed
-        (and `notify`, if given, was delivered after them)."""
+        (and `notify`, if given, was delivered after them). With `incarnation` (the peer's,
+        from the descriptor its addresses came with), a peer restarted since then raises
+        `PeerRestarted` and nothing is written."""
         notifications = [notify] if notify is not None else []
         return await self._transfer(peer, batch, notifications, compression, timeout_s,
-                                    is_write=True)
+                                    incarnation, is_write=True)
 
-    async def read(self, peer: Peer, batch: Batch, *,
-                   timeout_s: float | None = None) -> TransferResult:
+    async def read(self, peer: Peer, batch: Batch, *, timeout_s: float | None = None,
+                   incarnation: str | None = None) -> TransferResult:
         """Copy each piece of the peer's segments into local memory."""
-        return await self._transfer(peer, batch, [], None, timeout_s, is_write=False)
+        return await self._transfer(peer, batch, [], None, timeout_s, incarnation,
+                                    is_write=False)
 
     async def _transfer(self, peer: Peer, batch: Batch, notifications: list[bytes],
                         compression: Compression | None, timeout_s: float | None,
-                        *, is_write: bool) -> TransferResult:
+                        incarnation: str | None, *, is_write: bool) -> TransferResult:
         if self._is_closed or self._tcp is None:
             raise InvalidTransfer("the transfer engine is not running")
         started = time.perf_counter()
-        if type(batch) is PieceArrays:  # one pair of segments: the common case, kept short
-            route = self._cached_route(peer, batch) or await self._route(peer, batch)
-            run = route.plan(batch, is_read=not is_write)
-            runs = [] if run is None else [run]
-            endpoint, candidates = route.endpoint, route.candidates
-        else:
-            endpoint, candidates, runs = await self._plan_pieces(peer, batch, is_write)
+        endpoint, candidates, runs = (self._cached_plan(peer, batch, is_write)
+                                      or await self._plan_transfer(peer, batch, is_write))
+        if incarnation and endpoint.incarnation != incarnation:
+            self._forget(peer)  # a descriptor kept from before the peer restarted?
+            endpoint, candidates, runs = await self._plan_transfer(peer, batch, is_write)
+            if endpoint.incarnation != incarnation:
+                raise PeerRestarted(f"{endpoint.engine_id!r} restarted (incarnation "
+                                    f"{endpoint.incarnation or 'unknown'}, not {incarnation})")
         staged = [run for run in runs if run.local.staging is not None]
         mirrored: set[int] = set()  # ids of the runs whose device bytes are in their mirrors
         via_mirror: list[Run] = []
@@ -223,8 +231,10 @@ class TransferEngine:
                 await (transport.write(plan) if is_write else transport.read(plan))
                 break
             except (TransferFailed, TransferTimeout) as exc:
-                if attempt + 1 >= min(2, len(candidates)) or self._is_closed or isinstance(
-                        exc, InvalidTransfer | AuthenticationRefused):
+                is_refused = isinstance(exc, InvalidTransfer | AuthenticationRefused)
+                if attempt + 1 >= min(2, len(candidates)) or self._is_closed or is_refused:
+                    if not is_refused:
+                        self._forget(peer)  # gone, or restarted: look it up next time
                     raise
                 log.warning("transfer.retry_on_next_transport", peer=endpoint.engine_id,
                             failed=transport.name, next=candidates[attempt + 1].name,
@@ -240,8 +250,21 @@ class TransferEngine:
                               compression=plan.compression.scheme if plan.compression
                               else None, wire_bytes=wire_bytes)
 
-    async def _plan_pieces(self, peer: Peer, batch: Batch, is_write: bool
-                           ) -> tuple[TransferEndpoint, list[Transport], list[Run]]:
+    def _cached_plan(self, peer: Peer, batch: Batch, is_write: bool) -> _Planned | None:
+        """The common case at once: one pair of segments, on a route already known."""
+        if type(batch) is not PieceArrays:
+            return None
+        route = self._cached_route(peer, batch)
+        return None if route is None else _planned(route, batch, is_write)
+
+    async def _plan_transfer(self, peer: Peer, batch: Batch, is_write: bool) -> _Planned:
+        """The peer's descriptor, the transports that reach every segment of the batch, and
+        its runs (one per pair of segments)."""
+        if type(batch) is PieceArrays:
+            return _planned(await self._route(peer, batch), batch, is_write)
+        return await self._plan_pieces(peer, batch, is_write)
+
+    async def _plan_pieces(self, peer: Peer, batch: Batch, is_write: bool) -> _Planned:
         """A batch's runs (one per pair of segments) and the transports that reach all."""
         groups = group(batch)
         routes = [self._cached_route(peer, pieces) or await self._route(peer, pieces)
@@ -307,6 +330,13 @@ class TransferEngine:
         self._peers[peer] = endpoint
         self._routes.clear()
         return endpoint
+
+    def _forget(self, peer: Peer) -> None:
+        """Drop what is known of `peer` (its descriptor and routes): the next transfer looks
+        it up again."""
+        if isinstance(peer, str) and self._peers.pop(peer, None) is not None:
+            self._routes = {key: route for key, route in self._routes.items()
+                            if key[0] != peer}
 
     async def _look_up(self, peer: str) -> TransferEndpoint:
         if peer.startswith("tcp://"):
@@ -377,6 +407,11 @@ class TransferEngine:
             except Exception as error:  # then the next engine with this id overwrites it
                 log.warning("transfer.unpublish_failed", error=str(error))
         log.info("transfer.closed", engine_id=self.config.engine_id)
+
+
+def _planned(route: Route, batch: PieceArrays, is_write: bool) -> _Planned:
+    run = route.plan(batch, is_read=not is_write)
+    return route.endpoint, route.candidates, [] if run is None else [run]
 
 
 def _stage(runs: list[Run], *, to_device: bool) -> None:

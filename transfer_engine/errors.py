@@ -9,6 +9,7 @@ __all__ = [
     "AuthenticationRefused",
     "InvalidTransfer",
     "PeerNotFound",
+    "PeerRestarted",
     "ProtocolViolation",
     "TransferFailed",
     "TransferTimeout",
@@ -17,6 +18,12 @@ __all__ = [
 
 class PeerNotFound(TransferFailed):
     """No descriptor is known for the peer: not in the registry, not reachable directly."""
+
+
+class PeerRestarted(TransferFailed):
+    """The peer's engine restarted since the caller learned the addresses of this transfer
+    (its incarnation changed): they are not the new process's to write, and the old one's
+    memory is gone."""
 
 
 class AuthenticationRefused(TransferFailed):

@@ -42,6 +42,8 @@ class ShmTransport:
         self._host_id = host_id
         self._tcp = tcp
         self._mapped: dict[tuple[str, int], _Mapped] = {}
+        self._superseded: list[_Mapped] = []  # of peers that restarted since
+        self._num_copying = 0  # copies under way on the loop's thread
         self._copying: set[asyncio.Future[None]] = set()
         self._is_closed = False
 
@@ -63,6 +65,14 @@ class ShmTransport:
         await self._copy(plan, is_write=False)
 
     async def _copy(self, plan: Plan, *, is_write: bool) -> None:
+        self._num_copying += 1
+        try:
+            await self._copy_slices(plan, is_write=is_write)
+        finally:
+            self._num_copying -= 1
+            self._unmap_superseded()
+
+    async def _copy_slices(self, plan: Plan, *, is_write: bool) -> None:
         if plan.num_bytes <= _SLICE_BYTES:
             _copy_all(self._copies(plan.peer, plan.runs, is_write=is_write))
         elif plan.num_bytes <= _INLINE_COPY_BYTES:
@@ -95,9 +105,13 @@ class ShmTransport:
         return copies
 
     def _map(self, peer: TransferEndpoint, info: SegmentInfo) -> _Mapped:
-        """The peer's segment, mapped here (once)."""
+        """The peer's segment, mapped here (once per incarnation of the peer: one restarted
+        under the same id has new memory, perhaps under the same name)."""
         key = (peer.engine_id, info.segment_id)
         mapped = self._mapped.get(key)
+        if mapped is not None and mapped.incarnation != peer.incarnation:
+            self._superseded.append(self._mapped.pop(key))  # unmapped once no copy runs
+            mapped = None
         if mapped is None:
             shm_name = info.shm_name or info.mirror_shm_name
             if shm_name is None:
@@ -109,8 +123,17 @@ class ShmTransport:
                 raise TransferFailed(f"cannot map {peer.engine_id!r}'s segment "
                                      f"{info.name!r}: {error}") from error
             mapped = self._mapped[key] = _Mapped(region, region.buffer,
-                                                 buffer_address(region.buffer))
+                                                 buffer_address(region.buffer),
+                                                 peer.incarnation)
         return mapped
+
+    def _unmap_superseded(self) -> None:
+        """Unmap the segments of peers' earlier incarnations, unless a copy may still be
+        using one (a write sliced across turns of the loop, or one in a thread)."""
+        if self._superseded and not self._num_copying and not self._copying:
+            for mapped in self._superseded:
+                mapped.region.close()
+            self._superseded.clear()
 
     def moves_in_place(self, segment: Segment) -> bool:
         return False  # device segments go through their mirrors
@@ -118,9 +141,10 @@ class ShmTransport:
     async def close(self) -> None:
         self._is_closed = True
         await asyncio.gather(*self._copying, return_exceptions=True)
-        for mapped in self._mapped.values():
+        for mapped in [*self._mapped.values(), *self._superseded]:
             mapped.region.close()
         self._mapped.clear()
+        self._superseded.clear()
 
 
 def _into_mirrors(runs: list[Run]) -> list[Run]:
@@ -135,6 +159,7 @@ class _Mapped(NamedTuple):
     region: SharedMemoryRegion
     buffer: memoryview
     address: int
+    incarnation: str  # the peer's, when mapped
 
 
 class Copy(NamedTuple):

@@ -28,6 +28,7 @@ from transfer_engine.config import TcpOptions
 from transfer_engine.errors import (
     AuthenticationRefused,
     InvalidTransfer,
+    PeerRestarted,
     ProtocolViolation,
     TransferFailed,
     TransferTimeout,
@@ -466,6 +467,11 @@ class TcpTransport:
             sock.close()
             raise TransferFailed(f"{peer.tcp_host}:{peer.tcp_port} is {endpoint.engine_id!r}, "
                                  f"not {peer.engine_id!r}")
+        if peer.incarnation and endpoint.incarnation != peer.incarnation:
+            sock.close()  # the same id at the same address, another process
+            raise PeerRestarted(f"{peer.engine_id!r} at {peer.tcp_host}:{peer.tcp_port} "
+                                f"restarted (incarnation {endpoint.incarnation or 'unknown'}, "
+                                f"not {peer.incarnation})")
         link = Link(sock, peer.engine_id, self.stats)
         link.start()
         self.stats.num_links_opened += 1

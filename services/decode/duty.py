@@ -190,12 +190,13 @@ class DecodeDuty(Duty):
         reservation.prefill_worker_id = message.prefill_worker_id
         self.leases.grant("decode_reservation", request.request_id, message.prefill_worker_id,
                           len(reservation.block_ids), self.config.transfer.kv_wait_timeout_s)
-        layout = self.engine.kv_layout()
+        layout, transfer = self.engine.kv_layout(), self.worker.transfer
         target = KvTarget(request_id=request.request_id, decode_worker_id=self.worker_id,
                           block_ids=reservation.block_ids,
                           kv_num_blocks=layout.num_blocks if layout else 0,
                           kv_block_bytes=layout.layer_block_bytes if layout else 0,
-                          kv_layout=layout)
+                          kv_layout=layout,
+                          engine_incarnation=transfer.incarnation if transfer else "")
         await self.nc.publish(self.subjects.kv_target(message.prefill_worker_id), encode(target))
         return self.worker.accept()
 

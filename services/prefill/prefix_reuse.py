@@ -93,7 +93,8 @@ class PrefixSharing:
                                            block_ids=block_ids,
                                            kv_num_blocks=self.layout.num_blocks,
                                            kv_block_bytes=self.layout.layer_block_bytes,
-                                           kv_layout=self.layout),
+                                           kv_layout=self.layout,
+                                           engine_incarnation=self.transfer.incarnation),
                                        self.timeout_s)
         except BaseException as exc:
             # The holder may still be writing into these blocks: the lease keeps them until
@@ -135,7 +136,8 @@ class PrefixSharing:
                 (layer, held, fetch.block_ids[:len(held)])
                 for layer in range(self.layout.num_layers)])
             result = await self.transfer.write(fetch.requester_id, pieces,
-                                               compression=self.compression)
+                                               compression=self.compression,
+                                               incarnation=fetch.engine_incarnation)
         finally:
             self.leases.release("prefix_fetch", fetch.request_id)
             self.cache.release_blocks(held)

@@ -112,3 +112,34 @@ async def test_a_replacement_for_an_unknown_prefill_worker_is_refused_not_prefil
                                                  failed_decode_worker_id="gone"), 5)
         assert not reply.is_accepted and "ghost" in reply.reason
         assert stack.prefills[0].duty.is_idle() and stack.decodes[0].duty.is_idle()
+
+
+@pytest.mark.parametrize("transports", ["shm,tcp", "tcp"])
+async def test_a_decode_worker_restarted_under_its_id_gets_the_kv_in_its_new_memory(
+        nats_url: str, tiny_dir: Path, transports: str) -> None:
+    """A decode worker with a fixed `--worker-id` restarts (or reloads): a prefill worker
+    that kept its transfer descriptor must write the next requests' KV into the new
+    process's pool, not into the old one's mapping (which the new worker would never see:
+    it would decode from blocks nothing wrote) or to its old address."""
+    worker = {"engine": "torch", "model_path": str(tiny_dir), "num_blocks": 256,
+              "transfer_transports": transports}
+    stack = Stack(nats_url, worker=worker, gateway_options={"model_path": str(tiny_dir)})
+    stack.decodes[0] = DecodeService(msgspec.structs.replace(
+        stack.decodes[0].config, worker_id="decode-fixed"))
+    bodies: list[dict[str, Any]] = [
+        {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+         "ignore_eos": True} for prompt in ("Once upon a time in a far land",
+                                            "The harbour lights went out one by one")]
+    async with stack:
+        before = [await stack.post("/v1/completions", body) for body in bodies]
+        old = stack.decodes[0]
+        await old.stop()
+        stack.decodes[0] = DecodeService(old.config)  # the same id, a new process's memory
+        await stack.decodes[0].start()
+        await stack.wait_healthy()
+        after = [await stack.post("/v1/completions", body) for body in bodies]
+        assert [status for status, _ in before + after] == [200] * 4, after
+        assert [b["choices"][0]["text"] for _, b in after] == [
+            b["choices"][0]["text"] for _, b in before]
+        assert prefill_count(stack) == 4
+        assert stack.decodes[0].kv_commits == {transports.split(",")[0]: 2}
