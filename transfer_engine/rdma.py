@@ -105,7 +105,9 @@ class RdmaTransport:
         self._regions: list[tuple[int, int, Any]] = []  # (start, end, MR)
         # Device segments registered where they are (GPUDirect RDMA): id -> device address.
         self._on_device: dict[int, int] = {}
-        self._qps: dict[str, Any] = {}  # peer id -> QP we post on
+        # (peer id, its incarnation) -> QP we post on: one restarted under the same id has
+        # new queue pairs and memory keys, and the old QP would only fail after its retries.
+        self._qps: dict[tuple[str, str], Any] = {}
         self._passive: dict[str, Any] = {}  # peer id -> QP a peer posts on
         self._connecting: dict[str, asyncio.Lock] = {}
         self._waiters: dict[int, asyncio.Future[None]] = {}
@@ -168,7 +170,7 @@ class RdmaTransport:
 
     async def _post(self, plan: Plan, *, is_write: bool) -> None:
         qp = await self._qp_to(plan.peer, plan.timeout_s)
-        peer_id = plan.peer.engine_id
+        peer_id, key = plan.peer.engine_id, (plan.peer.engine_id, plan.peer.incarnation)
         try:
             async with asyncio.timeout(plan.timeout_s):
                 for window in windows(plan.runs, _MAX_SEND_WR):
@@ -181,14 +183,14 @@ class RdmaTransport:
                         qp.post_send(request)
                     await done
         except TimeoutError:
-            self._drop(peer_id)
+            self._drop(key)
             raise TransferTimeout(f"RDMA transfer to {peer_id!r} did not complete within "
                                   f"{plan.timeout_s:g} s") from None
         except TransferFailed:
-            self._drop(peer_id)
+            self._drop(key)
             raise
         except Exception as error:  # pyverbs raises its own errors from post_send
-            self._drop(peer_id)
+            self._drop(key)
             raise TransferFailed(f"RDMA post to {peer_id!r} failed: {error}") from error
 
     def _lkey(self, address: int, length: int) -> int:
@@ -200,13 +202,16 @@ class RdmaTransport:
     async def _qp_to(self, peer: TransferEndpoint, timeout_s: float) -> Any:
         lock = self._connecting.setdefault(peer.engine_id, asyncio.Lock())
         async with lock:
-            qp = self._qps.get(peer.engine_id)
+            key = (peer.engine_id, peer.incarnation)
+            for stale in [k for k in self._qps if k[0] == peer.engine_id and k != key]:
+                self._drop(stale)  # an earlier incarnation's
+            qp = self._qps.get(key)
             if qp is None:
                 qp, mine = self._new_qp()
                 reply = await self._tcp.request(peer, wire.Op.RDMA_CONNECT, wire.encode(mine),
                                                 timeout_s)
                 self._bring_up(qp, mine, wire.decode(reply, wire.QpInfo))
-                self._qps[peer.engine_id] = qp
+                self._qps[key] = qp
             return qp
 
     def _accept(self, peer_id: str, remote: wire.QpInfo) -> wire.QpInfo:
@@ -235,8 +240,8 @@ class RdmaTransport:
     def _bring_up(self, qp: Any, mine: wire.QpInfo, remote: wire.QpInfo) -> None:
         qp.to_rts(qp_attr(self._port_num, self._gid_index, mine, remote))
 
-    def _drop(self, peer_id: str) -> None:
-        qp = self._qps.pop(peer_id, None)
+    def _drop(self, key: tuple[str, str]) -> None:
+        qp = self._qps.pop(key, None)
         if qp is not None:
             qp.close()
 
