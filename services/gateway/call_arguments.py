@@ -1,7 +1,9 @@
-"""Hermes-format tool calls streamed as the model writes them, as OpenAI streams
-`delta.tool_calls`: a call's id and name once its head (`<tool_call>{"name": "...",
-"arguments": {`) is written, then its arguments text piece by piece until their object
-closes (`shared/json_state.py` follows it).
+"""Tool calls streamed as the model writes them, as OpenAI streams `delta.tool_calls`: a
+call's id and name once its head is written, then its arguments text piece by piece until
+their object closes (`shared/json_state.py` follows it). Heads, by format:
+  hermes       `<tool_call>{"name": "...", "arguments": {`, anywhere in the output;
+  llama3_json  `{"name": "...", "parameters": {` (or "arguments") at the output's start,
+               after an optional `<|python_tag|>`, and after each `;` between calls.
 
 Fed the whole output of a choice; it finds the calls itself. A call to a tool not offered,
 a second call when calls are not parallel, or one not in that shape (another key order, say)
@@ -18,38 +20,36 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.tool_calls import ToolCall, ToolCallStream, ToolUse
+from services.gateway.tool_calls import PYTHON_TAG, ToolCall, ToolCallStream, ToolUse
 from shared.json_state import JsonState
 
 _MARKER, _END = "<tool_call>", "</tool_call>"
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:')
+_HEADS = {fmt: re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"'
+                          + keys + r'"\s*:')
+          for fmt, keys in (("hermes", "arguments"), ("llama3_json", "(?:parameters|arguments)"))}
 _HEAD_MAX_CHARS = 256  # a head not complete by then is not one this streams
+_BETWEEN_CALLS = re.compile(r"\s*\}\s*;")  # llama3_json: a call's end, then the next's
 
 
 class CallStream:
     """A choice's output when it may call tools: the text safe to stream (`ToolCallStream`
     holds back what may be a call) and the `delta.tool_calls` entries of its calls, streamed
-    as they are written (Hermes) or whole at the end (Llama 3.1 JSON, other shapes)."""
+    as they are written, or whole at the end (other shapes)."""
 
     def __init__(self, use: ToolUse) -> None:
         self._text = ToolCallStream(use)
-        self._arguments = CallArguments(use) if use.format == "hermes" else None
+        self._arguments = CallArguments(use)
         self.has_calls = False  # known at the end: whether the output called a tool
 
     def push(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """The part of `text` safe to stream now, and the call entries it completes."""
-        entries = self._arguments.feed(text) if self._arguments is not None else []
-        return self._text.push(text), entries
+        return self._text.push(text), self._arguments.feed(text)
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """At the end: the held text that is not a call, and the calls not streamed yet."""
         rest, calls = self._text.finish()
-        if self._arguments is None:
-            entries = [{"index": i, **call.body()} for i, call in enumerate(calls)]
-        else:
-            entries = self._arguments.unsent(calls)
-        self.has_calls = bool(calls) or bool(self._arguments and self._arguments.calls)
-        return rest, entries
+        self.has_calls = bool(calls) or bool(self._arguments.calls)
+        return rest, self._arguments.unsent(calls)
 
 
 @dataclass
@@ -67,7 +67,9 @@ class CallArguments:
         self.calls: list[StreamedCall] = []
         self._text = ""
         self._at = 0  # where the scan goes on in `_text`
-        self._state = self._seek
+        self._is_hermes = use.format == "hermes"
+        self._head_pattern = _HEADS[use.format]
+        self._state = self._seek if self._is_hermes else self._lead
         self._name = ""  # of the call whose arguments are about to begin
         self._json = JsonState()  # where the arguments' text stands
 
@@ -95,6 +97,35 @@ class CallArguments:
     def _seek(self, deltas: list[dict[str, Any]]) -> bool:
         return self._past(_MARKER, self._head)
 
+    def _lead(self, deltas: list[dict[str, Any]]) -> bool:
+        """llama3_json: the output is calls from its start (after an optional tag), or none."""
+        rest = self._text[self._at:].lstrip()
+        if PYTHON_TAG.startswith(rest):
+            return False  # nothing yet, or the tag's start
+        self._at = len(self._text) - len(rest)
+        if rest.startswith(PYTHON_TAG):
+            self._at += len(PYTHON_TAG)
+        self._state = self._head
+        return True
+
+    def _between(self, deltas: list[dict[str, Any]]) -> bool:
+        """llama3_json, past a call's arguments: its closing brace and `;`, then the next."""
+        match = _BETWEEN_CALLS.match(self._text, self._at)
+        if match is not None:
+            self._at, self._state = match.end(), self._head
+            return True
+        if self._text[self._at:].strip() not in ("", "}"):
+            self._state = self._done  # not another call: the parse at the end decides
+            return True
+        return False
+
+    def _done(self, deltas: list[dict[str, Any]]) -> bool:
+        return False
+
+    def _not_streamed(self) -> None:
+        """This call is not streamed: on to the next call (Hermes), or stop (llama3_json)."""
+        self._state = self._skip if self._is_hermes else self._done
+
     def _skip(self, deltas: list[dict[str, Any]]) -> bool:
         return self._past(_END, self._seek)
 
@@ -115,11 +146,12 @@ class CallArguments:
         return at
 
     def _head(self, deltas: list[dict[str, Any]]) -> bool:
-        match = _HEAD.match(self._text, self._at)
+        match = self._head_pattern.match(self._text, self._at)
         if match is None:
             left = self._text[self._at:]
-            if len(left) > _HEAD_MAX_CHARS or _END in left:
-                self._state = self._skip
+            if len(left) > _HEAD_MAX_CHARS or _END in left or not (
+                    self._is_hermes or left.lstrip()[:1] in ("", "{")):
+                self._not_streamed()
                 return True
             return False  # the head may still come
         try:
@@ -127,7 +159,7 @@ class CallArguments:
         except ValueError:
             name = None
         if name not in self.use.names or (self.calls and not self.use.is_parallel):
-            self._state = self._skip
+            self._not_streamed()
             return True
         self._name, self._at, self._state = name, match.end(), self._opening
         return True
@@ -138,7 +170,7 @@ class CallArguments:
         if not rest.strip():
             return False
         if not rest.lstrip().startswith("{"):
-            self._state = self._skip
+            self._not_streamed()
             return True
         call = StreamedCall(f"call_{uuid.uuid4().hex[:24]}", self._name)
         self.calls.append(call)
@@ -163,8 +195,8 @@ class CallArguments:
             self.calls[-1].arguments += piece
             deltas.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
         self._at = end
-        if is_closed:
-            self._state = self._skip  # on to the end of this call
+        if is_closed:  # on to the end of this call
+            self._state = self._skip if self._is_hermes else self._between
         return is_closed
 
 

@@ -4,8 +4,8 @@
 stream sends (`response.output_text.delta`, ...); the whole response object is built from the
 same state. Its output items are a message (text streams as it comes; with tools, text that
 may be a call is held back, as in chat) and the function calls, each item opened when it
-begins (a Hermes call's arguments stream as they are written, `CallArguments`; others come
-whole at the end). A response cut short by `max_output_tokens` is `incomplete`.
+begins (a call's arguments stream as they are written, `CallArguments`; calls in other
+shapes come whole at the end). A response cut short by `max_output_tokens` is `incomplete`.
 """
 
 from __future__ import annotations

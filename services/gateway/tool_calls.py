@@ -23,12 +23,12 @@ from shared.messages import GrammarSpec
 ToolFormat = Literal["hermes", "llama3_json"]
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_PYTHON_TAG = "<|python_tag|>"
+PYTHON_TAG = "<|python_tag|>"
 
 
 def tool_format(template_source: str) -> ToolFormat:
     """The call format a chat template teaches its model."""
-    if _PYTHON_TAG in template_source or "ipython" in template_source:
+    if PYTHON_TAG in template_source or "ipython" in template_source:
         return "llama3_json"
     return "hermes"
 
@@ -65,7 +65,7 @@ class ToolUse:
     @property
     def start_markers(self) -> tuple[str, ...]:
         """Text after which the output may be a call: held back when streaming."""
-        return ("<tool_call>",) if self.format == "hermes" else (_PYTHON_TAG, "{")
+        return ("<tool_call>",) if self.format == "hermes" else (PYTHON_TAG, "{")
 
 
 def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
@@ -78,7 +78,7 @@ def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
 
 
 def _parse_llama3(text: str) -> tuple[str, list[ToolCall]]:
-    body = text.strip().removeprefix(_PYTHON_TAG).strip()
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
     calls = []
     for part in body.split(";") if body.startswith("{") else []:
         call = _call_from_json(part, "parameters") or _call_from_json(part, "arguments")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -127,3 +128,45 @@ async def test_bad_tool_requests_get_400(torch_stack: Stack, extra: dict[str, An
     status, body = await torch_stack.post("/v1/chat/completions", {
         "model": MODEL, "messages": MESSAGES, "tools": TOOLS, **extra})
     assert status == 400 and body["error"]["param"] == param, body
+
+
+# A Llama 3.1-style template: calls are JSON after `<|python_tag|>` (`llama3_json`).
+LLAMA_TEMPLATE = (
+    "{%- for message in messages %}<|{{ message.role }}|>{{ message.content or '' }}"
+    "{%- if message.tool_calls %}<|python_tag|>{{ message.tool_calls[0].function | tojson }}"
+    "{%- endif %}\n{% endfor %}{%- if tools %}<|tools|>{{ tools | tojson }}\n{% endif %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+async def test_a_forced_llama3_json_call_streams_its_arguments(
+        nats_url: str, tiny_dir: Path, tmp_path: Path) -> None:
+    """The built-in model behind a Llama-style template: a forced call is written as
+    `{"name": ..., "parameters": {...}}` and streams as it is written, as a Hermes call
+    does (before, it came whole in the last chunk)."""
+    model_dir = tmp_path / "llama-style"
+    shutil.copytree(tiny_dir, model_dir)
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": LLAMA_TEMPLATE}))
+    async with torch_stack_on("disaggregated", nats_url, str(model_dir), num_blocks=1536,
+                              ) as stack, openai.AsyncOpenAI(
+            base_url=stack.base_url, api_key="x", max_retries=0, timeout=120) as client:
+        for seed in range(3):
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
+                max_tokens=128, temperature=1.0, seed=seed, stream=True)
+            calls: dict[int, dict[str, str]] = {}
+            finish, content, num_pieces = None, "", 0
+            async for chunk in stream:
+                for delta_choice in chunk.choices:
+                    content += delta_choice.delta.content or ""
+                    finish = delta_choice.finish_reason or finish
+                    for call in delta_choice.delta.tool_calls or []:
+                        assert call.function is not None
+                        entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                        entry["name"] += call.function.name or ""
+                        entry["arguments"] += call.function.arguments or ""
+                        num_pieces += bool(call.function.arguments)
+            assert finish == "tool_calls" and content == "" and len(calls) == 1
+            check_call(calls[0]["name"], calls[0]["arguments"], {"get_weather", "add"})
+            assert num_pieces > 1  # as it was written, not whole at the end

@@ -90,3 +90,46 @@ def test_a_marker_split_across_chunks_is_still_found() -> None:
     text = "x" * 300 + CALL
     assert calls_of(fed(stream, text, piece_chars=3))[0]["name"] == "get_weather"
     assert calls_of(fed(CallArguments(USE), text, piece_chars=1))[0]["name"] == "get_weather"
+
+
+LLAMA = ToolUse("llama3_json", frozenset({"get_weather", "add"}), is_forced=False)
+LLAMA_CALLS = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+               '{"name": "add", "parameters": {"a": 1, "b": {"c": [2]}}}')
+
+
+def test_llama3_json_calls_stream_from_the_start_of_the_output() -> None:
+    """Llama 3.1/3.2's JSON calls (after `<|python_tag|>`, `;` between them) stream as
+    Hermes calls do, each under its index; the parse at the end finds no call unsent."""
+    stream = CallArguments(LLAMA)
+    entries = fed(stream, LLAMA_CALLS, piece_chars=3)
+    assert len(entries) > 10
+    calls = calls_of(entries)
+    assert [c["name"] for c in calls.values()] == ["get_weather", "add"]
+    assert [json.loads(c["arguments"]) for c in calls.values()] == [
+        {"city": "Oslo"}, {"a": 1, "b": {"c": [2]}}]
+    content, parsed = LLAMA.parse(LLAMA_CALLS)
+    assert content == "" and stream.unsent(parsed) == []
+
+
+def test_llama3_json_without_the_tag_and_with_arguments_as_the_key_streams_too() -> None:
+    text = '\n {"name": "add", "arguments": {"a": 1}}'
+    calls = calls_of(fed(CallArguments(LLAMA), text))
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        ("add", {"a": 1})]
+
+
+def test_llama3_json_text_that_is_not_a_call_streams_no_call() -> None:
+    for text in ('Sure: {"name": "add", "parameters": {"a": 1}}',  # text before it
+                 '{"answer": 42}',  # an object, not a call
+                 '<|python_tag|>print("hi")'):  # code, not JSON
+        stream = CallArguments(LLAMA)
+        assert fed(stream, text) == [] and stream.calls == []
+
+
+def test_a_llama3_json_call_to_a_tool_not_offered_stops_the_streaming() -> None:
+    text = ('{"name": "delete_all", "parameters": {}}; '
+            '{"name": "add", "parameters": {"a": 1}}')
+    stream = CallArguments(LLAMA)
+    assert fed(stream, text) == []  # the parse at the end decides what the output is
+    assert [entry["function"]["name"] for entry in stream.unsent(LLAMA.parse(text)[1])] == [
+        "add"]
