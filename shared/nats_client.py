@@ -178,12 +178,47 @@ KV_EVENTS_MAX_BYTES = 256 * 2**20
 
 async def ensure_kv_event_stream(js: JetStreamContext, subjects: Subjects, *,
                                  replicas: int = 1) -> None:
-    """Create (or update) the limits-retention stream of prefix-cache events."""
-    await _ensure_stream(js, StreamConfig(
-        name=subjects.kv_events_stream, subjects=[subjects.all_kv_events],
-        retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
-        max_age=KV_EVENTS_MAX_AGE_S, max_bytes=KV_EVENTS_MAX_BYTES, num_replicas=replicas,
-    ))
+    """Create (or update) the limits-retention stream of prefix-cache events (smaller than
+    `KV_EVENTS_MAX_BYTES` where the store has no room for that: `reserving`)."""
+    def config(max_bytes: int) -> StreamConfig:
+        return StreamConfig(
+            name=subjects.kv_events_stream, subjects=[subjects.all_kv_events],
+            retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
+            max_age=KV_EVENTS_MAX_AGE_S, max_bytes=max_bytes, num_replicas=replicas)
+
+    await reserving(lambda max_bytes: _ensure_stream(js, config(max_bytes)),
+                    KV_EVENTS_MAX_BYTES, f"stream {subjects.kv_events_stream}")
+
+
+# JetStream reserves a stream's `max_bytes` in its store when it creates the stream, and a
+# store without that much room refuses the stream (this error code) instead of capping it.
+INSUFFICIENT_STORAGE = 10047
+MIN_RESERVED_BYTES = 8 * 2**20
+
+
+async def reserving(create: Callable[[int], Awaitable[T]], max_bytes: int, what: str) -> T:
+    """`create(size)` with `size` = `max_bytes`, halved while the JetStream store has no
+    room to reserve it, down to `MIN_RESERVED_BYTES` (then a `ConfigError`): a bounded
+    stream that history or stored responses fill is no reason for a service not to start
+    on a small disk. A smaller size is logged."""
+    size = max_bytes
+    while True:
+        try:
+            created = await create(size)
+        except nats.js.errors.APIError as exc:
+            if exc.err_code != INSUFFICIENT_STORAGE:
+                raise
+            if size // 2 < MIN_RESERVED_BYTES:
+                raise ConfigError(
+                    f"JetStream has no room to reserve {MIN_RESERVED_BYTES >> 20} MiB for "
+                    f"{what}: free disk space where the NATS servers store JetStream data, "
+                    "or raise their jetstream max_file_store") from exc
+            size //= 2
+            continue
+        if size < max_bytes:
+            log.warning("jetstream.reserved_less", asset=what, asked_bytes=max_bytes,
+                        reserved_bytes=size)
+        return created
 
 
 # What an existing stream must share with the config a service asks for: JetStream cannot
@@ -233,6 +268,8 @@ def is_transient(exc: BaseException) -> bool:
     server refused it for a reason of its own: a 5xx, or a bare `APIError` (a code nats-py
     does not classify, as a publish got during a leader election). Every classified error
     (bad request, not found, no keys, a wrong last sequence, ...) is an answer."""
+    if isinstance(exc, nats.js.errors.APIError) and exc.err_code == INSUFFICIENT_STORAGE:
+        return False  # a full store: it answers the same until something is deleted
     if isinstance(exc, (*UNANSWERED_ERRORS, nats.js.errors.ServerError)):
         return True
     return type(exc) is nats.js.errors.APIError
@@ -284,9 +321,15 @@ async def ensure_bucket(js: JetStreamContext, bucket: str, ttl_s: float, *,
                         replicas: int = 1, max_bytes: int | None = None) -> KeyValue:
     """The KV bucket, created if missing; an existing one must have these replicas (its TTL
     and size stay what its creator set). With `max_bytes`, a full bucket drops its oldest
-    entries for new ones (a KV bucket would refuse the new ones)."""
-    return await answered(lambda: _open_bucket(js, bucket, ttl_s, replicas, max_bytes),
-                          f"KV bucket {bucket}", within_s=ASSET_WAIT_S)
+    entries for new ones (a KV bucket would refuse the new ones), and is made smaller where
+    the store has no room for it (`reserving`)."""
+    def opened(size: int | None) -> Awaitable[KeyValue]:
+        return answered(lambda: _open_bucket(js, bucket, ttl_s, replicas, size),
+                        f"KV bucket {bucket}", within_s=ASSET_WAIT_S)
+
+    if max_bytes is None:
+        return await opened(None)
+    return await reserving(opened, max_bytes, f"KV bucket {bucket}")
 
 
 async def _open_bucket(js: JetStreamContext, bucket: str, ttl_s: float, replicas: int,
