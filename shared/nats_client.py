@@ -196,6 +196,10 @@ INSUFFICIENT_STORAGE = 10047
 MIN_RESERVED_BYTES = 8 * 2**20
 
 
+def _is_out_of_storage(exc: BaseException) -> bool:
+    return getattr(exc, "err_code", None) == INSUFFICIENT_STORAGE  # (not every error sets it)
+
+
 async def reserving(create: Callable[[int], Awaitable[T]], max_bytes: int, what: str) -> T:
     """`create(size)` with `size` = `max_bytes`, halved while the JetStream store has no
     room to reserve it, down to `MIN_RESERVED_BYTES` (then a `ConfigError`): a bounded
@@ -206,7 +210,7 @@ async def reserving(create: Callable[[int], Awaitable[T]], max_bytes: int, what:
         try:
             created = await create(size)
         except nats.js.errors.APIError as exc:
-            if exc.err_code != INSUFFICIENT_STORAGE:
+            if not _is_out_of_storage(exc):
                 raise
             if size // 2 < MIN_RESERVED_BYTES:
                 raise ConfigError(
@@ -268,7 +272,7 @@ def is_transient(exc: BaseException) -> bool:
     server refused it for a reason of its own: a 5xx, or a bare `APIError` (a code nats-py
     does not classify, as a publish got during a leader election). Every classified error
     (bad request, not found, no keys, a wrong last sequence, ...) is an answer."""
-    if isinstance(exc, nats.js.errors.APIError) and exc.err_code == INSUFFICIENT_STORAGE:
+    if _is_out_of_storage(exc):
         return False  # a full store: it answers the same until something is deleted
     if isinstance(exc, (*UNANSWERED_ERRORS, nats.js.errors.ServerError)):
         return True

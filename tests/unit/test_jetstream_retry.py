@@ -21,6 +21,8 @@ def test_unanswered_calls_and_server_side_refusals_are_transient(exc: Exception)
     nats.js.errors.BadRequestError(code=400), nats.js.errors.NotFoundError(code=404),
     nats.js.errors.BucketNotFoundError(), nats.js.errors.NoKeysError(),
     nats.js.errors.KeyWrongLastSequenceError(description="wrong last sequence"),
+    nats.js.errors.ServerError(code=500, err_code=10047,  # a full store stays full
+                               description="insufficient storage resources available"),
     ValueError("not nats")])
 def test_client_errors_are_not_transient(exc: Exception) -> None:
     assert not is_transient(exc)
