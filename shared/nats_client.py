@@ -179,28 +179,28 @@ KV_EVENTS_MAX_BYTES = 256 * 2**20
 async def ensure_kv_event_stream(js: JetStreamContext, subjects: Subjects, *,
                                  replicas: int = 1) -> None:
     """Create (or update) the limits-retention stream of prefix-cache events (smaller than
-    `KV_EVENTS_MAX_BYTES` where the store has no room for that: `reserving`)."""
+    `KV_EVENTS_MAX_BYTES` where the store has no room for that: `_reserving`)."""
     def config(max_bytes: int) -> StreamConfig:
         return StreamConfig(
             name=subjects.kv_events_stream, subjects=[subjects.all_kv_events],
             retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
             max_age=KV_EVENTS_MAX_AGE_S, max_bytes=max_bytes, num_replicas=replicas)
 
-    await reserving(lambda max_bytes: _ensure_stream(js, config(max_bytes)),
+    await _reserving(lambda max_bytes: _ensure_stream(js, config(max_bytes)),
                     KV_EVENTS_MAX_BYTES, f"stream {subjects.kv_events_stream}")
 
 
 # JetStream reserves a stream's `max_bytes` in its store when it creates the stream, and a
 # store without that much room refuses the stream (this error code) instead of capping it.
-INSUFFICIENT_STORAGE = 10047
+_INSUFFICIENT_STORAGE = 10047
 MIN_RESERVED_BYTES = 8 * 2**20
 
 
 def _is_out_of_storage(exc: BaseException) -> bool:
-    return getattr(exc, "err_code", None) == INSUFFICIENT_STORAGE  # (not every error sets it)
+    return getattr(exc, "err_code", None) == _INSUFFICIENT_STORAGE  # (not every error sets it)
 
 
-async def reserving(create: Callable[[int], Awaitable[T]], max_bytes: int, what: str) -> T:
+async def _reserving(create: Callable[[int], Awaitable[T]], max_bytes: int, what: str) -> T:
     """`create(size)` with `size` = `max_bytes`, halved while the JetStream store has no
     room to reserve it, down to `MIN_RESERVED_BYTES` (then a `ConfigError`): a bounded
     stream that history or stored responses fill is no reason for a service not to start
@@ -326,14 +326,14 @@ async def ensure_bucket(js: JetStreamContext, bucket: str, ttl_s: float, *,
     """The KV bucket, created if missing; an existing one must have these replicas (its TTL
     and size stay what its creator set). With `max_bytes`, a full bucket drops its oldest
     entries for new ones (a KV bucket would refuse the new ones), and is made smaller where
-    the store has no room for it (`reserving`)."""
+    the store has no room for it (`_reserving`)."""
     def opened(size: int | None) -> Awaitable[KeyValue]:
         return answered(lambda: _open_bucket(js, bucket, ttl_s, replicas, size),
                         f"KV bucket {bucket}", within_s=ASSET_WAIT_S)
 
     if max_bytes is None:
         return await opened(None)
-    return await reserving(opened, max_bytes, f"KV bucket {bucket}")
+    return await _reserving(opened, max_bytes, f"KV bucket {bucket}")
 
 
 async def _open_bucket(js: JetStreamContext, bucket: str, ttl_s: float, replicas: int,
