@@ -111,6 +111,32 @@ async def test_a_worker_switched_to_another_model_finishes_the_old_and_serves_th
     assert changes == 1
 
 
+async def test_a_worker_back_from_another_model_gets_the_kv_in_its_new_pool(
+        cluster: tuple[Stack, WorkerRunner], models_dir: Path) -> None:
+    """alpha, beta, alpha again: the alpha prefill worker handed this worker KV before and
+    kept its transfer descriptor; back, the worker is another incarnation with another pool
+    (under the same shared-memory name), and the KV of the next requests must land there
+    (before, it went into the old pool's mapping, and the worker decoded other text)."""
+    stack, runner = cluster
+    prompts = [f"tale {i} of the harbour" for i in range(8)]
+    first = runner.service
+    assert isinstance(first, WorkerService)
+    async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x", max_retries=0) as sdk:
+        before = await asyncio.gather(*(greedy(sdk, "alpha", p) for p in prompts))
+        assert first.kv_commits  # it got some of them, so the prefill worker knows it
+        for model in ("beta", "alpha"):
+            switching = runner.service
+            assert (await change_model(stack, switching, model)).is_accepted  # type: ignore[arg-type]
+            await eventually(lambda model=model: first.worker_id in {  # type: ignore[misc]
+                w.worker_id for w in stack.conductor.workers.healthy("decode", model=model)},
+                timeout_s=30)
+        await stack.decodes[0].stop()  # the other alpha decode worker: all go to this one
+        after = await asyncio.gather(*(greedy(sdk, "alpha", p) for p in prompts))
+    assert before == [expected(models_dir / "alpha", p) for p in prompts]
+    assert after == before
+    assert runner.service.kv_commits == {"shm": len(prompts)}  # type: ignore[attr-defined]
+
+
 async def test_a_model_not_on_the_workers_disk_is_refused(
         cluster: tuple[Stack, WorkerRunner]) -> None:
     stack, runner = cluster
