@@ -129,7 +129,10 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Made without its random init, as every weight here (they are loaded): on the meta
+        # device `normal_` imports torch._dynamo and triton, ~1 s and ~150 MB a worker.
+        self.embed_tokens = nn.Embedding.from_pretrained(
+            torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

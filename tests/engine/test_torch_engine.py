@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -220,3 +222,23 @@ async def test_compute_never_blocks_the_event_loop(llama_dir: Path) -> None:
         await engine.close()
     assert len(gaps) > 3  # the loop kept ticking while the engine thread computed
     assert max(gaps) < 0.25
+
+
+def test_loading_a_model_does_not_import_the_compiler(llama_dir: Path) -> None:
+    """The model is built on the meta device without random init: an init there (an
+    embedding's `normal_`) imports torch._dynamo and triton, ~1 s and ~100 MB a worker, and
+    triton's extension then prints leak reports at every worker's exit."""
+    script = (
+        "import asyncio, sys\n"
+        "from pathlib import Path\n"
+        "from engine.torch_engine import EngineOptions, TorchEngine\n"
+        "async def main():\n"
+        f"    engine = TorchEngine(EngineOptions(model_dir=Path({str(llama_dir)!r})))\n"
+        "    await engine.start()\n"
+        "    await engine.close()\n"
+        "asyncio.run(main())\n"
+        "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).parents[2])
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[]"
