@@ -45,11 +45,30 @@ class CallStream:
         """The part of `text` safe to stream now, and the call entries it completes."""
         return self._text.push(text), self._arguments.feed(text)
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """At the end: the held text that is not a call, and the calls not streamed yet."""
+    def finish(self, *, is_cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """At the end: the held text that is not a call, and the calls not streamed yet. An
+        output cut short (`is_cut`: by max_tokens) inside a call is not text: what was
+        written of the call went out as the call (once its head was complete, its arguments
+        cut short), and a forced call's output is never text."""
         rest, calls = self._text.finish()
         self.has_calls = bool(calls) or bool(self._arguments.calls)
+        if is_cut and not calls and (self._arguments.calls or self._text.use.is_forced):
+            rest = ""
         return rest, self._arguments.unsent(calls)
+
+    @property
+    def streamed_calls(self) -> list[ToolCall]:
+        """The calls streamed so far, each as far as it was written."""
+        return [ToolCall(call.name, call.arguments, call.id) for call in self._arguments.calls]
+
+
+def cut_calls(use: ToolUse, text: str) -> tuple[str, list[ToolCall]]:
+    """A whole output cut short inside a call, read as its stream is (`CallStream`): the
+    text that is not a call, and each call as far as it was written."""
+    stream = CallStream(use)
+    sent, _ = stream.push(text)
+    rest, _ = stream.finish(is_cut=True)
+    return sent + rest, stream.streamed_calls
 
 
 @dataclass

@@ -96,7 +96,7 @@ class ResponseState:
         if self.call_stream is not None:  # text that may be a call is held back
             text, calls = self.call_stream.push(text)
             if chunk.finish_reason is not None:
-                rest, unsent = self.call_stream.finish()
+                rest, unsent = self.call_stream.finish(is_cut=chunk.finish_reason == "length")
                 text, calls = text + rest, calls + unsent
         events = self._text(text) if text else []
         for entry in calls:
@@ -192,7 +192,7 @@ class ResponseState:
                             output_index=at, content_index=0, part=item["content"][0]),
                 self._event("response.output_item.done", output_index=at, item=item)]
         for index, item in self._calls.items():
-            item["status"] = "completed"
+            item["status"] = self.status  # a call cut short is incomplete, as the message
             events += [
                 self._event("response.function_call_arguments.done", item_id=item["id"],
                             output_index=index, name=item["name"],

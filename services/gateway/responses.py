@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.call_arguments import CallStream
+from services.gateway.call_arguments import CallStream, cut_calls
 from services.gateway.generation import TextChunk
 from services.gateway.openai_schema import usage
 from services.gateway.tokenizer import Tokenizer
@@ -170,9 +170,9 @@ class ChatFormat:
         if (stream := choice.call_stream) is not None:  # text that may be a call is held
             text, calls = stream.push(text)
             if finish is not None:
-                rest, unsent = stream.finish()
+                rest, unsent = stream.finish(is_cut=finish == "length")
                 text, calls = text + rest, calls + unsent
-                finish = "tool_calls" if stream.has_calls else finish
+                finish = "tool_calls" if stream.has_calls and finish != "length" else finish
         delta: dict[str, Any] = {"content": text} if text else {}
         if calls:
             delta["tool_calls"] = calls
@@ -194,15 +194,19 @@ class ChatFormat:
     def _choice_body(self, choice: Choice) -> dict[str, Any]:
         content: str | None = choice.text
         calls: list[ToolCall] = []
+        finish = choice.finish_reason
         if choice.tools is not None:
             content, calls = choice.tools.parse(choice.text)
+            if not calls and finish == "length":  # cut inside a call: as it streams
+                content, calls = cut_calls(choice.tools, choice.text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
+        if calls or (choice.tools is not None and choice.tools.is_forced):
             message["content"] = content or None  # as OpenAI: null beside calls
+        if calls:
             message["tool_calls"] = [call.body() for call in calls]
         return {"index": choice.index, "message": message,
                 "logprobs": self._logprobs(choice.token_ids, choice.logprobs),
-                "finish_reason": "tool_calls" if calls else choice.finish_reason}
+                "finish_reason": "tool_calls" if calls and finish != "length" else finish}
 
     def _logprobs(self, token_ids: list[int], entries: list[TokenLogprob] | None
                   ) -> dict[str, Any] | None:

@@ -121,6 +121,19 @@ async def test_a_streamed_function_call_arrives_as_it_is_written(
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
 
 
+async def test_a_function_call_cut_short_is_an_incomplete_call_never_text(
+        sdk: openai.AsyncOpenAI) -> None:
+    for max_output_tokens in (6, 48):
+        response = await sdk.responses.create(
+            model=MODEL, input="Weather in Oslo?", tools=[WEATHER], tool_choice="required",  # type: ignore[list-item]
+            max_output_tokens=max_output_tokens, temperature=0)
+        assert response.status == "incomplete"
+        assert "<tool_call>" not in response.output_text
+        calls = [item for item in response.output if item.type == "function_call"]
+        assert all(call.status == "incomplete" for call in calls)  # type: ignore[union-attr]
+    assert calls and calls[0].arguments.startswith("{")  # type: ignore[union-attr]
+
+
 async def test_a_json_schema_output_keeps_to_the_schema(sdk: openai.AsyncOpenAI) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
               "additionalProperties": False}

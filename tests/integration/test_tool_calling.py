@@ -90,6 +90,40 @@ async def test_a_forced_call_is_well_formed(sdk: openai.AsyncOpenAI, choice: Any
     assert all(num_pieces > 1 for num_pieces in pieces)  # arguments as they come
 
 
+async def test_a_forced_call_cut_short_is_a_partial_call_never_markup(
+        sdk: openai.AsyncOpenAI) -> None:
+    """max_tokens ends a forced call: finish_reason `length`, no `<tool_call>` markup in the
+    content; once the call's head is written, the call with its arguments cut short (as
+    OpenAI sends one, and as clients such as LangChain read it: an invalid call), the
+    same whole and streamed."""
+    seen_partial = False
+    for max_tokens in (6, 30, 40, 48):
+        options: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS,
+                                   "tool_choice": "required", "max_tokens": max_tokens,
+                                   "temperature": 0}
+        whole = (await sdk.chat.completions.create(**options)).choices[0]
+        stream = await sdk.chat.completions.create(**options, stream=True)
+        content, calls, finish = "", {}, None
+        async for chunk in stream:
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+                for call in choice.delta.tool_calls or []:
+                    assert call.function is not None
+                    entry = calls.setdefault(call.index, ["", ""])
+                    entry[0] += call.function.name or ""
+                    entry[1] += call.function.arguments or ""
+        assert whole.finish_reason == finish == "length"
+        assert whole.message.content is None and content == ""
+        whole_calls = {i: [c.function.name, c.function.arguments]
+                       for i, c in enumerate(whole.message.tool_calls or [])}
+        assert whole_calls == calls
+        for name, arguments in calls.values():
+            assert name in PARAMETERS and arguments.startswith("{")
+            seen_partial = True
+    assert seen_partial  # some budget reached the arguments
+
+
 async def test_auto_without_a_call_is_plain_text_and_history_is_served(
         sdk: openai.AsyncOpenAI) -> None:
     history = [*MESSAGES,

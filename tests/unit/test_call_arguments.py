@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from services.gateway.call_arguments import CallArguments
+from services.gateway.call_arguments import CallArguments, CallStream, cut_calls
 from services.gateway.tool_calls import ToolUse
 
 USE = ToolUse("hermes", frozenset({"get_weather", "add"}), is_forced=False)
@@ -133,3 +133,20 @@ def test_a_llama3_json_call_to_a_tool_not_offered_stops_the_streaming() -> None:
     assert fed(stream, text) == []  # the parse at the end decides what the output is
     assert [entry["function"]["name"] for entry in stream.unsent(LLAMA.parse(text)[1])] == [
         "add"]
+
+
+def test_a_call_cut_short_is_the_call_as_far_as_it_went_never_text() -> None:
+    """max_tokens ends the output inside a call: its markup is not content; the call goes
+    out with its arguments cut short once its head was complete (as OpenAI's does)."""
+    forced = ToolUse("hermes", USE.names, is_forced=True)
+    for use in (USE, forced):
+        stream = CallStream(use)
+        sent, _ = stream.push('<tool_call>{"name": "add", "arguments": {"a": 1')
+        rest, unsent = stream.finish(is_cut=True)
+        assert (sent, rest, unsent) == ("", "", [])
+        assert [(c.name, c.arguments) for c in stream.streamed_calls] == [("add", '{"a": 1')]
+    content, calls = cut_calls(USE, 'Sure.<tool_call>{"name": "add", "arguments": {"a"')
+    assert content == "Sure." and [(c.name, c.arguments) for c in calls] == [("add", '{"a"')]
+    head_only = '<tool_call>{"name": "ad'
+    assert cut_calls(forced, head_only) == ("", [])  # forced: a call, never text
+    assert cut_calls(USE, head_only) == (head_only, [])  # auto: it may not have been one
