@@ -73,6 +73,12 @@ class WorkerDirectory:
         entry = self._entries.get(worker_id) if worker_id is not None else None
         return entry.heartbeat if entry is not None else None
 
+    def started_at_s(self, worker_id: str) -> float:
+        """When the worker heard last started serving (`WorkerHeartbeat.started_at_s`); 0
+        when unknown."""
+        entry = self._entries.get(worker_id)
+        return entry.heartbeat.started_at_s if entry is not None else 0.0
+
     def block_size(self, worker_id: str, default: int = 16) -> int:
         entry = self._entries.get(worker_id)
         return entry.heartbeat.block_size if entry is not None else default

@@ -392,6 +392,9 @@ class WorkerHeartbeat(Message, frozen=True, kw_only=True):
     # as `loading_role`. Every conductor counts it as that model's load in flight.
     loading_model: str = ""
     loading_role: WorkerRole | None = None
+    # When this worker started serving (wall clock, its own; 0: unknown). A later one under
+    # the same `worker_id` is a restart: what the earlier process held is gone.
+    started_at_s: float = 0.0
 
 
 class RoleChange(Message, frozen=True, kw_only=True):
@@ -450,11 +453,15 @@ class PrefixIndexSnapshot(Message, frozen=True, kw_only=True):
 class RequestPlaced(Message, frozen=True, kw_only=True):
     """Fact from the conductor to the request's gateway (`Subjects.gateway`): which workers
     serve it. The gateway watches their heartbeats and places the request again (as a
-    continuation) when one of them is lost."""
+    continuation) when one of them is lost, or restarted: its heartbeat's `started_at_s`
+    is later than the one it was placed on (`*_started_at_s`, 0: unknown), as when it
+    comes back under the same id within the heartbeat timeout."""
 
     request_id: str
     prefill_worker_id: str
     decode_worker_id: str
+    prefill_started_at_s: float = 0.0
+    decode_started_at_s: float = 0.0
 
 
 GatewayEvent = TokenBatch | RequestFailed | RequestPlaced

@@ -83,16 +83,23 @@ class RequestStream:
         return placement is not None and bool(worker_id) and worker_id not in (
             placement.prefill_worker_id, placement.decode_worker_id)
 
-    def lost_worker(self, is_alive: Callable[[str], bool]) -> str | None:
-        """The worker this request still depends on that stopped heartbeating: decode
-        always, prefill until decode streams (its KV may still be on the way). (A draining
-        worker is alive.)"""
+    def lost_worker(self, is_alive: Callable[[str], bool],
+                    started_at_s: Callable[[str], float]) -> str | None:
+        """The worker this request still depends on that stopped heartbeating, or started
+        again since the request was placed on it (what it held is gone: it came back under
+        its id within the heartbeat timeout): decode always, prefill until decode streams
+        (its KV may still be on the way). (A draining worker is alive.)"""
         placement = self.placement
         if placement is None or self.is_finished:
             return None
-        if not is_alive(placement.decode_worker_id):
+
+        def is_gone(worker_id: str, placed_on_s: float) -> bool:
+            return not is_alive(worker_id) or 0 < placed_on_s < started_at_s(worker_id)
+
+        if is_gone(placement.decode_worker_id, placement.decode_started_at_s):
             return placement.decode_worker_id
-        if not self.has_decoded and not is_alive(placement.prefill_worker_id):
+        if not self.has_decoded and is_gone(placement.prefill_worker_id,
+                                            placement.prefill_started_at_s):
             return placement.prefill_worker_id
         return None
 
@@ -169,12 +176,13 @@ class StreamTable:
                     stream.placement = event
                     stream.has_decoded = False
 
-    def fail_lost(self, is_alive: Callable[[str], bool]) -> int:
-        """Fail every stream whose worker was lost with `WorkerLost` (its reader places it
-        again); return how many."""
+    def fail_lost(self, is_alive: Callable[[str], bool],
+                  started_at_s: Callable[[str], float]) -> int:
+        """Fail every stream whose worker was lost (or restarted) with `WorkerLost` (its
+        reader places it again); return how many."""
         count = 0
         for stream in self._streams.values():
-            if (worker_id := stream.lost_worker(is_alive)) is not None:
+            if (worker_id := stream.lost_worker(is_alive, started_at_s)) is not None:
                 stream.fail_over(worker_id, WorkerLost(f"worker {worker_id} stopped answering"))
                 count += 1
         return count

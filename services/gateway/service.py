@@ -152,7 +152,7 @@ class GatewayService(Service):
         interval_s = min(self.config.heartbeat_timeout_s, self.config.resume_after_s) / 4
         while True:
             await self._sleep_judging_on_time(interval_s)
-            self.table.fail_lost(self.workers.is_alive)
+            self.table.fail_lost(self.workers.is_alive, self.workers.started_at_s)
             for worker_id, points in self.table.stalled(self.config.resume_after_s).items():
                 with contextlib.suppress(nats.errors.Error):
                     await self.nc.publish(self.subjects.stream_resume(worker_id), encode(

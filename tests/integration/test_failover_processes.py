@@ -149,3 +149,46 @@ async def test_sigkilled_conductor_loses_no_request(nats_url: str) -> None:
         assert min(seconds for _, seconds in again) < 9.0
     finally:
         stop_all(processes)
+
+
+async def test_a_decode_worker_back_under_its_id_at_once_is_failed_over_not_waited_for(
+    nats_url: str, tmp_path: Path,
+) -> None:
+    """SIGKILL the only decode worker (a fixed `--worker-id`) mid-stream and start it again
+    at once: its heartbeats barely pause, so it never looks dead (heartbeat timeout 10 s
+    here), but its heartbeat's later start says what it held is gone; the gateway places
+    the rest of the stream again on the new process. Before, the stream stalled until the
+    request timed out."""
+    model_dir = write_builtin_model(tmp_path / "tiny")
+    tokenizer = HfTokenizer(model_dir)
+    prompt = "The harbour kept its lights on all night."
+    expected = tokenizer.decode(await reference_tokens(model_dir, tokenizer.encode(prompt), 300))
+    port = free_port()
+    cluster = ("--heartbeat-timeout-s", "10")
+    decode_args = ("--worker-id", "d-fixed", "--heartbeat-interval-s", "0.2")
+    decode = start("decode", nats_url, model_dir, *decode_args, cluster="restart-same-id")
+    others = [start("conductor", nats_url, None, *cluster, cluster="restart-same-id"),
+              start("prefill", nats_url, model_dir, "--heartbeat-interval-s", "0.2",
+                    cluster="restart-same-id"),
+              start("gateway", nats_url, model_dir, "--port", str(port), *cluster,
+                    "--request-timeout-s", "30", cluster="restart-same-id")]
+    restarted: subprocess.Popen[bytes] | None = None
+    try:
+        await asyncio.to_thread(wait_healthy, f"http://127.0.0.1:{port}", 1)
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                                      max_retries=0, timeout=60) as sdk:
+            started = time.monotonic()
+            stream = await sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=300,
+                                                  temperature=0.0, stream=True)
+            texts = []
+            async for chunk in stream:
+                texts += [c.text for c in chunk.choices]
+                if len(texts) == 30:
+                    decode.send_signal(signal.SIGKILL)
+                    decode.wait(timeout=10)
+                    restarted = start("decode", nats_url, model_dir, *decode_args,
+                                      cluster="restart-same-id")
+        assert "".join(texts) == expected
+        assert time.monotonic() - started < 25  # not the request timeout (30 s)
+    finally:
+        stop_all([p for p in (decode, restarted, *others) if p is not None])

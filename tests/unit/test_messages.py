@@ -96,7 +96,9 @@ SAMPLES: dict[str, Message] = {
     "request_failed": RequestFailed(request_id="cmpl-1", code=ErrorCode.CAPACITY_EXHAUSTED,
                                     message="no room", worker_id="conductor"),
     "request_placed": RequestPlaced(request_id="cmpl-1", prefill_worker_id="prefill-a",
-                                    decode_worker_id="decode-b"),
+                                    decode_worker_id="decode-b",
+                                    prefill_started_at_s=1699999000.5,
+                                    decode_started_at_s=1699999100.75),
     "abort_request": AbortRequest(request_id="cmpl-1", reason="client gone"),
     "role_change": RoleChange(role="prefill", reason="prefill queue over the TTFT SLO",
                               requested_by="conductor-a"),
@@ -108,6 +110,7 @@ SAMPLES: dict[str, Message] = {
         worker_id="decode-b", role="decode", model="halfmoon-tiny", host="h1", num_running=2,
         num_waiting=1, max_batch_size=64, num_free_blocks=100, num_total_blocks=128,
         block_size=16, heartbeat_interval_s=0.5, sent_at_s=1700000000.25, busy_s=12.5,
+        started_at_s=1699999100.75,
     ),
 }
 

@@ -65,3 +65,30 @@ async def test_table_routes_batches_by_request_and_ignores_unknown_ids() -> None
     assert (await stream.next(1.0)).token_ids == [10]
     table.close("r")
     assert len(table) == 0
+
+
+@pytest.mark.parametrize(("now_started_s", "lost"), [
+    (100.0, None),  # the worker it was placed on
+    (250.0, "d"),  # started again since: what it held is gone
+    (50.0, None),  # an older heartbeat than the conductor's: the gateway is behind
+    (0.0, None),  # not heard of yet
+])
+def test_a_decode_worker_that_restarted_since_placement_is_lost(
+        now_started_s: float, lost: str | None) -> None:
+    """A worker back under its id within the heartbeat timeout never looked dead; its
+    heartbeat's start, later than the one the request was placed on, says it restarted."""
+    table = StreamTable()
+    stream = table.open("r")
+    table.dispatch(RequestPlaced(request_id="r", prefill_worker_id="p", decode_worker_id="d",
+                                 prefill_started_at_s=10.0, decode_started_at_s=100.0))
+    started = {"p": 10.0, "d": now_started_s}
+    assert stream.lost_worker(lambda _: True, started.__getitem__) == lost
+    assert table.fail_lost(lambda _: True, started.__getitem__) == (lost is not None)
+
+
+def test_a_placement_from_an_older_conductor_is_judged_by_heartbeats_alone() -> None:
+    table = StreamTable()
+    stream = table.open("r")
+    table.dispatch(RequestPlaced(request_id="r", prefill_worker_id="p", decode_worker_id="d"))
+    assert stream.lost_worker(lambda _: True, lambda _: 500.0) is None
+    assert stream.lost_worker(lambda worker: worker != "p", lambda _: 500.0) == "p"
