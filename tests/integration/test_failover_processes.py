@@ -14,11 +14,13 @@ from pathlib import Path
 
 import msgspec
 import nats
+import nats.js.errors
 import openai
 import pytest
 
 from engine.builtin_model import write_builtin_model
 from services.gateway.tokenizer import HfTokenizer
+from shared.config import ConductorConfig
 from shared.messages import DecodeReservation
 from shared.subjects import Subjects
 from tests.integration.test_cli import free_port
@@ -110,6 +112,27 @@ async def test_sigkilled_decode_worker_is_replaced_mid_stream(
         stop_all([*decodes.values(), *others])
 
 
+async def both_conductors_pulling(nats_url: str, subjects: Subjects,
+                                  timeout_s: float = 30.0) -> None:
+    """Wait until the conductors' consumer has every pull of both replicas waiting (a
+    healthy gateway says nothing of conductors: one may still be starting)."""
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        async with asyncio.timeout(timeout_s):
+            while True:
+                try:
+                    info = await js.consumer_info(subjects.requests_stream,
+                                                  subjects.conductor_consumer)
+                    if (info.num_waiting or 0) >= 2 * ConductorConfig().num_fetchers:
+                        return
+                except nats.js.errors.NotFoundError:
+                    pass  # not made yet
+                await asyncio.sleep(0.05)
+    finally:
+        await nc.close()
+
+
 async def test_sigkilled_conductor_loses_no_request(nats_url: str) -> None:
     """Requests a conductor had fetched but not acknowledged when it died are redelivered by
     JetStream (after ack_wait) to the surviving replica; every client gets its whole answer."""
@@ -125,7 +148,7 @@ async def test_sigkilled_conductor_loses_no_request(nats_url: str) -> None:
     processes = [doomed, survivor, *others]
     try:
         await asyncio.to_thread(wait_healthy, f"http://127.0.0.1:{port}", 1)
-        await asyncio.sleep(1.0)  # both replicas have their pulls open
+        await both_conductors_pulling(nats_url, Subjects("sigkill-conductor"))
         doomed.send_signal(signal.SIGSTOP)  # its open pulls still take requests ...
         async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
                                       max_retries=0, timeout=60) as sdk:
