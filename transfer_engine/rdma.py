@@ -203,10 +203,10 @@ class RdmaTransport:
         lock = self._connecting.setdefault(peer.engine_id, asyncio.Lock())
         async with lock:
             key = (peer.engine_id, peer.incarnation)
-            for stale in [k for k in self._qps if k[0] == peer.engine_id and k != key]:
-                self._drop(stale)  # an earlier incarnation's
             qp = self._qps.get(key)
             if qp is None:
+                for stale in [k for k in self._qps if k[0] == peer.engine_id]:
+                    self._drop(stale)  # an earlier incarnation's
                 qp, mine = self._new_qp()
                 reply = await self._tcp.request(peer, wire.Op.RDMA_CONNECT, wire.encode(mine),
                                                 timeout_s)

@@ -65,13 +65,19 @@ def wait_healthy(url: str, num_decode: int, timeout_s: float = 60) -> None:
     raise TimeoutError("stack not healthy")
 
 
+async def greedy_text(model_dir: Path, prompt: str, num_tokens: int) -> str:
+    """The model's greedy continuation of `prompt`, computed in this process."""
+    tokenizer = HfTokenizer(model_dir)
+    return tokenizer.decode(await reference_tokens(model_dir, tokenizer.encode(prompt),
+                                                   num_tokens))
+
+
 async def test_sigkilled_decode_worker_is_replaced_mid_stream(
     nats_url: str, tmp_path: Path,
 ) -> None:
     model_dir = write_builtin_model(tmp_path / "tiny")
-    tokenizer = HfTokenizer(model_dir)
     prompt = "The oldest star said: you already shine."
-    expected = tokenizer.decode(await reference_tokens(model_dir, tokenizer.encode(prompt), 500))
+    expected = await greedy_text(model_dir, prompt, 500)
     port = free_port()
     fast = ("--heartbeat-interval-s", "0.2")
     decodes = {f"d{i}": start("decode", nats_url, model_dir, "--worker-id", f"d{i}", *fast)
@@ -183,9 +189,8 @@ async def test_a_decode_worker_back_under_its_id_at_once_is_failed_over_not_wait
     the rest of the stream again on the new process. Before, the stream stalled until the
     request timed out."""
     model_dir = write_builtin_model(tmp_path / "tiny")
-    tokenizer = HfTokenizer(model_dir)
     prompt = "The harbour kept its lights on all night."
-    expected = tokenizer.decode(await reference_tokens(model_dir, tokenizer.encode(prompt), 300))
+    expected = await greedy_text(model_dir, prompt, 300)
     port = free_port()
     cluster = ("--heartbeat-timeout-s", "10")
     decode_args = ("--worker-id", "d-fixed", "--heartbeat-interval-s", "0.2")

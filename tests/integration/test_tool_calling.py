@@ -8,6 +8,7 @@ import asyncio
 import json
 import shutil
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,35 @@ def check_call(name: str, arguments: str, allowed: set[str]) -> None:
     jsonschema.validate(json.loads(arguments), PARAMETERS[name])
 
 
+@dataclass
+class StreamedChat:
+    """One streamed chat choice as a client gathers it."""
+
+    content: str = ""
+    finish: str | None = None
+    calls: dict[int, dict[str, str]] = field(default_factory=dict)  # by index: name, arguments
+    num_pieces: int = 0  # chunks that carried arguments
+
+
+async def gathered(stream: Any) -> StreamedChat:
+    got = StreamedChat()
+    async for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            # Text held back while it may be a call sends nothing, not empty deltas.
+            assert (delta.content is not None or delta.role or delta.tool_calls
+                    or choice.finish_reason)
+            got.content += delta.content or ""
+            got.finish = choice.finish_reason or got.finish
+            for call in delta.tool_calls or []:
+                assert call.function is not None
+                entry = got.calls.setdefault(call.index, {"name": "", "arguments": ""})
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+                got.num_pieces += bool(call.function.arguments)
+    return got
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function",
                                                  "function": {"name": "add"}}])
 async def test_a_forced_call_is_well_formed(sdk: openai.AsyncOpenAI, choice: Any) -> None:
@@ -66,24 +96,10 @@ async def test_a_forced_call_is_well_formed(sdk: openai.AsyncOpenAI, choice: Any
         stream = await sdk.chat.completions.create(
             model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=choice,  # type: ignore[arg-type]
             max_tokens=128, temperature=1.0, seed=seed, stream=True)
-        calls: dict[int, dict[str, str]] = {}
-        finish, content, num_pieces = None, "", 0
-        async for chunk in stream:
-            for delta_choice in chunk.choices:
-                delta = delta_choice.delta
-                # Text held back while it may be a call sends nothing, not empty deltas.
-                assert (delta.content is not None or delta.role or delta.tool_calls
-                        or delta_choice.finish_reason)
-                content += delta_choice.delta.content or ""
-                finish = delta_choice.finish_reason or finish
-                for call in delta_choice.delta.tool_calls or []:
-                    entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
-                    entry["name"] += (call.function.name or "") if call.function else ""
-                    entry["arguments"] += (call.function.arguments or "") if call.function else ""
-                    num_pieces += bool(call.function and call.function.arguments)
-        assert finish == "tool_calls" and content == "" and len(calls) == 1
-        check_call(calls[0]["name"], calls[0]["arguments"], allowed)
-        return num_pieces
+        got = await gathered(stream)
+        assert got.finish == "tool_calls" and got.content == "" and len(got.calls) == 1
+        check_call(got.calls[0]["name"], got.calls[0]["arguments"], allowed)
+        return got.num_pieces
 
     _, pieces = await asyncio.gather(asyncio.gather(*(whole(seed) for seed in range(10))),
                                      asyncio.gather(*(streamed(seed) for seed in range(10, 20))))
@@ -102,24 +118,14 @@ async def test_a_forced_call_cut_short_is_a_partial_call_never_markup(
                                    "tool_choice": "required", "max_tokens": max_tokens,
                                    "temperature": 0}
         whole = (await sdk.chat.completions.create(**options)).choices[0]
-        stream = await sdk.chat.completions.create(**options, stream=True)
-        content, calls, finish = "", {}, None
-        async for chunk in stream:
-            for choice in chunk.choices:
-                content += choice.delta.content or ""
-                finish = choice.finish_reason or finish
-                for call in choice.delta.tool_calls or []:
-                    assert call.function is not None
-                    entry = calls.setdefault(call.index, ["", ""])
-                    entry[0] += call.function.name or ""
-                    entry[1] += call.function.arguments or ""
-        assert whole.finish_reason == finish == "length"
-        assert whole.message.content is None and content == ""
-        whole_calls = {i: [c.function.name, c.function.arguments]
+        got = await gathered(await sdk.chat.completions.create(**options, stream=True))
+        assert whole.finish_reason == got.finish == "length"
+        assert whole.message.content is None and got.content == ""
+        whole_calls = {i: {"name": c.function.name, "arguments": c.function.arguments}
                        for i, c in enumerate(whole.message.tool_calls or [])}
-        assert whole_calls == calls
-        for name, arguments in calls.values():
-            assert name in PARAMETERS and arguments.startswith("{")
+        assert whole_calls == got.calls
+        for call in got.calls.values():
+            assert call["name"] in PARAMETERS and call["arguments"].startswith("{")
             seen_partial = True
     assert seen_partial  # some budget reached the arguments
 
@@ -189,18 +195,7 @@ async def test_a_forced_llama3_json_call_streams_its_arguments(
             stream = await client.chat.completions.create(
                 model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
                 max_tokens=128, temperature=1.0, seed=seed, stream=True)
-            calls: dict[int, dict[str, str]] = {}
-            finish, content, num_pieces = None, "", 0
-            async for chunk in stream:
-                for delta_choice in chunk.choices:
-                    content += delta_choice.delta.content or ""
-                    finish = delta_choice.finish_reason or finish
-                    for call in delta_choice.delta.tool_calls or []:
-                        assert call.function is not None
-                        entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
-                        entry["name"] += call.function.name or ""
-                        entry["arguments"] += call.function.arguments or ""
-                        num_pieces += bool(call.function.arguments)
-            assert finish == "tool_calls" and content == "" and len(calls) == 1
-            check_call(calls[0]["name"], calls[0]["arguments"], {"get_weather", "add"})
-            assert num_pieces > 1  # as it was written, not whole at the end
+            got = await gathered(stream)
+            assert got.finish == "tool_calls" and got.content == "" and len(got.calls) == 1
+            check_call(got.calls[0]["name"], got.calls[0]["arguments"], {"get_weather", "add"})
+            assert got.num_pieces > 1  # as it was written, not whole at the end
