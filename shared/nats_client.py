@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -110,6 +111,7 @@ async def connect(url: str, name: str, timeout_s: float = 10.0,
                 on_event("disconnected")
 
     async def on_reconnected() -> None:
+        bound_unacknowledged(nc)
         log.info("nats.reconnected", client=name, server=redact(str(nc.connected_url or "")))
         if on_event is not None:
             on_event("reconnected")
@@ -142,7 +144,74 @@ async def connect(url: str, name: str, timeout_s: float = 10.0,
             raise ConfigError(f"NATS at {where} refused {name}: {reason} (check the "
                               "nats_* credentials and TLS settings)") from exc
         raise WorkerUnavailable(f"cannot reach NATS at {where} within {timeout_s}s") from exc
+    bound_unacknowledged(nc)
     return nc
+
+
+def bound_unacknowledged(nc: NatsClient) -> None:
+    """Have the kernel drop the client's connection once bytes sent on it stay unacknowledged
+    for as long as its pings may (a server cut off by a partition acknowledges nothing).
+
+    Before it reconnects, nats-py waits for the old connection to close, and a connection
+    with bytes still to send closes only once they are sent: to a partitioned server, not
+    before TCP gives up (~15 minutes). A worker streaming tokens always has some, so it never
+    moved to another server of the cluster: it was lost to everyone until the partition
+    healed. (nats-py has no socket options; its transport keeps the socket.)"""
+    writer = getattr(getattr(nc, "_transport", None), "_io_writer", None)
+    sock = writer.get_extra_info("socket") if writer is not None else None
+    if sock is None or not hasattr(socket, "TCP_USER_TIMEOUT"):
+        return
+    limit_ms = int(PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 1) * 1000)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, limit_ms)
+    except OSError as exc:
+        log.warning("nats.socket_option_failed", option="TCP_USER_TIMEOUT", error=str(exc))
+
+
+class ServerProbe:
+    """Whether the NATS server answers this client now: a PING whose PONG comes back in time.
+
+    A server cut off by a partition closes nothing, and the client learns it only from its
+    own unanswered pings, up to PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 1) later: longer
+    than a worker's heartbeat timeout. A service that judges workers by their silence asks
+    this first, so that its own deafness is not taken for their death.
+
+    A PING is never given up on (nats-py settles PONGs in order, and one arriving for a
+    cancelled flush stops its read loop): one in flight is waited on again by the next
+    question, and `reset` forgets it once the client has reconnected (its PONG will not come).
+    """
+
+    _PONG_LIMIT_S = 60.0  # far past the pings that declare the connection stale
+
+    def __init__(self, nc: NatsClient) -> None:
+        self._nc = nc
+        self._ping: asyncio.Task[None] | None = None
+        self._sent_at_s = 0.0
+
+    async def answers(self, within_s: float) -> bool:
+        """Whether a PING sent now (or the one in flight) is answered within `within_s` of
+        being sent."""
+        if not self._nc.is_connected:
+            return False
+        loop = asyncio.get_running_loop()
+        if self._ping is None or self._ping.done():
+            self._ping = loop.create_task(self._nc.flush(timeout=self._PONG_LIMIT_S))
+            self._ping.add_done_callback(_settled)
+            self._sent_at_s = loop.time()
+        ping = self._ping
+        left_s = self._sent_at_s + within_s - loop.time()
+        if left_s > 0:
+            await asyncio.wait({ping}, timeout=left_s)
+        return ping.done() and not ping.cancelled() and ping.exception() is None
+
+    def reset(self) -> None:
+        """The client reconnected: a PING in flight went to the old connection."""
+        self._ping = None
+
+
+def _settled(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: an unanswered PING is the probe's answer, not an error
 
 
 def _is_refusal(exc: BaseException) -> bool:
@@ -255,10 +324,15 @@ async def _create_or_update_stream(js: JetStreamContext, config: StreamConfig) -
     log.warning("jetstream.stream_updated", stream=config.name, changed=repr(changed))
 
 
-# While a stream's leader moves (a node lost, an election: a few seconds) its publishes and
-# its consumers' pulls go unanswered (these errors). A message id makes the stream drop a
-# retry's duplicate, so publishing again is safe; past this long the caller hears of it.
-STREAM_PUBLISH_RETRY_S = 10.0
+# While a stream's leader moves (a node lost, an election: up to ~10 s after a partition)
+# its publishes and its consumers' pulls go unanswered (these errors). A message id makes
+# the stream drop a retry's duplicate, so publishing again is safe; past this long the
+# caller hears of it.
+STREAM_PUBLISH_RETRY_S = 15.0
+# A publish sent while the stream had no leader is never answered: each attempt waits this
+# long for its acknowledgement (milliseconds when a leader takes it), not nats-py's 5 s, so
+# that one goes out soon after the election.
+STREAM_ACK_WAIT_S = 2.0
 # How long a service at start-up waits for JetStream to answer for its streams and buckets:
 # a cluster that starts with it elects its meta leader first (seconds).
 ASSET_WAIT_S = 30.0
@@ -303,8 +377,8 @@ async def publish_to_stream(js: JetStreamContext, subject: str, payload: bytes, 
                             within_s: float = STREAM_PUBLISH_RETRY_S) -> None:
     """Publish to a JetStream stream once (by `msg_id`: the stream drops a retry's
     duplicate), retrying while the stream cannot answer (`answered`)."""
-    await answered(lambda: js.publish(subject, payload, headers={"Nats-Msg-Id": msg_id,
-                                                                 **(headers or {})}),
+    await answered(lambda: js.publish(subject, payload, timeout=STREAM_ACK_WAIT_S,
+                                      headers={"Nats-Msg-Id": msg_id, **(headers or {})}),
                    f"publish {msg_id} to {subject}", within_s=within_s)
 
 

@@ -119,6 +119,12 @@ class EmbeddedNatsServer:
             self._process.kill()
             self._process.wait()
 
+    def send_signal(self, sig: int) -> None:
+        """Signal the server (SIGSTOP, then SIGCONT: a server that stalls, as on a frozen
+        VM, with every connection left open)."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(sig)
+
     def restart(self, timeout_s: float = 10.0) -> str:
         """Start it again after it exited, on the same ports, with the same JetStream store."""
         self.kill()

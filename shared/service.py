@@ -38,7 +38,7 @@ from shared.heartbeats import WorkerDirectory
 from shared.logs import get_logger
 from shared.messages import DispatchReply, Message
 from shared.metrics import CONTENT_TYPE, ServiceMetrics
-from shared.nats_client import connect, encode
+from shared.nats_client import ServerProbe, connect, encode
 from shared.subjects import Subjects
 
 # A young generation this large lets a request's short-lived objects die by reference count
@@ -46,6 +46,9 @@ from shared.subjects import Subjects
 # second under load); the older generations then run rarely, and never walk what start-up
 # built.
 GC_THRESHOLDS = (50_000, 20, 20)
+# A server that has not answered a PING within this long was not hearing us (its PONG
+# comes in milliseconds, tens of them under load): a partition, or a stalled server.
+SERVER_ANSWER_S = 0.5
 
 
 def settle_garbage_collector() -> None:
@@ -87,6 +90,7 @@ class Service(abc.ABC):
         self._stop_requested = asyncio.Event()
         self._crash: BaseException | None = None
         self._events: EventPublisher | None = None
+        self._probe: ServerProbe | None = None
 
     @property
     def nc(self) -> NatsClient:
@@ -267,6 +271,8 @@ class Service(abc.ABC):
         counter = (self.metrics.nats_reconnects if event == "reconnected"
                    else self.metrics.nats_disconnects)
         counter.inc()
+        if event == "reconnected" and self._probe is not None:
+            self._probe.reset()
         for directory in self._worker_views():
             if event == "disconnected":
                 directory.suspend()  # silence while we are away is not a worker's death
@@ -276,6 +282,22 @@ class Service(abc.ABC):
     def _worker_views(self) -> list[WorkerDirectory]:
         """The worker directories this service judges by heartbeats (none by default)."""
         return []
+
+    async def _may_judge_silence(self) -> bool:
+        """Whether a worker's silence may be taken for its death now: our NATS server answers
+        a PING promptly (`ServerProbe`; the heartbeats it had for us come before its answer).
+        If it does not, the silence is ours (a partition, a stalled server), and every
+        worker judged here gets a whole timeout from now to be heard again, as after a
+        stalled loop (`_sleep_judging_on_time`): once a stalled server runs again, our PONG
+        may come before the heartbeats it holds from others."""
+        if self._probe is None:
+            self._probe = ServerProbe(self.nc)
+        if await self._probe.answers(SERVER_ANSWER_S):
+            return True
+        now_s = time.monotonic()
+        for directory in self._worker_views():
+            directory.excuse_silence(now_s)
+        return False
 
     async def _sleep_judging_on_time(self, interval_s: float) -> None:
         """Sleep `interval_s`; if this process's loop woke more than an interval late (a

@@ -176,6 +176,12 @@ class StreamTable:
                     stream.placement = event
                     stream.has_decoded = False
 
+    def has_lost(self, is_alive: Callable[[str], bool],
+                 started_at_s: Callable[[str], float]) -> bool:
+        """Whether a stream's worker was lost (or restarted), as `fail_lost` judges."""
+        return any(stream.lost_worker(is_alive, started_at_s) is not None
+                   for stream in self._streams.values())
+
     def fail_lost(self, is_alive: Callable[[str], bool],
                   started_at_s: Callable[[str], float]) -> int:
         """Fail every stream whose worker was lost (or restarted) with `WorkerLost` (its

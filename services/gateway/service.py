@@ -146,13 +146,15 @@ class GatewayService(Service):
         await web.SockSite(self._runner, sock).start()
 
     async def _watch_workers(self) -> None:
-        """Fail over requests whose worker stopped heartbeating (their readers place them
-        again as continuations); ask decode workers to resend what stalled streams may have
-        lost."""
+        """Fail over requests whose worker stopped heartbeating while our NATS server answers
+        us (their readers place them again as continuations); ask decode workers to resend
+        what stalled streams may have lost."""
         interval_s = min(self.config.heartbeat_timeout_s, self.config.resume_after_s) / 4
         while True:
             await self._sleep_judging_on_time(interval_s)
-            self.table.fail_lost(self.workers.is_alive, self.workers.started_at_s)
+            judging = (self.workers.is_alive, self.workers.started_at_s)
+            if self.table.has_lost(*judging) and await self._may_judge_silence():
+                self.table.fail_lost(*judging)
             for worker_id, points in self.table.stalled(self.config.resume_after_s).items():
                 with contextlib.suppress(nats.errors.Error):
                     await self.nc.publish(self.subjects.stream_resume(worker_id), encode(

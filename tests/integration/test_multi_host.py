@@ -13,11 +13,13 @@ from pathlib import Path
 
 import openai
 import pytest
+from nats.aio.client import Client as NatsClient
 
 from bench.cluster import BedCluster, Placement
 from bench.netbed import PREFIX, NetBed
 from engine.fake_engine import fake_completion
 from services.gateway.tokenizer import ByteTokenizer
+from shared.nats_client import connect
 
 UNAVAILABLE = NetBed.unavailable()
 pytestmark = [pytest.mark.e2e,
@@ -130,6 +132,59 @@ async def _stream_while(cluster: BedCluster, fault: object, num: int) -> None:
     for i, text in enumerate(texts):
         prompt = TOKENIZER.encode(f"host {i}")
         assert text == TOKENIZER.decode(fake_completion(prompt, None, 60))
+
+
+def test_a_client_streaming_to_a_cut_off_server_moves_to_another_one() -> None:
+    """A partition acknowledges nothing, so a client that keeps publishing (a decode worker
+    streaming tokens) has bytes unsent when its pings give up; nats-py closes that connection
+    before it reconnects, which took until TCP gave up (minutes): the worker was lost to the
+    cluster for the partition's length. Now it is on another node within seconds."""
+    with NetBed(2) as bed:
+        cluster = BedCluster(bed, Placement(nats=(0, 1)), worker_flags=[])
+        try:
+            cluster.start_nats(0)
+            cluster.start_nats(1)
+            asyncio.run(_publish_through_a_cut(bed, cluster))
+        finally:
+            cluster.close()
+
+
+async def _publish_through_a_cut(bed: NetBed, cluster: BedCluster) -> None:
+    first, other = (f"{host.address}:4222" for host in bed.hosts)
+    nc = await _connect_when_routed(f"nats://{first}")
+    try:
+        assert nc.connected_url is not None and nc.connected_url.netloc == first
+
+        async def stream() -> None:  # 40 KB/s, as a decode worker's tokens
+            while True:
+                await nc.publish("tokens", b"t" * 400)
+                await asyncio.sleep(0.01)
+
+        streaming = asyncio.create_task(stream())
+        await asyncio.sleep(0.5)
+        bed.cut(bed.hosts[0])
+        started = time.monotonic()
+        while nc.connected_url is None or nc.connected_url.netloc != other:
+            assert time.monotonic() - started < 15, "still not on the other node"
+            await asyncio.sleep(0.1)
+        streaming.cancel()
+        assert time.monotonic() - started < 10
+    finally:
+        bed.heal(bed.hosts[0])
+        await nc.close()
+
+
+async def _connect_when_routed(url: str) -> NatsClient:
+    """A client of the first node once the node tells clients of the other (its INFO lists
+    every node's client URL when the route is up)."""
+    deadline = time.monotonic() + 20
+    while True:
+        nc = await connect(url, "cut-test")
+        if len(nc.servers) > 1:
+            return nc
+        await nc.close()
+        assert time.monotonic() < deadline, "the two nodes never routed"
+        await asyncio.sleep(0.3)
 
 
 def test_the_bed_leaves_nothing_behind_after_a_failure() -> None:

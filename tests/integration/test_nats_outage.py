@@ -4,14 +4,17 @@ seconds, and nothing is failed over."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Iterator
 
 import pytest
+from nats.aio.msg import Msg
 
 from engine.fake_engine import fake_completion
 from services.gateway.tokenizer import ByteTokenizer
 from shared.heartbeats import WorkerDirectory
+from shared.nats_client import ServerProbe, connect
 from shared.nats_server import EmbeddedNatsServer
 from tests.stack import Stack
 from tests.unit.test_placement import worker
@@ -48,6 +51,64 @@ async def test_streams_survive_a_nats_restart_and_no_worker_is_failed_over(
             expected = TOKENIZER.decode(fake_completion(TOKENIZER.encode(prompt), None, 80))
             assert body["choices"][0]["text"] == expected
         assert stack.gateway.metrics.failovers._value.get() == 0  # type: ignore[attr-defined]
+
+
+async def test_a_server_that_stops_answering_is_not_taken_for_lost_workers(
+        own_server: EmbeddedNatsServer) -> None:
+    """A server that answers nothing for a while (cut off by a partition, or stalled) closes
+    no connection: the gateway hears no heartbeat for longer than its timeout (1 s here)
+    before its client's pings tell it (up to 3 s). It asks the server before failing a
+    stream over, and fails nothing over."""
+    async with Stack(own_server.url, worker={"fake_token_delay_s": 0.04}) as stack:
+        prompts = [f"stall {i}" for i in range(4)]
+        requests = [asyncio.create_task(stack.post("/v1/completions", {
+            "model": MODEL, "prompt": prompt, "max_tokens": 80, "temperature": 0}))
+            for prompt in prompts]
+        await asyncio.sleep(1.0)  # every stream under way
+        own_server.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(1.8)  # past the heartbeat timeout, short of the pings' limit
+        finally:
+            own_server.send_signal(signal.SIGCONT)
+        results = await asyncio.wait_for(asyncio.gather(*requests), 60)
+        for prompt, (status, body) in zip(prompts, results, strict=True):
+            assert status == 200, body
+            expected = TOKENIZER.decode(fake_completion(TOKENIZER.encode(prompt), None, 80))
+            assert body["choices"][0]["text"] == expected
+        assert stack.gateway.metrics.failovers._value.get() == 0  # type: ignore[attr-defined]
+        assert stack.gateway.metrics.nats_reconnects._value.get() == 0  # type: ignore[attr-defined]
+
+
+async def test_the_server_probe_hears_a_stalled_server_again_and_breaks_nothing(
+        own_server: EmbeddedNatsServer) -> None:
+    """No answer while the server is stopped; answers once it runs again; and the PING left
+    unanswered meanwhile, answered late, leaves the client reading (nats-py stops its read
+    loop on a PONG for a flush it gave up on)."""
+    nc = await connect(own_server.url, "probe-test")
+    try:
+        probe = ServerProbe(nc)
+        assert await probe.answers(1.0)
+        own_server.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(0.2)  # stopped by now (a signal takes effect at its next tick)
+        try:
+            started = time.monotonic()
+            assert not await probe.answers(0.5)
+            assert not await probe.answers(0.5)  # the same PING, still unanswered
+            assert time.monotonic() - started < 1.0
+        finally:
+            own_server.send_signal(signal.SIGCONT)
+        assert await probe.answers(2.0)
+        received: list[bytes] = []
+
+        async def receive(msg: Msg) -> None:
+            received.append(msg.data)
+
+        await nc.subscribe("probe.after", cb=receive)
+        await nc.publish("probe.after", b"still reading")
+        await asyncio.wait_for(nc.flush(), 2.0)
+        assert received == [b"still reading"]
+    finally:
+        await nc.close()
 
 
 def test_heartbeat_judgments_wait_while_disconnected_and_one_interval_after() -> None:
