@@ -37,8 +37,9 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,9 +47,9 @@ import aiohttp
 import msgspec
 import nats
 
-from bench.control_path import MODEL, free_port
+from bench.control_path import MODEL
 from shared.messages import KvLeaseEvent, WorkerHeartbeat
-from shared.nats_server import EmbeddedNatsServer
+from shared.nats_server import EmbeddedNatsServer, free_ports
 from shared.subjects import Subjects
 
 SCENARIOS = ("none", "kill-prefill", "kill-decode", "kill-conductor", "stop-prefill",
@@ -134,7 +135,7 @@ class Cluster:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.port = free_port()
+        self.port = free_ports(2)  # the two gateways' ports
         self.cluster = f"chaos{os.getpid()}"
         self.nats_url = ""
         self.heartbeats: dict[str, WorkerHeartbeat] = {}
@@ -221,14 +222,18 @@ class UpCluster(Cluster):
             [sys.executable, "-m", "services.cli", "up", "--port", str(self.port),
              "--cluster", self.cluster, "--prefill", "2", "--decode", "2", "--gateways", "2",
              *self.worker_flags],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert self.process.stdout is not None
+        said: deque[str] = deque(maxlen=12)
         for line in self.process.stdout:
             if "halfmoon is up" in line:
                 self.nats_url = line.split("(NATS ", 1)[1].split(",", 1)[0]
+                threading.Thread(target=self.process.stdout.read, daemon=True).start()
                 return
-        raise SystemExit(f"halfmoon up exited with {self.process.wait()}")
+            said.append(line)
+        raise SystemExit(f"halfmoon up exited with {self.process.wait()}: "
+                         f"{''.join(said)}")
 
     async def restart_nats(self) -> None:
         os.kill(self.pids("nats-server")[0], signal.SIGKILL)  # the launcher restarts it

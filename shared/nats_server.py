@@ -7,6 +7,7 @@ Used by `halfmoon up` and by the tests. The binary sits in the environment's scr
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import socket
 import subprocess
@@ -40,6 +41,37 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> int:
+    """The first of `count` consecutive ports free on `host` now (`halfmoon up --gateways N`
+    listens on --port, --port + 1, ...), drawn below the kernel's ephemeral range: outgoing
+    connections and port-0 listeners take theirs from that range, so the port after a free
+    one is not some connection's by the time it is used."""
+    low = _ephemeral_ports()[0]
+    rng = random.Random()
+    for _ in range(100):
+        first = rng.randrange(10_000, low - count)
+        if all(_is_free(host, first + i) for i in range(count)):
+            return first
+    raise ServiceStartFailed(f"no {count} consecutive free ports on {host} below {low}")
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _is_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 @dataclass(frozen=True)
