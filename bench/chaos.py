@@ -10,6 +10,8 @@ completions of `--max-tokens` tokens in all; `--fault-at-s` into the load, one f
     kill-decode      SIGKILL a decode worker
     kill-conductor   SIGKILL the conductor
     stop-prefill     SIGSTOP a prefill worker (frozen mid-work), SIGKILL it 2 s later
+    pause-decode     SIGSTOP a decode worker for 3 s (past the heartbeat timeout), then
+                     SIGCONT: it comes back to requests moved elsewhere
     restart-nats     SIGKILL the embedded nats-server (the launcher restarts it, same store)
     kill-gateway     SIGKILL one of the two gateways: only its own clients may be affected
                      (counted apart, as `own`); the other gateway's must all complete
@@ -53,7 +55,7 @@ from shared.nats_server import EmbeddedNatsServer, free_ports
 from shared.subjects import Subjects
 
 SCENARIOS = ("none", "kill-prefill", "kill-decode", "kill-conductor", "stop-prefill",
-             "restart-nats", "kill-gateway")
+             "pause-decode", "restart-nats", "kill-gateway")
 
 
 @dataclass
@@ -331,6 +333,11 @@ async def inject(cluster: Cluster, scenario: str) -> None:
             os.kill(pid, signal.SIGSTOP)
             await asyncio.sleep(2.0)
             os.kill(pid, signal.SIGKILL)
+        case "pause-decode":  # hung past the heartbeat timeout, then back (a long stall)
+            pid = cluster.pids("decode")[0]
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(3.0)
+            os.kill(pid, signal.SIGCONT)
         case "restart-nats":
             await cluster.restart_nats()
         case "kill-gateway":
