@@ -48,7 +48,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> int:
     listens on --port, --port + 1, ...), drawn below the kernel's ephemeral range: outgoing
     connections and port-0 listeners take theirs from that range, so the port after a free
     one is not some connection's by the time it is used."""
-    low = _ephemeral_ports()[0]
+    low = _first_ephemeral_port()
     rng = random.Random()
     for _ in range(100):
         first = rng.randrange(10_000, low - count)
@@ -57,12 +57,11 @@ def free_ports(count: int, host: str = "127.0.0.1") -> int:
     raise ServiceStartFailed(f"no {count} consecutive free ports on {host} below {low}")
 
 
-def _ephemeral_ports() -> tuple[int, int]:
+def _first_ephemeral_port() -> int:
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def _is_free(host: str, port: int) -> bool:

@@ -1,6 +1,7 @@
 """halfmoon across hosts: network namespaces joined by a bridge (`bench.netbed`), each process
-on its host, KV between hosts over TCP only. The smoke test runs in `make test`; the fault
-scenarios are marked `cluster` (run with -m cluster). Skipped where namespaces cannot be made."""
+on its host, KV between hosts over TCP only. The smoke test and a NATS client cut off from
+its server run in `make test`; the fault scenarios are marked `cluster` (run with
+-m cluster). Skipped where namespaces cannot be made."""
 
 from __future__ import annotations
 
@@ -144,12 +145,12 @@ def test_a_client_streaming_to_a_cut_off_server_moves_to_another_one() -> None:
         try:
             cluster.start_nats(0)
             cluster.start_nats(1)
-            asyncio.run(_publish_through_a_cut(bed, cluster))
+            asyncio.run(_publish_through_a_cut(bed))
         finally:
             cluster.close()
 
 
-async def _publish_through_a_cut(bed: NetBed, cluster: BedCluster) -> None:
+async def _publish_through_a_cut(bed: NetBed) -> None:
     first, other = (f"{host.address}:4222" for host in bed.hosts)
     nc = await _connect_when_routed(f"nats://{first}")
     try:
