@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 from nats.aio.msg import Msg
@@ -36,21 +36,13 @@ def own_server() -> Iterator[EmbeddedNatsServer]:
 
 async def test_streams_survive_a_nats_restart_and_no_worker_is_failed_over(
         own_server: EmbeddedNatsServer) -> None:
-    async with Stack(own_server.url, worker={"fake_token_delay_s": 0.04}) as stack:
-        prompts = [f"outage {i}" for i in range(4)]
-        requests = [asyncio.create_task(stack.post("/v1/completions", {
-            "model": MODEL, "prompt": prompt, "max_tokens": 80, "temperature": 0}))
-            for prompt in prompts]
-        await asyncio.sleep(1.0)  # every stream under way
+    async def outage() -> None:
         own_server.kill()
         await asyncio.sleep(2.0)
         own_server.restart()
-        results = await asyncio.wait_for(asyncio.gather(*requests), 60)
-        for prompt, (status, body) in zip(prompts, results, strict=True):
-            assert status == 200, body
-            expected = TOKENIZER.decode(fake_completion(TOKENIZER.encode(prompt), None, 80))
-            assert body["choices"][0]["text"] == expected
-        assert stack.gateway.metrics.failovers._value.get() == 0  # type: ignore[attr-defined]
+
+    stack = await _streams_through(own_server, outage)
+    assert stack.gateway.metrics.failovers._value.get() == 0  # type: ignore[attr-defined]
 
 
 async def test_a_server_that_stops_answering_is_not_taken_for_lost_workers(
@@ -59,24 +51,35 @@ async def test_a_server_that_stops_answering_is_not_taken_for_lost_workers(
     no connection: the gateway hears no heartbeat for longer than its timeout (1 s here)
     before its client's pings tell it (up to 3 s). It asks the server before failing a
     stream over, and fails nothing over."""
-    async with Stack(own_server.url, worker={"fake_token_delay_s": 0.04}) as stack:
-        prompts = [f"stall {i}" for i in range(4)]
-        requests = [asyncio.create_task(stack.post("/v1/completions", {
-            "model": MODEL, "prompt": prompt, "max_tokens": 80, "temperature": 0}))
-            for prompt in prompts]
-        await asyncio.sleep(1.0)  # every stream under way
+    async def stall() -> None:
         own_server.send_signal(signal.SIGSTOP)
         try:
             await asyncio.sleep(1.8)  # past the heartbeat timeout, short of the pings' limit
         finally:
             own_server.send_signal(signal.SIGCONT)
+
+    stack = await _streams_through(own_server, stall)
+    assert stack.gateway.metrics.failovers._value.get() == 0  # type: ignore[attr-defined]
+    assert stack.gateway.metrics.nats_reconnects._value.get() == 0  # type: ignore[attr-defined]
+
+
+async def _streams_through(server: EmbeddedNatsServer,
+                           fault: Callable[[], Awaitable[None]]) -> Stack:
+    """Four greedy streams of the fake engine with `fault()` a second in; each completes with
+    exactly its output. Returns the (stopped) stack, to read its metrics."""
+    async with Stack(server.url, worker={"fake_token_delay_s": 0.04}) as stack:
+        prompts = [f"outage {i}" for i in range(4)]
+        requests = [asyncio.create_task(stack.post("/v1/completions", {
+            "model": MODEL, "prompt": prompt, "max_tokens": 80, "temperature": 0}))
+            for prompt in prompts]
+        await asyncio.sleep(1.0)  # every stream under way
+        await fault()
         results = await asyncio.wait_for(asyncio.gather(*requests), 60)
         for prompt, (status, body) in zip(prompts, results, strict=True):
             assert status == 200, body
             expected = TOKENIZER.decode(fake_completion(TOKENIZER.encode(prompt), None, 80))
             assert body["choices"][0]["text"] == expected
-        assert stack.gateway.metrics.failovers._value.get() == 0  # type: ignore[attr-defined]
-        assert stack.gateway.metrics.nats_reconnects._value.get() == 0  # type: ignore[attr-defined]
+    return stack
 
 
 async def test_the_server_probe_hears_a_stalled_server_again_and_breaks_nothing(
