@@ -55,6 +55,7 @@ from shared.messages import (
 )
 from shared.metrics import CounterAtScrape, ElasticWorkerMetrics
 from shared.nats_client import (
+    Redeclare,
     encode,
     ensure_bucket,
     ensure_kv_event_stream,
@@ -101,6 +102,9 @@ class WorkerService(Service):
         self.leases = LeaseTable(self.worker_id, self.metrics, self._publish_lease_event)
         self._kv_event_flush: asyncio.Task[None] | None = None
         self._registry_put: asyncio.Task[None] | None = None
+        # JetStream assets found gone (deleted, or lost with a server's store): declared again.
+        self._redeclare_registry = Redeclare(self._open_registry, "the worker registry")
+        self._redeclare_kv_events = Redeclare(self._declare_kv_events, "the KV-event stream")
         self._unsent_kv_events: list[KvBlockEvent] = []  # drained, not yet published
         self._model_path = ""  # where the engine read the model, once started
         self._shelf: list[str] = []  # models it may switch to (`model_shelf`)
@@ -153,13 +157,8 @@ class WorkerService(Service):
         self._shelf = models_on_disk(self.config)
         await register_device_kv(parts)
         self._read_gauges_at_scrape()
-        self._registry = await ensure_bucket(
-            self.nc.jetstream(), self.subjects.workers_bucket,
-            ttl_s=max(5.0, REGISTRY_TTL_HEARTBEATS * self.config.heartbeat_interval_s),
-            replicas=self.config.js_replicas,
-        )
-        js = self.nc.jetstream()
-        await ensure_kv_event_stream(js, self.subjects, replicas=self.config.js_replicas)
+        await self._open_registry()
+        await self._declare_kv_events()
         await self._publish_kv_events(is_reset=True)
         self._duties[self._role] = self.duty_types[self._role](self)
         await self.duty.start()
@@ -314,7 +313,8 @@ class WorkerService(Service):
         batch = KvEventBatch(worker_id=self.worker_id, block_size=self.config.engine.block_size,
                              events=self._unsent_kv_events, is_reset=is_reset)
         await publish_to_stream(self.nc.jetstream(), self.subjects.kv_events(self.worker_id),
-                                encode(batch), msg_id=uuid.uuid4().hex)
+                                encode(batch), msg_id=uuid.uuid4().hex,
+                                redeclare=self._redeclare_kv_events)
         self._unsent_kv_events = []
         return True
 
@@ -336,8 +336,21 @@ class WorkerService(Service):
                 await self._registry.put(self.worker_id, payload)
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             self.log.warning("registry.put_failed", error=repr(exc))
+            if isinstance(exc, nats.js.errors.NoStreamResponseError):
+                await self._redeclare_registry()  # the bucket may be gone
         finally:
             self._registry_put = None
+
+    async def _open_registry(self) -> None:
+        self._registry = await ensure_bucket(
+            self.nc.jetstream(), self.subjects.workers_bucket,
+            ttl_s=max(5.0, REGISTRY_TTL_HEARTBEATS * self.config.heartbeat_interval_s),
+            replicas=self.config.js_replicas,
+        )
+
+    async def _declare_kv_events(self) -> None:
+        await ensure_kv_event_stream(self.nc.jetstream(), self.subjects,
+                                     replicas=self.config.js_replicas)
 
     def heartbeat(self) -> WorkerHeartbeat:
         stats = self.engine.stats()

@@ -374,12 +374,52 @@ async def answered(call: Callable[[], Awaitable[T]], what: str, *,
 
 async def publish_to_stream(js: JetStreamContext, subject: str, payload: bytes, *,
                             msg_id: str, headers: dict[str, str] | None = None,
-                            within_s: float = STREAM_PUBLISH_RETRY_S) -> None:
+                            within_s: float = STREAM_PUBLISH_RETRY_S,
+                            redeclare: Redeclare | None = None) -> None:
     """Publish to a JetStream stream once (by `msg_id`: the stream drops a retry's
-    duplicate), retrying while the stream cannot answer (`answered`)."""
-    await answered(lambda: js.publish(subject, payload, timeout=STREAM_ACK_WAIT_S,
-                                      headers={"Nats-Msg-Id": msg_id, **(headers or {})}),
-                   f"publish {msg_id} to {subject}", within_s=within_s)
+    duplicate), retrying while the stream cannot answer (`answered`); when no stream takes
+    the subject at all, `redeclare` (if given) declares it again before the next try."""
+    async def publish() -> object:
+        try:
+            return await js.publish(subject, payload, timeout=STREAM_ACK_WAIT_S,
+                                    headers={"Nats-Msg-Id": msg_id, **(headers or {})})
+        except nats.js.errors.NoStreamResponseError:
+            if redeclare is not None:
+                await redeclare()
+            raise
+
+    await answered(publish, f"publish {msg_id} to {subject}", within_s=within_s)
+
+
+class Redeclare:
+    """Declare a JetStream asset again when a call finds it gone: deleted by an operator,
+    or lost with a server that restarted without its store. Every service declares its
+    assets at start; without this, one lost stream left the cluster refusing every request
+    until each service was restarted.
+
+    A call finds the same while a stream only lost its leader (an election), when declaring
+    is harmless and usually times out: so at most once per `interval_s`, bounded by
+    `limit_s`, and its failure is the caller's retry, not an error."""
+
+    def __init__(self, declare: Callable[[], Awaitable[object]], what: str, *,
+                 interval_s: float = 1.0, limit_s: float = 2.0) -> None:
+        self._declare = declare
+        self._what = what
+        self._interval_s = interval_s
+        self._limit_s = limit_s
+        self._last_s = -interval_s
+
+    async def __call__(self) -> None:
+        now_s = asyncio.get_running_loop().time()
+        if now_s - self._last_s < self._interval_s:
+            return
+        self._last_s = now_s
+        try:
+            await asyncio.wait_for(self._declare(), self._limit_s)
+        except (TimeoutError, nats.errors.Error, nats.js.errors.Error) as exc:
+            log.info("jetstream.redeclare_failed", what=self._what, error=repr(exc))
+            return
+        log.info("jetstream.redeclared", what=self._what)
 
 
 def _refuse_differences(asset: str, settings: list[tuple[str, object, object]]) -> None:

@@ -57,7 +57,7 @@ from shared.messages import (
     WorkerHeartbeat,
 )
 from shared.metrics import ConductorMetrics
-from shared.nats_client import dispatch, encode, ensure_work_queue, read_registry
+from shared.nats_client import dispatch, encode, read_registry
 from shared.service import Service
 
 _request_decoder = msgspec.json.Decoder(GenerateRequest)
@@ -103,9 +103,6 @@ class ConductorService(Service):
         for heartbeat in await read_registry(self.nc.jetstream(), self.subjects.workers_bucket):
             self.workers.observe_entry(heartbeat)
         js = self.nc.jetstream()
-        await ensure_work_queue(js, self.subjects.requests_stream, self.subjects.requests,
-                                max_age_s=self.config.request_max_age_s,
-                                replicas=self.config.js_replicas)
         self.prefix_follower = PrefixIndexFollower(js, self.subjects, self.prefix_index,
                                                    replicas=self.config.js_replicas)
         await self.prefix_follower.start(self.config.prefix_catch_up_timeout_s)
@@ -117,7 +114,9 @@ class ConductorService(Service):
                                          self.metrics, f"conductor-{uuid.uuid4().hex[:8]}",
                                          self.spawn)
             self.spawn(self.planning.run(), "planner")
-        self.intake = RequestIntake(js, self.subjects, self._handle)
+        self.intake = RequestIntake(js, self.subjects, self._handle,
+                                    max_age_s=self.config.request_max_age_s,
+                                    replicas=self.config.js_replicas)
         await self.intake.start(self.config.num_fetchers, self.spawn)
 
     async def _on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:

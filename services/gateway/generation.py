@@ -37,7 +37,7 @@ from shared.messages import (
     choice_id,
 )
 from shared.metrics import GatewayMetrics
-from shared.nats_client import encode, publish_to_stream
+from shared.nats_client import Redeclare, encode, publish_to_stream
 from shared.subjects import Subjects
 
 log = get_logger(__name__)
@@ -70,6 +70,7 @@ class GeneratorContext:
     timeout_s: float
     metrics: GatewayMetrics
     events: EventPublisher
+    redeclare_requests: Redeclare | None = None  # the request stream, when it is gone
 
 
 class _TokenClock:
@@ -336,7 +337,8 @@ class Generator:
         message_id = request_id if attempt == 0 else f"{request_id}/{attempt}"
         try:
             await publish_to_stream(ctx.js, ctx.subjects.requests, encode(message),
-                                    msg_id=message_id, headers=tracing.inject())
+                                    msg_id=message_id, headers=tracing.inject(),
+                                    redeclare=ctx.redeclare_requests)
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             raise WorkerUnavailable(f"cannot queue the request: {str(exc) or repr(exc)}") from exc
 

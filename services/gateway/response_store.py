@@ -19,6 +19,7 @@ from nats.js.kv import KeyValue
 from shared.errors import PreviousResponseNotFound, ResponseNotFound
 from shared.logs import get_logger
 from shared.messages import StoredResponse
+from shared.nats_client import Redeclare
 
 log = get_logger(__name__)
 
@@ -29,8 +30,9 @@ _decoder = msgspec.json.Decoder(StoredResponse)
 class ResponseStore:
     """Stored responses by id; `bucket` None when storing is off (`responses_ttl_s` 0)."""
 
-    def __init__(self, bucket: KeyValue | None) -> None:
+    def __init__(self, bucket: KeyValue | None, redeclare: Redeclare | None = None) -> None:
         self._bucket = bucket
+        self._redeclare = redeclare  # the bucket, when a put finds it gone
 
     @property
     def is_on(self) -> bool:
@@ -48,6 +50,8 @@ class ResponseStore:
         except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
             log.warning("responses.not_stored", response_id=response["id"],
                         num_bytes=len(value), error=repr(exc))
+            if isinstance(exc, nats.js.errors.NoStreamResponseError) and self._redeclare:
+                await self._redeclare()  # the next response is stored again
             return False
         return True
 

@@ -13,11 +13,13 @@ import dataclasses
 import socket
 import time
 import uuid
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
 import nats.errors
 from aiohttp import web
+from nats.js.kv import KeyValue
 
 from services.gateway.api import build_app
 from services.gateway.cors import parse_origins
@@ -44,7 +46,13 @@ from shared.errors import ConfigError, RequestAborted, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
 from shared.messages import GatewayEvent, StreamResume, WorkerHeartbeat
 from shared.metrics import GatewayMetrics
-from shared.nats_client import encode, ensure_bucket, ensure_work_queue, read_registry
+from shared.nats_client import (
+    Redeclare,
+    encode,
+    ensure_bucket,
+    ensure_work_queue,
+    read_registry,
+)
 from shared.service import Service
 
 # OpenAI's legacy completions endpoint defaults to 16 new tokens; chat fills the context.
@@ -100,22 +108,31 @@ class GatewayService(Service):
                                     self._read_template())
         await self.catalog.start()
         js = self.nc.jetstream()
-        await ensure_work_queue(js, self.subjects.requests_stream, self.subjects.requests,
-                                max_age_s=self.config.request_timeout_s,
-                                replicas=self.config.js_replicas)
+
+        def declare_requests() -> Awaitable[None]:
+            return ensure_work_queue(js, self.subjects.requests_stream, self.subjects.requests,
+                                     max_age_s=self.config.request_timeout_s,
+                                     replicas=self.config.js_replicas)
+
+        await declare_requests()
         reply_subject = self.subjects.gateway(self.gateway_id)
         await self.serve(reply_subject, GatewayEvent, self._on_event)
         await self.serve(self.subjects.all_heartbeats, WorkerHeartbeat, self._on_heartbeat)
         for heartbeat in await read_registry(self.nc.jetstream(), self.subjects.workers_bucket):
             self._observe(heartbeat, from_registry=True)
-        self.responses = ResponseStore(await ensure_bucket(
-            js, self.subjects.responses_bucket, self.config.responses_ttl_s,
-            replicas=self.config.js_replicas, max_bytes=self.config.responses_max_bytes,
-        ) if self.config.responses_ttl_s > 0 else None)
+        def declare_responses() -> Awaitable[KeyValue]:
+            return ensure_bucket(js, self.subjects.responses_bucket, self.config.responses_ttl_s,
+                                 replicas=self.config.js_replicas,
+                                 max_bytes=self.config.responses_max_bytes)
+
+        self.responses = ResponseStore(
+            await declare_responses() if self.config.responses_ttl_s > 0 else None,
+            Redeclare(declare_responses, "the stored-responses bucket"))
         self._generator = Generator(GeneratorContext(
             nc=self.nc, js=js, subjects=self.subjects, reply_subject=reply_subject,
             table=self.table, tokenizer_of=self._tokenizer_of,
             timeout_s=self.config.request_timeout_s, metrics=self.metrics, events=self.events,
+            redeclare_requests=Redeclare(declare_requests, "the request stream"),
         ))
         await self._serve_http()
         self.spawn(self._watch_workers(), "watch-workers")

@@ -14,7 +14,7 @@ from nats.aio.msg import Msg
 from engine.fake_engine import fake_completion
 from services.gateway.tokenizer import ByteTokenizer
 from shared.heartbeats import WorkerDirectory
-from shared.nats_client import ServerProbe, connect
+from shared.nats_client import ServerProbe, connect, read_registry
 from shared.nats_server import EmbeddedNatsServer
 from tests.stack import Stack
 from tests.unit.test_placement import worker
@@ -80,6 +80,30 @@ async def _streams_through(server: EmbeddedNatsServer,
             expected = TOKENIZER.decode(fake_completion(TOKENIZER.encode(prompt), None, 80))
             assert body["choices"][0]["text"] == expected
     return stack
+
+
+async def test_lost_jetstream_assets_are_declared_again(nats_url: str) -> None:
+    """Every stream and bucket deleted under a running stack (by an operator, or lost with a
+    server that restarted without its store): the gateway's publishes find no stream, the
+    conductor's pulls no consumer, the workers' registry puts no bucket. Each declares its
+    own again: requests are served, the registry fills; before, every request was refused
+    (503) until each service restarted."""
+    async with Stack(nats_url) as stack:
+        body = {"model": MODEL, "prompt": "lost", "max_tokens": 8, "temperature": 0}
+        assert (await stack.post("/v1/completions", body))[0] == 200
+        js = stack.gateway.nc.jetstream()
+        for stream in await js.streams_info():
+            if stack.cluster.upper() in stream.config.name.upper():  # this stack's own
+                await js.delete_stream(stream.config.name)
+        status, answer = await asyncio.wait_for(stack.post("/v1/completions", body), 30)
+        assert status == 200, answer
+        expected = TOKENIZER.decode(fake_completion(TOKENIZER.encode("lost"), None, 8))
+        assert answer["choices"][0]["text"] == expected
+        deadline = time.monotonic() + 10
+        while stack.decodes[0].worker_id not in {entry.worker_id for entry in await read_registry(
+                js, stack.gateway.subjects.workers_bucket)}:
+            assert time.monotonic() < deadline, "the registry was not declared again"
+            await asyncio.sleep(0.2)
 
 
 async def test_the_server_probe_hears_a_stalled_server_again_and_breaks_nothing(

@@ -1,17 +1,19 @@
 """Stored Responses API responses in a real NATS KV bucket: kept, found, deleted; a full
-bucket drops its oldest; what cannot be stored is reported, never raised."""
+bucket drops its oldest; what cannot be stored is reported, never raised; a bucket found
+gone is declared again."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import pytest
 from nats.aio.client import Client as NatsClient
+from nats.js.kv import KeyValue
 
 from services.gateway.response_store import ResponseStore
 from shared.errors import PreviousResponseNotFound, ResponseNotFound
-from shared.nats_client import connect, ensure_bucket
+from shared.nats_client import Redeclare, connect, ensure_bucket
 
 
 @pytest.fixture
@@ -76,3 +78,18 @@ async def test_a_store_that_is_off_keeps_nothing_and_says_so(nc: NatsClient) -> 
     assert await store.keep(response("resp_a"), [], num_input_items=0) is False
     with pytest.raises(PreviousResponseNotFound, match="stores no responses"):
         await store.previous("resp_a")
+
+
+async def test_a_bucket_found_gone_is_declared_again(nc: NatsClient) -> None:
+    """Deleted (or lost with a server's store) under a running gateway: the put that finds
+    it gone is reported, and the bucket is declared again for the next."""
+    bucket = f"responses_{uuid.uuid4().hex[:8]}"
+
+    def declare() -> Awaitable[KeyValue]:
+        return ensure_bucket(nc.jetstream(), bucket, 60.0, max_bytes=1 << 20)
+
+    store = ResponseStore(await declare(), Redeclare(declare, "the test bucket"))
+    await nc.jetstream().delete_stream(f"KV_{bucket}")
+    assert not await store.keep(response("resp_lost"), [], num_input_items=0)
+    assert await store.keep(response("resp_kept"), [], num_input_items=0)
+    assert (await store.get("resp_kept")).response == response("resp_kept")
