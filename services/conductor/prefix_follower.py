@@ -28,6 +28,7 @@ from shared.logs import get_logger
 from shared.messages import KvEventBatch, PrefixIndexSnapshot
 from shared.nats_client import (
     ASSET_WAIT_S,
+    Redeclare,
     answered,
     encode,
     ensure_kv_event_stream,
@@ -36,6 +37,8 @@ from shared.nats_client import (
 from shared.subjects import Subjects
 
 log = get_logger(__name__)
+
+STREAM_CHECK_S = 2.0  # how often `keep_following` looks at the stream
 
 _batch_decoder = msgspec.json.Decoder(KvEventBatch)
 _snapshot_decoder = msgspec.json.Decoder(PrefixIndexSnapshot)
@@ -53,6 +56,9 @@ class PrefixIndexFollower:
         self.restored_from_seq = 0  # the snapshot's sequence; 0: replayed from the start
         self._subscription: Any = None
         self._store: ObjectStore | None = None
+        self._stream_created: object = None  # when the stream followed was made
+        self._redeclare = Redeclare(
+            lambda: ensure_kv_event_stream(js, subjects, replicas=replicas), "the KV-event stream")
 
     async def start(self, catch_up_timeout_s: float) -> None:
         await ensure_kv_event_stream(self._js, self._subjects, replicas=self._replicas)
@@ -60,17 +66,12 @@ class PrefixIndexFollower:
         info = await answered(lambda: self._js.stream_info(stream), f"stream {stream}",
                               within_s=ASSET_WAIT_S)
         last_seq = info.state.last_seq
+        self._stream_created = info.created
         snapshot = await self._load()
         if snapshot is not None and snapshot.stream_seq <= last_seq:
             self.index.restore(snapshot)
             self.applied_seq = self.saved_seq = self.restored_from_seq = snapshot.stream_seq
-        config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL) if not self.applied_seq \
-            else ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                                opt_start_seq=self.applied_seq + 1)
-        self._subscription = await answered(lambda: self._js.subscribe(
-            self._subjects.all_kv_events, stream=stream, cb=self._on_batch,
-            ordered_consumer=True, config=config), f"a consumer of {stream}",
-            within_s=ASSET_WAIT_S)
+        await self._follow()
         try:
             async with asyncio.timeout(catch_up_timeout_s):
                 while self.applied_seq < last_seq:  # noqa: ASYNC110 - the callback advances it
@@ -81,6 +82,45 @@ class PrefixIndexFollower:
         log.info("prefix_index.ready", blocks=len(self.index),
                  snapshot_seq=self.restored_from_seq, replayed=self.applied_seq
                  - self.restored_from_seq)
+
+    async def _follow(self) -> None:
+        """An ordered consumer from the event after `applied_seq` (all of them from 0)."""
+        stream = self._subjects.kv_events_stream
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL) if not self.applied_seq \
+            else ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                                opt_start_seq=self.applied_seq + 1)
+        self._subscription = await answered(lambda: self._js.subscribe(
+            self._subjects.all_kv_events, stream=stream, cb=self._on_batch,
+            ordered_consumer=True, config=config), f"a consumer of {stream}",
+            within_s=ASSET_WAIT_S)
+
+    async def keep_following(self, interval_s: float) -> None:
+        """Every `interval_s`: a stream deleted (or lost with a server's store) is declared
+        again, and one made anew since (by this or a worker that found it gone) is followed
+        from its start: its sequence started over, below where the consumer would resume.
+        The index keeps what it holds (hints, corrected by the events that follow)."""
+        stream = self._subjects.kv_events_stream
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                info = await self._js.stream_info(stream)
+            except nats.js.errors.NotFoundError:
+                await self._redeclare()
+                continue
+            except (nats.errors.Error, nats.js.errors.Error):
+                continue  # unanswered (an election, an outage): asked again next time
+            if info.created == self._stream_created:
+                continue
+            log.warning("prefix_index.stream_made_anew", stream=stream,
+                        applied_seq=self.applied_seq, last_seq=info.state.last_seq)
+            await self.stop()
+            self._stream_created = info.created
+            self.applied_seq = self.saved_seq = 0
+            try:
+                await self._follow()
+            except (nats.errors.Error, nats.js.errors.Error) as exc:
+                log.warning("prefix_index.follow_failed", error=repr(exc))
+                self._stream_created = None  # tried again next time
 
     async def _on_batch(self, msg: Msg) -> None:
         self.applied_seq = max(self.applied_seq, msg.metadata.sequence.stream)
@@ -98,6 +138,7 @@ class PrefixIndexFollower:
                     await self.save()
                 except (nats.errors.Error, nats.js.errors.Error) as exc:
                     log.warning("prefix_index.snapshot_failed", error=repr(exc))
+                    self._store = None  # declared again for the next (it may be gone)
 
     async def save(self) -> None:
         seq = self.applied_seq

@@ -33,7 +33,7 @@ from services.conductor.intake import RequestIntake
 from services.conductor.model_loader import ModelLoader
 from services.conductor.placement import PendingWork, PrefixView, prefix_view
 from services.conductor.planning import PlanningLoop
-from services.conductor.prefix_follower import PrefixIndexFollower
+from services.conductor.prefix_follower import STREAM_CHECK_S, PrefixIndexFollower
 from services.conductor.prefix_index import PrefixIndex
 from shared import tracing
 from shared.config import ConductorConfig
@@ -106,6 +106,7 @@ class ConductorService(Service):
         self.prefix_follower = PrefixIndexFollower(js, self.subjects, self.prefix_index,
                                                    replicas=self.config.js_replicas)
         await self.prefix_follower.start(self.config.prefix_catch_up_timeout_s)
+        self.spawn(self.prefix_follower.keep_following(STREAM_CHECK_S), "prefix-stream")
         if self.config.prefix_snapshot_interval_s > 0:
             self.spawn(self.prefix_follower.save_every(self.config.prefix_snapshot_interval_s),
                        "prefix-snapshots")

@@ -69,3 +69,27 @@ async def test_without_a_snapshot_the_whole_stream_is_replayed(nats_url: str) ->
             await restarted.stop()
     finally:
         await service.stop()
+
+
+async def test_a_stream_declared_anew_is_followed_from_its_start(nats_url: str) -> None:
+    """The KV-event stream deleted and declared again (by a worker that found it gone) starts
+    its sequence over, below where the conductor's consumer would resume: the conductor
+    follows the new stream from its start."""
+    subjects = Subjects(f"t{uuid.uuid4().hex[:10]}")
+    service = conductor(nats_url, subjects.cluster)
+    await service.start()
+    try:
+        js = service.nc.jetstream()
+        for message in (batch("a", "h1"), batch("a", "h2"), batch("a", "h3")):
+            await js.publish(subjects.kv_events("a"), encode(message))
+        follower = service.prefix_follower
+        assert follower is not None
+        await eventually(lambda: follower.applied_seq == 3)
+        await js.delete_stream(subjects.kv_events_stream)
+        await ensure_kv_event_stream(js, subjects)
+        await js.publish(subjects.kv_events("b"), encode(batch("b", "h9")))
+        query = [b"h9".ljust(16, b"-")]
+        await eventually(lambda: service.prefix_index.leading_blocks(query, ["b"]) == {"b": 1},
+                         timeout_s=10)
+    finally:
+        await service.stop()
