@@ -55,7 +55,7 @@ class RequestIntake:
         self._replicas = replicas
         self._subscriptions: list[Any] = []
         self._is_fetching = False
-        self._redeclare = Redeclare(self._declare, "the request stream and its consumer")
+        self._redeclare = Redeclare(self._declare_stream, "the request stream")
         self.num_in_hand = 0  # messages being handled now
 
     async def start(self, num_fetchers: int,
@@ -95,10 +95,6 @@ class RequestIntake:
                                  self._subjects.requests, max_age_s=self._max_age_s,
                                  replicas=self._replicas)
 
-    async def _declare(self) -> None:
-        await self._declare_stream()
-        await self._subscribe()  # the consumer again; the subscription is taken anew below
-
     async def _fetch_loop(self, index: int) -> None:
         failing_since: float | None = None
         while self._is_fetching:
@@ -127,8 +123,8 @@ class RequestIntake:
 
     async def _resubscribe(self, index: int) -> None:
         """Pulls failing this long: the stream or the consumer may be gone (deleted, or lost
-        with a server that restarted without its store). Declare both again, and pull through
-        a new subscription."""
+        with a server that restarted without its store). Declare the stream again, and pull
+        through a new subscription (which declares the consumer)."""
         await self._redeclare()
         try:
             subscription = await asyncio.wait_for(self._subscribe(), REDECLARE_LIMIT_S)

@@ -120,14 +120,15 @@ class GatewayService(Service):
         await self.serve(self.subjects.all_heartbeats, WorkerHeartbeat, self._on_heartbeat)
         for heartbeat in await read_registry(self.nc.jetstream(), self.subjects.workers_bucket):
             self._observe(heartbeat, from_registry=True)
+
         def declare_responses() -> Awaitable[KeyValue]:
             return ensure_bucket(js, self.subjects.responses_bucket, self.config.responses_ttl_s,
                                  replicas=self.config.js_replicas,
                                  max_bytes=self.config.responses_max_bytes)
 
         self.responses = ResponseStore(
-            await declare_responses() if self.config.responses_ttl_s > 0 else None,
-            Redeclare(declare_responses, "the stored-responses bucket"))
+            await declare_responses(), Redeclare(declare_responses, "the stored-responses bucket")
+        ) if self.config.responses_ttl_s > 0 else ResponseStore(None)
         self._generator = Generator(GeneratorContext(
             nc=self.nc, js=js, subjects=self.subjects, reply_subject=reply_subject,
             table=self.table, tokenizer_of=self._tokenizer_of,
