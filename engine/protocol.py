@@ -109,6 +109,7 @@ class EngineStats:
     busy_s: float = 0.0  # wall time spent in model steps since start (utilization: its rate)
     num_prompt_tokens_computed: int = 0  # since start (prefix-cache hits not included)
     num_preemptions: int = 0  # running sequences whose blocks were taken, since start
+    max_model_len: int = 0  # the longest sequence (prompt and output) it holds; 0: no limit
 
 
 class PrefillEngine(Protocol):

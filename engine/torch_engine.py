@@ -53,7 +53,10 @@ from shared.errors import (
     HalfmoonError,
     InvalidRequest,
 )
+from shared.logs import get_logger
 from shared.messages import FinishReason, KvPoolLayout, SamplingParams, choice_id, request_of
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,7 @@ class TorchEngine:
             kv_cache_memory_gb=options.kv_cache_memory_gb,
             gpu_memory_utilization=options.gpu_memory_utilization)
         self._kv_layout = msgspec.structs.replace(layout, num_blocks=self.num_blocks)
+        self.max_model_len = self._fit_to_pool(self.max_model_len)
         self.allocator = LockedAllocator(self.num_blocks)
         self.grammars = Grammars(options.model_dir, self.config.vocab_size,
                                  self.config.eos_token_ids)
@@ -173,6 +177,17 @@ class TorchEngine:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.config.eos_token_ids
+
+    def _fit_to_pool(self, max_model_len: int) -> int:
+        """The context capped at what the whole KV pool holds: a sequence that outgrew the
+        pool could only preempt itself, and then wait forever to be computed again."""
+        pool_tokens = self.num_blocks * self.options.block_size
+        if pool_tokens >= max_model_len:
+            return max_model_len
+        log.warning("engine.max_model_len_capped", max_model_len=pool_tokens,
+                    model_max_model_len=max_model_len, num_blocks=self.num_blocks,
+                    block_size=self.options.block_size)
+        return pool_tokens
 
     # Lifecycle.
     async def start(self) -> None:
@@ -427,7 +442,7 @@ class TorchEngine:
             decode_step_s=self._decode_step_s,
             prefill_overhead_s=overhead, prefill_s_per_token=per_token, busy_s=self._busy_s,
             num_prompt_tokens_computed=self._num_prompt_computed,
-            num_preemptions=self._num_preemptions,
+            num_preemptions=self._num_preemptions, max_model_len=self.max_model_len,
         )
 
     @property
@@ -505,17 +520,10 @@ class TorchEngine:
         fork.block_ids = [*shared, *own_blocks]
 
     def _admit(self, seq: Sequence) -> None:
-        """Queue a new prompt; it takes blocks when its steps run (`_secure_blocks`). Only a
-        request that could not fit the whole pool by itself is refused."""
+        """Queue a new prompt; it takes blocks when its steps run (`_secure_blocks`). None
+        outgrows the pool alone: the context is capped at it (`_fit_to_pool`)."""
         try:
             self._attach_grammar(seq)
-            most = seq.num_tokens if seq.is_prefill_only else min(
-                self.max_model_len, seq.num_prompt_tokens + seq.sampling.max_tokens)
-            if -(-most // self.options.block_size) > self.allocator.num_blocks:
-                raise CapacityExhausted(
-                    f"a request of up to {most} tokens needs more KV blocks than this "
-                    f"worker's pool holds ({self.allocator.num_blocks} of "
-                    f"{self.options.block_size} tokens)")
         except HalfmoonError as exc:
             if seq.is_prefill_only:
                 self._post_prefill_error(seq.request_id, exc)

@@ -375,7 +375,7 @@ class WorkerService(Service):
             model_load_s=self._model_load_s,
             loading_model=self._loading.model if self._loading is not None else "",
             loading_role=self._loading.role if self._loading is not None else None,
-            started_at_s=self._started_at_s,
+            started_at_s=self._started_at_s, max_model_len=stats.max_model_len,
         )
 
     async def _stop_intake(self) -> None:

@@ -132,6 +132,14 @@ class WorkerDirectory:
         return list(dict.fromkeys(e.heartbeat.model_path for e in self._entries.values()
                                   if e.heartbeat.model == model and e.heartbeat.model_path))
 
+    def max_model_len(self, model: str, now_s: float | None = None) -> int | None:
+        """The longest sequence every live worker of `model` holds (`None`: none says)."""
+        now_s = self._now(now_s)
+        limits = [e.heartbeat.max_model_len for e in self._entries.values()
+                  if e.heartbeat.model == model and e.heartbeat.max_model_len
+                  and self._is_fresh(e, now_s)]
+        return min(limits, default=None)
+
     def _is_fresh(self, entry: WorkerEntry, now_s: float) -> bool:
         limit = max(self.timeout_s, 3 * entry.heartbeat.heartbeat_interval_s)
         return now_s - entry.received_at_s <= limit

@@ -395,6 +395,10 @@ class WorkerHeartbeat(Message, frozen=True, kw_only=True):
     # When this worker started serving (wall clock, its own; 0: unknown). A later one under
     # the same `worker_id` is a restart: what the earlier process held is gone.
     started_at_s: float = 0.0
+    # The longest sequence (prompt and output) it can hold: its model's context, or less
+    # where its whole KV pool holds less (0: no limit of its own). Gateways admit no request
+    # past the least of a model's live workers.
+    max_model_len: int = 0
 
 
 class RoleChange(Message, frozen=True, kw_only=True):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from services.gateway.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
@@ -102,7 +102,16 @@ class ModelCatalog:
         return sorted({self.own_name} | self.workers.models(is_alive=True))
 
     def loaded(self, name: str) -> ServedModel | None:
-        return self._models.get(name)
+        model = self._models.get(name)
+        return self._fitted(model) if model is not None else None
+
+    def _fitted(self, model: ServedModel) -> ServedModel:
+        """`model` with its context cut to what each of its live workers holds (a worker
+        whose KV pool holds less than the model's context says so in its heartbeat)."""
+        held = self.workers.max_model_len(model.name)
+        if held is None or held >= model.limits.max_model_len:
+            return model
+        return replace(model, limits=replace(model.limits, max_model_len=held))
 
     def observe(self, model: str) -> None:
         """A worker serves `model`: load it now, before its first request."""
@@ -115,12 +124,12 @@ class ModelCatalog:
     async def get(self, name: str) -> ServedModel:
         """`name`'s model, loaded if it has to be; ModelNotFound when no worker serves it,
         WorkerUnavailable when this gateway cannot read its files."""
-        if (model := self._models.get(name)) is not None:
+        if (model := self.loaded(name)) is not None:
             return model
         if name != self.own_name and name not in self.workers.models(is_on_disk=True):
             raise ModelNotFound(f"The model `{name}` does not exist", param="model")
         try:
-            return await asyncio.shield(self._loads.get(name) or self._load(name))
+            return self._fitted(await asyncio.shield(self._loads.get(name) or self._load(name)))
         except ConfigError as exc:
             raise WorkerUnavailable(
                 f"the model `{name}` is served, but this gateway cannot read its tokenizer "

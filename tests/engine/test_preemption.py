@@ -3,12 +3,14 @@ request is failed for lack of blocks, and none loses or repeats a token."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
-from engine.protocol import DecodeRequest, PrefillRequest
-from shared.errors import CapacityExhausted
+from engine.protocol import DecodeRequest, PrefillRequest, TokenOutput
+from engine.torch_engine import TorchEngine
+from shared.errors import InvalidRequest
 from shared.messages import SamplingParams
 from tests.engine.test_against_transformers import GREEDY, collect, generate, start_engine
 
@@ -35,21 +37,62 @@ async def test_requests_four_times_the_pool_all_complete_as_if_each_ran_alone(
         await tight.close()
 
 
-async def test_only_a_request_that_cannot_fit_the_pool_alone_is_refused(llama_dir: Path) -> None:
+async def finished(engine: TorchEngine, request_ids: set[str]) -> dict[str, TokenOutput]:
+    """Each request's last output, once all have finished (none may fail)."""
+    outputs: dict[str, TokenOutput] = {}
+    async with asyncio.timeout(30):
+        while len(outputs) < len(request_ids):
+            for out in await engine.next_step():
+                assert out.error is None, out.error
+                if out.finish_reason is not None:
+                    outputs[out.request_id] = out
+    return outputs
+
+
+async def test_the_context_is_capped_at_the_pool_and_a_request_past_it_ends_there(
+        llama_dir: Path) -> None:
+    """A sequence longer than the whole pool could only preempt itself and wait forever to
+    be computed again (a decode worker's stream stalled so): the engine's context is the
+    pool's, and a request asking more ends at it ("length"), as at the model's context."""
     engine = await start_engine(llama_dir, num_blocks=8)  # 32 tokens
     try:
+        assert engine.max_model_len == engine.stats().max_model_len == 32
         engine.generate(PrefillRequest("big", PROMPTS[0], GREEDY))  # 8 + 32 tokens
         engine.generate(PrefillRequest("fits", PROMPTS[0], SamplingParams(
             max_tokens=20, temperature=0.0, ignore_eos=True)))
-        outputs = {}
-        while len(outputs) < 2:
-            for out in await engine.next_step():
-                if out.error is not None or out.finish_reason is not None:
-                    outputs[out.request_id] = out
-        assert isinstance(outputs["big"].error, CapacityExhausted)
-        assert outputs["fits"].error is None and outputs["fits"].index == 19
+        outputs = await finished(engine, {"big", "fits"})
+        assert outputs["big"].finish_reason == "length" and outputs["big"].index == 32 - 8 - 1
+        assert outputs["fits"].finish_reason == "length" and outputs["fits"].index == 19
+        with pytest.raises(InvalidRequest):
+            engine.generate(PrefillRequest("past", list(range(5, 37)), GREEDY))
+        stats = engine.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
     finally:
         await engine.close()
+
+
+async def test_a_decode_worker_ends_a_request_at_its_pool_instead_of_stalling(
+        llama_dir: Path) -> None:
+    """Disaggregated: a request whose prompt and output outgrow the decode worker's whole
+    pool (its prompt's KV handed in, then grown) ends with "length" at the pool; before,
+    it preempted itself there and its stream made no progress again."""
+    prefill = await start_engine(llama_dir, num_blocks=64)
+    decode = await start_engine(llama_dir, num_blocks=8)  # 32 tokens
+    try:
+        prompt = PROMPTS[12]  # 8 + 12 tokens
+        result = await prefill.prefill(PrefillRequest("r", prompt, GREEDY))
+        blocks = decode.reserve("r", len(prompt) + GREEDY.max_tokens,
+                                num_prompt_tokens=len(prompt))
+        source = prefill.kv.data[:, :, result.block_ids]  # type: ignore[union-attr]
+        decode.kv.data[:, :, blocks[:len(result.block_ids)]] = source  # type: ignore[union-attr]
+        prefill.release("r")
+        decode.join(DecodeRequest("r", prompt, result.first_token_id, GREEDY))
+        last = (await finished(decode, {"r"}))["r"]
+        assert last.finish_reason == "length" and last.index == 32 - len(prompt) - 1
+        assert decode.stats().num_free_blocks == 8
+    finally:
+        await prefill.close()
+        await decode.close()
 
 
 @pytest.mark.parametrize("max_tokens", [1, 200])

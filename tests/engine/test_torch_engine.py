@@ -127,7 +127,8 @@ async def test_prompt_with_unknown_token_ids_is_refused(engine: TorchEngine) -> 
 
 
 async def test_prompt_larger_than_the_pool_fails_that_request_only(engine: TorchEngine) -> None:
-    with pytest.raises(CapacityExhausted):
+    """The pool caps the context: such a prompt is past it."""
+    with pytest.raises(InvalidRequest, match="does not fit the context"):
         await engine.prefill(PrefillRequest("huge", list(range(300)), SamplingParams(
             max_tokens=1)))
     outputs = await run(engine, "ok", SamplingParams(max_tokens=3, temperature=0.0,

@@ -77,6 +77,30 @@ async def test_model_context_limit_comes_from_the_checkpoint(torch_stack: Stack)
     assert "maximum context length is 2048" in body["error"]["message"]
 
 
+async def test_a_kv_pool_smaller_than_the_context_sets_the_context(
+        nats_url: str, tiny_dir: Path) -> None:
+    """Workers whose KV pools hold 256 tokens (16 blocks of 16) of a 2048-token model: the
+    gateway lists and enforces 256, and a chat that asks no max_tokens ends at 256 tokens.
+    Before, such a request outgrew the decode worker's pool, preempted itself, and its
+    stream made no progress again until the request timed out."""
+    worker = {"engine": "torch", "model_path": str(tiny_dir), "num_blocks": 16}
+    async with Stack(nats_url, worker=worker,
+                     gateway_options={"model_path": str(tiny_dir)}) as stack:
+        status, body = await stack.post("/v1/completions", {
+            "model": MODEL, "prompt": "hi", "max_tokens": 300})
+        assert status == 400 and "maximum context length is 256" in body["error"]["message"]
+        async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x", max_retries=0,
+                                      timeout=30) as sdk:
+            listed = (await sdk.models.list()).data[0]
+            assert listed.model_extra == {"max_model_len": 256}
+            reply = await sdk.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Go on and on."}],
+                temperature=0.0, extra_body={"ignore_eos": True})
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.usage is not None and reply.usage.total_tokens == 256
+        await stack.wait_blocks_free(timeout_s=10)
+
+
 @pytest.mark.parametrize("policy", ["cache-aware", "least-loaded"])
 async def test_cache_aware_routing_sends_a_shared_prefix_to_its_holder(
     nats_url: str, tiny_dir: Path, policy: str,

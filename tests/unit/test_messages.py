@@ -110,7 +110,7 @@ SAMPLES: dict[str, Message] = {
         worker_id="decode-b", role="decode", model="halfmoon-tiny", host="h1", num_running=2,
         num_waiting=1, max_batch_size=64, num_free_blocks=100, num_total_blocks=128,
         block_size=16, heartbeat_interval_s=0.5, sent_at_s=1700000000.25, busy_s=12.5,
-        started_at_s=1699999100.75,
+        started_at_s=1699999100.75, max_model_len=2048,
     ),
 }
 

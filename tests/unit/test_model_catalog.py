@@ -26,11 +26,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def heartbeat(model: str, model_path: str = "", worker_id: str = "w1") -> WorkerHeartbeat:
+def heartbeat(model: str, model_path: str = "", worker_id: str = "w1",
+              max_model_len: int = 0) -> WorkerHeartbeat:
     return WorkerHeartbeat(
         worker_id=worker_id, role="decode", model=model, host="h", num_running=0,
         num_waiting=0, max_batch_size=8, num_free_blocks=10, num_total_blocks=10,
-        block_size=16, heartbeat_interval_s=0.5, sent_at_s=0.0, model_path=model_path)
+        block_size=16, heartbeat_interval_s=0.5, sent_at_s=0.0, model_path=model_path,
+        max_model_len=max_model_len)
 
 
 def catalog(models: Path, workers: WorkerDirectory, **config: Any) -> ModelCatalog:
@@ -44,6 +46,23 @@ async def test_a_model_a_worker_serves_loads_from_the_workers_directory(models: 
     served = await catalog(models, workers).get("other")
     assert served.limits.max_model_len == 256
     assert served.limits.vocab_size == served.tokenizer.vocab_size < 1024
+
+
+async def test_the_context_is_the_least_any_live_worker_holds(models: Path) -> None:
+    """A worker whose KV pool holds less than the model's context says so; the gateway then
+    admits no request past it (which that worker could never finish)."""
+    workers = WorkerDirectory(timeout_s=2.0)
+    workers.observe(heartbeat("other", str(models / "other"), "w1", max_model_len=0))
+    models_of = catalog(models, workers)
+    assert (await models_of.get("other")).limits.max_model_len == 256  # 0: no limit of its own
+    workers.observe(heartbeat("other", str(models / "other"), "w2", max_model_len=200))
+    workers.observe(heartbeat("other", str(models / "other"), "w3", max_model_len=120))
+    workers.observe(heartbeat("own", worker_id="w4", max_model_len=64))  # another model's
+    assert (await models_of.get("other")).limits.max_model_len == 120
+    assert models_of.loaded("other").limits.max_model_len == 120  # type: ignore[union-attr]
+    workers.observe(heartbeat("other", str(models / "other"), "w3"),
+                    now_s=time.monotonic() - 60)  # w3 lost: the rest hold 200
+    assert (await models_of.get("other")).limits.max_model_len == 200
 
 
 async def test_models_dir_is_read_when_the_workers_directory_is_not_here(models: Path) -> None:
