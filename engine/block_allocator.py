@@ -90,6 +90,10 @@ class BlockAllocator:
             matched.append(block)
         return matched
 
+    def held_hashes(self) -> list[BlockHash]:
+        """Every hash a block holds now: the cache's whole state, as its events built it."""
+        return list(self._block_of)
+
     def peek_prefix(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of `hashes` are held, without taking them."""
         count = 0

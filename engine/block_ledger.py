@@ -102,6 +102,9 @@ class BlockLedger:
         events, self._events = self._events, []
         return events
 
+    def held_block_hashes(self) -> list[bytes]:
+        return self._allocator.held_hashes()
+
     def num_cached_blocks(self, block_hashes: list[bytes]) -> int:
         return self._allocator.peek_prefix(block_hashes)
 

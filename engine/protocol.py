@@ -170,6 +170,10 @@ class PrefixCache(Protocol):
     def drain_kv_events(self) -> list[tuple[str, bytes]]:
         """Changes since the last call, in order: ("stored" | "removed", hash)."""
 
+    def held_block_hashes(self) -> list[bytes]:
+        """Every block hash the cache holds now: its whole state, which a reset announces
+        (the events drained before it are superseded; those after it apply on top)."""
+
     def num_cached_blocks(self, block_hashes: list[bytes]) -> int:
         """How many leading blocks of `block_hashes` the cache holds."""
 

@@ -99,6 +99,10 @@ class LockedAllocator(BlockAllocator):
             events, self._events = self._events, []
         return events
 
+    def held_hashes(self) -> list[bytes]:
+        with self.lock:
+            return super().held_hashes()
+
     def allocate(self, count: int) -> list[int]:
         with self.lock:
             return super().allocate(count)
@@ -412,6 +416,9 @@ class TorchEngine:
 
     def drain_kv_events(self) -> list[tuple[str, bytes]]:
         return self.allocator.drain_events()
+
+    def held_block_hashes(self) -> list[bytes]:
+        return self.allocator.held_hashes()
 
     # Prefix reuse across workers: blocks only, no compute; safe beside the engine thread
     # (the allocator is locked, and held or allocated blocks are no one else's).

@@ -106,6 +106,11 @@ class WorkerService(Service):
         self._redeclare_registry = Redeclare(self._open_registry, "the worker registry")
         self._redeclare_kv_events = Redeclare(self._declare_kv_events, "the KV-event stream")
         self._unsent_kv_events: list[KvBlockEvent] = []  # drained, not yet published
+        # Announce the whole cache next (`KvEventBatch.is_reset`): at start, and once the
+        # KV-event stream is found made anew (deleted, or lost with a server's store): a
+        # conductor that starts then would never learn of the blocks cached before.
+        self._is_kv_reset_due = False
+        self._kv_event_seq = 0  # the stream sequence of this worker's last batch
         self._model_path = ""  # where the engine read the model, once started
         self._shelf: list[str] = []  # models it may switch to (`model_shelf`)
         self._model_load_s = 0.0
@@ -159,7 +164,8 @@ class WorkerService(Service):
         self._read_gauges_at_scrape()
         await self._open_registry()
         await self._declare_kv_events()
-        await self._publish_kv_events(is_reset=True)
+        self._is_kv_reset_due = True
+        await self._publish_kv_events()
         self._duties[self._role] = self.duty_types[self._role](self)
         await self.duty.start()
         self._show_role()
@@ -302,20 +308,30 @@ class WorkerService(Service):
         finally:
             self._kv_event_flush = None
 
-    async def _publish_kv_events(self, *, is_reset: bool = False) -> bool:
-        """Tell the conductors' prefix index what this worker's cache gained and lost; return
-        whether there was anything to tell."""
+    async def _publish_kv_events(self) -> bool:
+        """Tell the conductors' prefix index what this worker's cache gained and lost (or,
+        when a reset is due, all it holds); return whether there was anything to tell."""
+        cache = self.engine.prefix_cache
         self._unsent_kv_events += [
             KvBlockEvent(kind=kind, block_hash=block_hash.hex())  # type: ignore[arg-type]
-            for kind, block_hash in self.engine.prefix_cache.drain_kv_events()]
-        if not self._unsent_kv_events and not is_reset:
+            for kind, block_hash in cache.drain_kv_events()]
+        is_reset = self._is_kv_reset_due
+        if is_reset:  # the whole state supersedes the events drained so far
+            self._unsent_kv_events = [KvBlockEvent(kind="stored", block_hash=block_hash.hex())
+                                      for block_hash in cache.held_block_hashes()]
+        elif not self._unsent_kv_events:
             return False
         batch = KvEventBatch(worker_id=self.worker_id, block_size=self.config.engine.block_size,
                              events=self._unsent_kv_events, is_reset=is_reset)
-        await publish_to_stream(self.nc.jetstream(), self.subjects.kv_events(self.worker_id),
-                                encode(batch), msg_id=uuid.uuid4().hex,
-                                redeclare=self._redeclare_kv_events)
+        ack = await publish_to_stream(self.nc.jetstream(), self.subjects.kv_events(self.worker_id),
+                                      encode(batch), msg_id=uuid.uuid4().hex,
+                                      redeclare=self._redeclare_kv_events)
         self._unsent_kv_events = []
+        self._is_kv_reset_due = False
+        if ack.seq < self._kv_event_seq:  # a stream's sequence never goes back: a new one
+            self.log.info("kv_events.stream_renewed", seq=ack.seq, last_seq=self._kv_event_seq)
+            self._is_kv_reset_due = True
+        self._kv_event_seq = ack.seq
         return True
 
     async def _heartbeat(self) -> None:

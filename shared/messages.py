@@ -429,7 +429,8 @@ class KvEventBatch(Message, frozen=True, kw_only=True):
     """Fact from a worker on `Subjects.kv_events` (JetStream, replayable; the stream's sequence
     number orders batches): its prefix cache's changes since the last batch, in order. The
     conductor's global prefix index is built from these. `is_reset`: forget everything this
-    worker was known to hold (it started with an empty cache)."""
+    worker was known to hold; `events` are then all it holds (at its start, and in a stream
+    made anew, whose earlier events are gone)."""
 
     worker_id: str
     block_size: int
@@ -452,6 +453,9 @@ class PrefixIndexSnapshot(Message, frozen=True, kw_only=True):
     hashes: bytes
     workers: list[str]
     worker_blocks: list[bytes]
+    # When the stream `stream_seq` counts in was made (ISO 8601; "": unknown). A stream made
+    # anew starts its sequence over: a snapshot of an earlier one is not restored.
+    stream_created: str = ""
 
 
 class RequestPlaced(Message, frozen=True, kw_only=True):

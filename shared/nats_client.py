@@ -15,7 +15,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, PubAck, RetentionPolicy, StorageType, StreamConfig
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
@@ -375,11 +375,11 @@ async def answered(call: Callable[[], Awaitable[T]], what: str, *,
 async def publish_to_stream(js: JetStreamContext, subject: str, payload: bytes, *,
                             msg_id: str, headers: dict[str, str] | None = None,
                             within_s: float = STREAM_PUBLISH_RETRY_S,
-                            redeclare: Redeclare | None = None) -> None:
+                            redeclare: Redeclare | None = None) -> PubAck:
     """Publish to a JetStream stream once (by `msg_id`: the stream drops a retry's
     duplicate), retrying while the stream cannot answer (`answered`); when no stream takes
     the subject at all, `redeclare` (if given) declares it again before the next try."""
-    async def publish() -> object:
+    async def publish() -> PubAck:
         try:
             return await js.publish(subject, payload, timeout=STREAM_ACK_WAIT_S,
                                     headers={"Nats-Msg-Id": msg_id, **(headers or {})})
@@ -388,7 +388,7 @@ async def publish_to_stream(js: JetStreamContext, subject: str, payload: bytes, 
                 await redeclare()
             raise
 
-    await answered(publish, f"publish {msg_id} to {subject}", within_s=within_s)
+    return await answered(publish, f"publish {msg_id} to {subject}", within_s=within_s)
 
 
 class Redeclare:

@@ -6,7 +6,8 @@ index has caught up with the stream as it was at start (bounded): placement sees
 cached prefix from its first request. Then follow the stream live (an ordered consumer: no
 state on the server, restarted by the client if it falls out of order), and save a snapshot
 every `snapshot_interval_s` when the index moved. Without a snapshot (the first conductor,
-or one that is too new for the stream) the whole stream is replayed, as before snapshots.
+or one too new for the stream, or taken of a stream since made anew) the whole stream is
+replayed, as before snapshots.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy, StreamInfo
 from nats.js.object_store import ObjectStore
 
 from services.conductor.prefix_index import PrefixIndex
@@ -44,6 +45,11 @@ _batch_decoder = msgspec.json.Decoder(KvEventBatch)
 _snapshot_decoder = msgspec.json.Decoder(PrefixIndexSnapshot)
 
 
+def made_at(info: StreamInfo) -> str:
+    """When a stream was made, as a snapshot records it ("": unknown)."""
+    return info.created.isoformat() if info.created is not None else ""
+
+
 class PrefixIndexFollower:
     def __init__(self, js: JetStreamContext, subjects: Subjects, index: PrefixIndex, *,
                  replicas: int = 1) -> None:
@@ -56,7 +62,7 @@ class PrefixIndexFollower:
         self.restored_from_seq = 0  # the snapshot's sequence; 0: replayed from the start
         self._subscription: Any = None
         self._store: ObjectStore | None = None
-        self._stream_created: object = None  # when the stream followed was made
+        self._stream_created: str | None = None  # when the stream followed was made
         self._redeclare = Redeclare(
             lambda: ensure_kv_event_stream(js, subjects, replicas=replicas), "the KV-event stream")
 
@@ -66,9 +72,10 @@ class PrefixIndexFollower:
         info = await answered(lambda: self._js.stream_info(stream), f"stream {stream}",
                               within_s=ASSET_WAIT_S)
         last_seq = info.state.last_seq
-        self._stream_created = info.created
+        self._stream_created = made_at(info)
         snapshot = await self._load()
-        if snapshot is not None and snapshot.stream_seq <= last_seq:
+        if snapshot is not None and snapshot.stream_seq <= last_seq and (
+                snapshot.stream_created in ("", self._stream_created)):
             self.index.restore(snapshot)
             self.applied_seq = self.saved_seq = self.restored_from_seq = snapshot.stream_seq
         await self._follow()
@@ -109,12 +116,12 @@ class PrefixIndexFollower:
                 continue
             except (nats.errors.Error, nats.js.errors.Error):
                 continue  # unanswered (an election, an outage): asked again next time
-            if info.created == self._stream_created:
+            if made_at(info) == self._stream_created:
                 continue
             log.warning("prefix_index.stream_made_anew", stream=stream,
                         applied_seq=self.applied_seq, last_seq=info.state.last_seq)
             await self.stop()
-            self._stream_created = info.created
+            self._stream_created = made_at(info)
             self.applied_seq = self.saved_seq = 0
             try:
                 await self._follow()
@@ -142,7 +149,8 @@ class PrefixIndexFollower:
 
     async def save(self) -> None:
         seq = self.applied_seq
-        snapshot = self.index.snapshot(seq, time.time())
+        snapshot = msgspec.structs.replace(self.index.snapshot(seq, time.time()),
+                                           stream_created=self._stream_created or "")
         store = await self._object_store()
         await store.put(self._subjects.prefix_snapshot, encode(snapshot))
         self.saved_seq = seq

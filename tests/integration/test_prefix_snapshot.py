@@ -9,7 +9,7 @@ from shared.config import ConductorConfig
 from shared.messages import KvBlockEvent, KvEventBatch
 from shared.nats_client import encode, ensure_kv_event_stream
 from shared.subjects import Subjects
-from tests.stack import eventually
+from tests.stack import Stack, eventually
 
 
 def batch(worker: str, *names: str) -> KvEventBatch:
@@ -93,3 +93,68 @@ async def test_a_stream_declared_anew_is_followed_from_its_start(nats_url: str) 
                          timeout_s=10)
     finally:
         await service.stop()
+
+
+async def test_a_snapshot_of_a_stream_since_made_anew_is_not_restored(nats_url: str) -> None:
+    """A snapshot counts in its own stream's sequence: the stream made anew since starts
+    over, and restoring the snapshot there would skip the new stream's first events (a
+    worker's announcement of its whole cache among them). The whole new stream is replayed
+    instead."""
+    subjects = Subjects(f"t{uuid.uuid4().hex[:10]}")
+    first = conductor(nats_url, subjects.cluster)
+    await first.start()
+    js = first.nc.jetstream()
+    try:
+        for message in (batch("a", "h1"), batch("a", "h2"), batch("a", "h3")):
+            await js.publish(subjects.kv_events("a"), encode(message))
+        follower = first.prefix_follower
+        assert follower is not None
+        await eventually(lambda: follower.applied_seq == 3)
+        await follower.save()
+        await js.delete_stream(subjects.kv_events_stream)
+        await ensure_kv_event_stream(js, subjects)
+        for message in (batch("b", "h7"), batch("b", "h8"), batch("b", "h9"), batch("b", "h6")):
+            await js.publish(subjects.kv_events("b"), encode(message))
+    finally:
+        await first.stop()
+    second = conductor(nats_url, subjects.cluster)
+    await second.start()
+    try:
+        assert second.prefix_follower is not None
+        assert second.prefix_follower.restored_from_seq == 0
+        query = [name.encode().ljust(16, b"-") for name in ("h7", "h8", "h9", "h6")]
+        assert all(second.prefix_index.leading_blocks([h], ["b"]) == {"b": 1} for h in query)
+        assert second.prefix_index.leading_blocks([b"h1".ljust(16, b"-")], ["a"]) == {"a": 0}
+    finally:
+        await second.stop()
+
+
+async def test_workers_announce_their_whole_cache_into_a_stream_made_anew(
+        nats_url: str) -> None:
+    """The KV-event stream lost under a running stack: the workers' caches are intact, their
+    past events gone. A worker's next batch finds the stream's sequence gone back and it
+    announces all it holds (`is_reset`), so a conductor that starts then knows the blocks
+    cached before the loss; before, it knew only those cached since."""
+    async with Stack(nats_url) as stack:
+        body = {"model": "halfmoon-tiny", "prompt": "cached before the loss " * 8,
+                "max_tokens": 2, "temperature": 0}
+        assert (await stack.post("/v1/completions", body))[0] == 200
+        prefill = stack.prefills[0]
+        before = prefill.engine.prefix_cache.held_block_hashes()
+        assert len(before) >= 4
+        js = stack.gateway.nc.jetstream()
+        subjects = stack.gateway.subjects
+        info = await js.stream_info(subjects.kv_events_stream)
+        assert info.state.last_seq >= 3  # both workers' start, then the prompt's blocks
+        await js.delete_stream(subjects.kv_events_stream)
+        await ensure_kv_event_stream(js, subjects)
+        body["prompt"] = "cached after it " * 8
+        assert (await stack.post("/v1/completions", body))[0] == 200
+        late = conductor(nats_url, stack.cluster)
+        await late.start()
+        try:
+            await eventually(lambda: all(
+                late.prefix_index.leading_blocks([h], [prefill.worker_id]) ==
+                {prefill.worker_id: 1} for h in before), timeout_s=10)
+        finally:
+            await late.stop()
