@@ -133,8 +133,8 @@ class ConductorService(Service):
             self.log.warning("request.invalid", error=str(exc))
             await msg.term()
             return
-        if time.time() - request.created_at_s > self.config.request_max_age_s:
-            self.log.warning("request.expired", request_id=request.request_id)
+        if (age_s := _age_s(request, msg)) > self.config.request_max_age_s:
+            self.log.warning("request.expired", request_id=request.request_id, age_s=age_s)
             await msg.ack()
             return
         started = time.perf_counter()
@@ -159,7 +159,7 @@ class ConductorService(Service):
         except HalfmoonError as exc:
             await self._abort(request.request_id, exc.message)  # any side that accepted
             delay_s = holding.retry_delay_s(exc, self.config, self._rules.slo.ttft_s,
-                                            age_s=time.time() - request.created_at_s,
+                                            age_s=_age_s(request, msg),
                                             num_delivered=msg.metadata.num_delivered)
             if delay_s is not None:
                 self.log.info("request.held", reason=exc.message)
@@ -321,3 +321,12 @@ class ConductorService(Service):
         if self.prefix_follower is not None:
             with contextlib.suppress(Exception):
                 await self.prefix_follower.stop()
+
+
+def _age_s(request: GenerateRequest, msg: Msg) -> float:
+    """How long the request has been in the cluster, from the later of when its gateway
+    made it (the gateway's clock) and when the stream stored it (the NATS server's): a
+    gateway whose clock runs behind this host's would otherwise age each of its requests by
+    the difference, and past `request_max_age_s` every one was dropped as expired."""
+    stored_at_s = msg.metadata.timestamp.timestamp()
+    return time.time() - max(request.created_at_s, stored_at_s)

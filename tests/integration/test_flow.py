@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import msgspec
@@ -12,7 +13,13 @@ import pytest
 from services.conductor.service import ConductorService
 from services.worker import DecodeService, PrefillService
 from shared.config import WorkerConfig, load_config
-from shared.messages import GenerateRequest, PrefillTask, SamplingParams, TokenBatch
+from shared.messages import (
+    GenerateRequest,
+    PrefillTask,
+    SamplingParams,
+    TokenBatch,
+    TokenDelta,
+)
 from shared.nats_client import encode
 from tests.stack import Stack, eventually
 
@@ -149,3 +156,26 @@ async def test_decode_sends_one_batch_per_gateway_per_step(nats_url: str) -> Non
         assert tokens == 8 * 29
         assert max(len(b.items) for b in decode_batches) == 8  # the whole batch, one message
         assert len(decode_batches) < tokens / 4
+
+
+async def test_a_gateway_clock_running_behind_does_not_expire_its_requests(
+        stack: Stack) -> None:
+    """A request made on a host whose clock is two minutes behind the conductor's (past the
+    60 s `request_max_age_s`): its age counts from when the stream stored it too, so it is
+    served; before, every request of such a gateway was dropped as expired on arrival."""
+    nc, subjects = stack.gateway.nc, stack.gateway.subjects
+    replies = await nc.subscribe(f"test.skewed.{time.monotonic_ns()}")
+    request = GenerateRequest(
+        request_id="skewed-1", model=MODEL, prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=3), reply_subject=replies.subject,
+        created_at_s=time.time() - 120)
+    await nc.jetstream().publish(subjects.requests, encode(request),
+                                 headers={"Nats-Msg-Id": request.request_id})
+    decoder = msgspec.json.Decoder(TokenBatch)
+    deltas: list[TokenDelta] = []
+    while not deltas or deltas[-1].finish_reason is None:
+        msg = await replies.next_msg(timeout=10)  # RequestPlaced first, then TokenBatches
+        with contextlib.suppress(msgspec.ValidationError):
+            deltas += decoder.decode(msg.data).items
+    assert sum(len(delta.token_ids) for delta in deltas) == 3
+    await stack.wait_blocks_free()
