@@ -21,7 +21,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from services.gateway.cors import Cors
 from services.gateway.generation import Generator, TextChunk
-from services.gateway.json_bodies import encoder, error_body, json_response
+from services.gateway.json_bodies import encoder, error_body, json_response, worked_on
 from services.gateway.merge import merged
 from services.gateway.model_catalog import ServedModel
 from services.gateway.openai_schema import (
@@ -213,9 +213,10 @@ class _Routes:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.backend.check_accepting()
-        body = decode_body(await request.read(), CompletionRequest)
+        raw = await request.read()
+        body = decode_body(raw, CompletionRequest)
         model = await self.backend.served_model(body.model)
-        parsed = self.backend.parse_completion(body, model)
+        parsed = await worked_on(raw, lambda: self.backend.parse_completion(body, model))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         return await _respond(request, self.backend.generator, request_id, parsed,
                               CompletionFormat(request_id, model.name, model.token_text,
@@ -223,9 +224,10 @@ class _Routes:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         self.backend.check_accepting()
-        body = decode_body(await request.read(), ChatCompletionRequest)
+        raw = await request.read()
+        body = decode_body(raw, ChatCompletionRequest)
         model = await self.backend.served_model(body.model)
-        parsed = self.backend.parse_chat(body, model)
+        parsed = await worked_on(raw, lambda: self.backend.parse_chat(body, model))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         return await _respond(request, self.backend.generator, request_id, parsed,
                               ChatFormat(request_id, model.name, model.token_text,

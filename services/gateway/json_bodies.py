@@ -1,8 +1,11 @@
-"""JSON bodies of the HTTP API: a response, and an error as OpenAI shapes it."""
+"""JSON bodies of the HTTP API: a response, an error as OpenAI shapes it, and where a
+request body is worked on."""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -10,6 +13,20 @@ from aiohttp import web
 from shared.errors import HalfmoonError
 
 encoder = msgspec.json.Encoder()
+
+T = TypeVar("T")
+
+# A body this large is templated, tokenized and checked in a worker thread (the tokenizer
+# lets go of the GIL): a prompt of megabytes took seconds, and every stream this gateway
+# serves stalled behind it on the event loop. Smaller ones take well under a millisecond.
+LARGE_BODY_BYTES = 64 << 10
+
+
+async def worked_on(body: bytes, work: Callable[[], T]) -> T:
+    """`work()` on `body`: on the event loop, or in a thread for a large body."""
+    if len(body) < LARGE_BODY_BYTES:
+        return work()
+    return await asyncio.to_thread(work)
 
 
 def json_response(body: Any, status: int = 200) -> web.Response:

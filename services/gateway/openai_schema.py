@@ -483,15 +483,15 @@ def _max_tokens(request: _GenerationParams) -> int | None:
 def _check_prompt(prompt_token_ids: list[int], limits: Limits) -> None:
     if not prompt_token_ids:
         raise InvalidRequest("prompt must not be empty", param="prompt")
-    if any(t < 0 or t >= limits.vocab_size for t in prompt_token_ids):
-        raise InvalidRequest(
-            f"token ids must lie in [0, {limits.vocab_size})", param="prompt"
-        )
-    if len(prompt_token_ids) >= limits.max_model_len:
+    if len(prompt_token_ids) >= limits.max_model_len:  # first: the cheaper check
         raise ContextLengthExceeded(
             f"This model's maximum context length is {limits.max_model_len} tokens; the prompt "
             f"has {len(prompt_token_ids)}",
             param="prompt",
+        )
+    if any(t < 0 or t >= limits.vocab_size for t in prompt_token_ids):
+        raise InvalidRequest(
+            f"token ids must lie in [0, {limits.vocab_size})", param="prompt"
         )
 
 

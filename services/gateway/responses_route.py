@@ -15,7 +15,7 @@ import msgspec
 from aiohttp import web
 
 from services.gateway.generation import Generator
-from services.gateway.json_bodies import encoder, json_response
+from services.gateway.json_bodies import encoder, json_response, worked_on
 from services.gateway.model_catalog import ServedModel
 from services.gateway.openai_schema import ChatCompletionRequest, ParsedRequest, decode_body
 from services.gateway.response_events import Event, ResponseState, settings_of
@@ -58,7 +58,8 @@ class ResponsesRoutes:
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         self.backend.check_accepting()
-        body = decode_body(await request.read(), ResponsesRequest)
+        raw = await request.read()
+        body = decode_body(raw, ResponsesRequest)
         model = await self.backend.served_model(body.model)
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
@@ -66,7 +67,7 @@ class ResponsesRoutes:
                        ).conversation
         try:
             chat = chat_request(body, msgspec.convert(history, list[InputItem]))
-            parsed = self.backend.parse_chat(chat, model)[0]
+            parsed = (await worked_on(raw, lambda: self.backend.parse_chat(chat, model)))[0]
         except InvalidRequest as exc:
             raise named_for_responses(exc) from None
         state = ResponseState(f"resp_{uuid.uuid4().hex}", model.name, settings_of(body),

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import msgspec
 from aiohttp import web
 
-from services.gateway.json_bodies import json_response
+from services.gateway.json_bodies import json_response, worked_on
 from services.gateway.model_catalog import ServedModel
 from services.gateway.openai_schema import (
     ChatCompletionRequest,
@@ -59,10 +59,14 @@ class TokenizeRoutes:
         router.add_post("/detokenize", self.detokenize)
 
     async def tokenize(self, request: web.Request) -> web.StreamResponse:
-        body = decode_body(await request.read(), TokenizeRequest)
+        raw = await request.read()
+        body = decode_body(raw, TokenizeRequest)
         model = await self.backend.served_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequest("send a prompt or messages, one of them", param="prompt")
+        return json_response(await worked_on(raw, lambda: self._tokenized(body, model)))
+
+    def _tokenized(self, body: TokenizeRequest, model: ServedModel) -> dict[str, Any]:
         if body.messages is not None:
             text, _ = self.backend.render_chat(ChatCompletionRequest(
                 model=body.model, messages=body.messages, tools=body.tools,
@@ -73,10 +77,9 @@ class TokenizeRoutes:
         else:
             text, add_special_tokens = body.prompt or "", body.add_special_tokens is not False
         tokens = model.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return json_response({
-            "count": len(tokens), "max_model_len": model.limits.max_model_len,
-            "tokens": tokens, "token_strs": [model.token_text.text(t) for t in tokens]
-            if body.return_token_strs else None})
+        return {"count": len(tokens), "max_model_len": model.limits.max_model_len,
+                "tokens": tokens, "token_strs": [model.token_text.text(t) for t in tokens]
+                if body.return_token_strs else None}
 
     async def detokenize(self, request: web.Request) -> web.StreamResponse:
         body = decode_body(await request.read(), DetokenizeRequest)

@@ -111,6 +111,8 @@ class HfTokenizer:
             config = json.loads((model_dir / "tokenizer_config.json").read_text())
         except (OSError, ValueError, Exception) as exc:
             raise ConfigError(f"cannot load the tokenizer of {model_dir}: {exc}") from exc
+        self._encode_batch = getattr(self._tokenizer, "encode_batch_fast",  # tokenizers 0.21
+                                     self._tokenizer.encode_batch)
         self._bos = _token_text(config.get("bos_token"))
         # Byte-level BPE spells bytes as printable characters (GPT-2's table): undo it.
         decoder = json.loads(self._tokenizer.to_str()).get("decoder") or {}
@@ -135,7 +137,9 @@ class HfTokenizer:
         return self._tokenizer.token_to_id(self._eos) if self._eos else None
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch call lets go of the GIL while it runs (`encode` holds it: seconds for a
+        # long prompt); its fast form skips the offsets, which are never read.
+        return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -101,6 +101,24 @@ async def test_a_kv_pool_smaller_than_the_context_sets_the_context(
         await stack.wait_blocks_free(timeout_s=10)
 
 
+async def test_a_huge_prompt_holds_up_no_other_request(torch_stack: Stack) -> None:
+    """Tokenizing 5 MB of prompt takes the tokenizer a second or more; on the event loop,
+    every other request and stream of the gateway waited behind it (and the first two
+    seconds of it ran holding the GIL). A request sent meanwhile is answered first now."""
+    answered: list[str] = []
+
+    async def post(name: str, prompt: str) -> None:
+        status, _ = await torch_stack.post("/v1/completions", {
+            "model": MODEL, "prompt": prompt, "max_tokens": 1})
+        answered.append(f"{name} {status}")
+
+    huge = asyncio.create_task(post("huge", "word " * 1_000_000))
+    await asyncio.sleep(0.3)  # its body read, its tokenizing begun
+    await post("small", "hi")
+    await huge
+    assert answered == ["small 200", "huge 400"]  # the huge one is past the context
+
+
 @pytest.mark.parametrize("policy", ["cache-aware", "least-loaded"])
 async def test_cache_aware_routing_sends_a_shared_prefix_to_its_holder(
     nats_url: str, tiny_dir: Path, policy: str,
