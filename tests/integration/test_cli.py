@@ -59,6 +59,10 @@ def wait_for_line(process: subprocess.Popen[str], needle: str, timeout_s: float)
     raise AssertionError(f"no line with {needle!r}; exit code {process.poll()}")
 
 
+# Every requested token: sampled from random weights, an EOS may come before max_tokens.
+WHOLE = {"ignore_eos": True}
+
+
 def halfmoon(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "services.cli", *args], stdout=subprocess.PIPE,
@@ -76,10 +80,12 @@ def test_up_serves_openai_and_sigterm_leaves_no_process(tmp_path: Path) -> None:
         assert len(children) >= 5  # nats-server, conductor, 2 prefill, decode, gateway
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
         chat = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=7)
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=7,
+            extra_body=WHOLE)
         assert chat.usage is not None and chat.usage.completion_tokens == 7
         stream = client.completions.create(model=MODEL, prompt="a", max_tokens=9, stream=True,
-                                           stream_options={"include_usage": True})
+                                           stream_options={"include_usage": True},
+                                           extra_body=WHOLE)
         chunks = list(stream)
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 9
     finally:
@@ -99,7 +105,8 @@ def test_up_runs_an_embedded_three_node_nats_cluster() -> None:
         assert line.count("nats://127.0.0.1:") == 3  # the three nodes' client URLs
         assert sum(b"nats-server" in _cmdline(pid) for pid in children_of(process.pid)) == 3
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
-        completion = client.completions.create(model=MODEL, prompt="a", max_tokens=3)
+        completion = client.completions.create(model=MODEL, prompt="a", max_tokens=3,
+                                               extra_body=WHOLE)
         assert completion.usage is not None and completion.usage.completion_tokens == 3
     finally:
         process.send_signal(signal.SIGTERM)
@@ -126,7 +133,8 @@ def test_services_run_one_per_process_against_an_existing_server(nats_url: str) 
         deadline = time.monotonic() + 30
         while True:
             try:
-                response = client.completions.create(model=MODEL, prompt="a", max_tokens=4)
+                response = client.completions.create(model=MODEL, prompt="a", max_tokens=4,
+                                                     extra_body=WHOLE)
                 break
             except (openai.APIConnectionError, openai.InternalServerError):
                 if time.monotonic() > deadline:
@@ -173,7 +181,8 @@ def test_up_with_an_existing_nats_server_starts_no_embedded_one(nats_url: str) -
         assert not any(b"nats-server" in c for c in commands)
         assert len(commands) == 4  # conductor, prefill, decode, gateway
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
-        response = client.completions.create(model=MODEL, prompt="a", max_tokens=3)
+        response = client.completions.create(model=MODEL, prompt="a", max_tokens=3,
+                                             extra_body=WHOLE)
         assert response.usage is not None and response.usage.completion_tokens == 3
     finally:
         process.send_signal(signal.SIGTERM)
@@ -190,7 +199,8 @@ def test_up_in_colocated_mode_runs_workers_that_prefill_and_decode(nats_url: str
         roles = sorted(c.split(b"\0")[3].decode() for c in commands)  # python -m cli ROLE
         assert roles == ["conductor", "decode", "decode", "gateway"]  # no prefill worker
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
-        response = client.completions.create(model=MODEL, prompt="a half moon", max_tokens=5)
+        response = client.completions.create(model=MODEL, prompt="a half moon", max_tokens=5,
+                                             extra_body=WHOLE)
         assert response.usage is not None and response.usage.completion_tokens == 5
     finally:
         process.send_signal(signal.SIGTERM)
@@ -213,7 +223,8 @@ def test_up_serves_every_model_it_is_given(nats_url: str, tmp_path: Path) -> Non
         assert listed == {"first": 2048, "second": 256}
         for model in listed:  # the gateway read second's tokenizer where its workers did
             chat = client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                extra_body=WHOLE)
             assert chat.model == model
             assert chat.usage is not None and chat.usage.completion_tokens == 3
         with pytest.raises(openai.NotFoundError):
