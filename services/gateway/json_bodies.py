@@ -22,9 +22,10 @@ T = TypeVar("T")
 LARGE_BODY_BYTES = 64 << 10
 
 
-async def worked_on(body: bytes, work: Callable[[], T]) -> T:
-    """`work()` on `body`: on the event loop, or in a thread for a large body."""
-    if len(body) < LARGE_BODY_BYTES:
+async def worked_on(body: bytes, work: Callable[[], T], *, is_large: bool = False) -> T:
+    """`work()` on `body`: on the event loop, or in a thread for a large body (or one the
+    caller knows brings more, as a stored conversation it continues)."""
+    if not is_large and len(body) < LARGE_BODY_BYTES:
         return work()
     return await asyncio.to_thread(work)
 

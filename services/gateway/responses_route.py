@@ -67,7 +67,8 @@ class ResponsesRoutes:
                        ).conversation
         try:
             chat = chat_request(body, msgspec.convert(history, list[InputItem]))
-            parsed = (await worked_on(raw, lambda: self.backend.parse_chat(chat, model)))[0]
+            parsed = (await worked_on(raw, lambda: self.backend.parse_chat(chat, model),
+                                      is_large=bool(history)))[0]
         except InvalidRequest as exc:
             raise named_for_responses(exc) from None
         state = ResponseState(f"resp_{uuid.uuid4().hex}", model.name, settings_of(body),
