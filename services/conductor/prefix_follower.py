@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
@@ -63,11 +64,13 @@ class PrefixIndexFollower:
         self._subscription: Any = None
         self._store: ObjectStore | None = None
         self._stream_created: str | None = None  # when the stream followed was made
-        self._redeclare = Redeclare(
-            lambda: ensure_kv_event_stream(js, subjects, replicas=replicas), "the KV-event stream")
+        self._redeclare = Redeclare(self._declare, "the KV-event stream")
+
+    def _declare(self) -> Awaitable[None]:
+        return ensure_kv_event_stream(self._js, self._subjects, replicas=self._replicas)
 
     async def start(self, catch_up_timeout_s: float) -> None:
-        await ensure_kv_event_stream(self._js, self._subjects, replicas=self._replicas)
+        await self._declare()
         stream = self._subjects.kv_events_stream
         info = await answered(lambda: self._js.stream_info(stream), f"stream {stream}",
                               within_s=ASSET_WAIT_S)
@@ -116,12 +119,13 @@ class PrefixIndexFollower:
                 continue
             except (nats.errors.Error, nats.js.errors.Error):
                 continue  # unanswered (an election, an outage): asked again next time
-            if made_at(info) == self._stream_created:
+            created = made_at(info)
+            if created == self._stream_created:
                 continue
             log.warning("prefix_index.stream_made_anew", stream=stream,
                         applied_seq=self.applied_seq, last_seq=info.state.last_seq)
             await self.stop()
-            self._stream_created = made_at(info)
+            self._stream_created = created
             self.applied_seq = self.saved_seq = 0
             try:
                 await self._follow()
