@@ -84,12 +84,13 @@ class Run:
     local_offsets: np.ndarray
     remote_offsets: np.ndarray
     lengths: np.ndarray
-    num_bytes: int = field(init=False, repr=False, compare=False)
+    num_bytes: int = field(default=-1, repr=False, compare=False)  # the lengths' sum
 
     def __post_init__(self) -> None:
-        lengths = self.lengths
-        self.num_bytes = sum(lengths.tolist()) if len(
-            lengths) <= _SMALL_BATCH else int(lengths.sum())
+        if self.num_bytes < 0:
+            lengths = self.lengths
+            self.num_bytes = sum(lengths.tolist()) if len(
+                lengths) <= _SMALL_BATCH else int(lengths.sum())
 
     @property
     def num_pieces(self) -> int:
@@ -127,7 +128,7 @@ class Route:
             check_bounds(local.name, local.size_bytes, local_offset, length)
             check_bounds(remote.name, remote.size_bytes, remote_offset, length)
             return Run(local, remote, pieces.local_offsets, pieces.remote_offsets,
-                       pieces.lengths) if length else None
+                       pieces.lengths, length) if length else None
         local_offsets, remote_offsets, lengths = coalesce(
             *(np.asarray(numbers, dtype=np.int64) for numbers in (
                 pieces.local_offsets, pieces.remote_offsets, pieces.lengths)))

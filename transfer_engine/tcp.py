@@ -16,7 +16,7 @@ import itertools
 import os
 import socket
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -200,7 +200,7 @@ class Link(FrameStream):
         self._pending[request_id] = jobs
         self._stats.num_frames_sent += 1
         self._stats.num_transfers_sent += len(jobs)
-        self.send(_frame(request_id, jobs))
+        self.send_frame(*_frame(request_id, jobs))
 
     def _take_frame(self) -> list[_Job]:
         jobs = [self._queue.popleft()]
@@ -305,17 +305,21 @@ def _error_from(body: wire.ErrorBody, peer_id: str) -> TransferFailed:
             return TransferFailed(message)
 
 
-def _frame(request_id: int, jobs: list[_Job]) -> list[memoryview | bytes]:
+def _frame(request_id: int, jobs: list[_Job]) -> tuple[list[memoryview | bytes],
+                                                     list[memoryview | bytes]]:
+    """A frame's head (header, piece table, meta) and its payload."""
     first = jobs[0]
     if len(jobs) == 1 and first.is_plain_write and len(first.runs) == 1:
         run = first.runs[0]
         if len(run.lengths) == 1:  # one piece (a layer, say): packed at once
             (local_offset,), (remote_offset,), (length,) = (
                 run.local_offsets.tolist(), run.remote_offsets.tolist(), run.lengths.tolist())
-            return [wire.write_one_head(request_id, run.remote.segment_id, remote_offset, length),
-                    run.local.data[local_offset:local_offset + length]]
+            return ([wire.write_one_head(request_id, run.remote.segment_id, remote_offset,
+                                         length)],
+                    [run.local.data[local_offset:local_offset + length]])
     if first.op == wire.Op.RDMA_CONNECT:
-        return [wire.Header(first.op, request_id, meta_len=len(first.meta)).pack(), first.meta]
+        return [wire.Header(first.op, request_id, meta_len=len(first.meta)).pack(),
+                first.meta], []
     if len(jobs) == 1:
         runs, notifications = first.runs, first.notifications
     else:  # merged writes
@@ -323,7 +327,8 @@ def _frame(request_id: int, jobs: list[_Job]) -> list[memoryview | bytes]:
         notifications = [note for job in jobs for note in job.notifications]
     table = wire.table_of(runs)
     if first.op in (wire.Op.READ, wire.Op.STAGE):
-        return [wire.Header(first.op, request_id, len(table) // wire.PIECE.size).pack(), table]
+        return [wire.Header(first.op, request_id, len(table) // wire.PIECE.size).pack(),
+                table], []
     payload: list[memoryview | bytes] = []  # NOTIFY names pieces written one-sidedly
     if first.op == wire.Op.WRITE:
         payload = first.payload_views() if len(jobs) == 1 else [
@@ -332,8 +337,7 @@ def _frame(request_id: int, jobs: list[_Job]) -> list[memoryview | bytes]:
             if notifications or first.compression else b"")
     header = wire.Header(first.op, request_id, num_pieces=len(table) // wire.PIECE.size,
                          meta_len=len(meta), payload_len=sum(map(len, payload)))
-    return [header.pack(), table, meta, *payload] if meta else [header.pack(), table, *payload]
-
+    return [header.pack(), table, meta] if meta else [header.pack(), table], payload
 
 
 class TcpTransport:
@@ -351,6 +355,7 @@ class TcpTransport:
         self._links: dict[str, list[Link]] = {}
         self.stats = TcpStats()
         self._connecting: dict[str, asyncio.Lock] = {}
+        self._loop = asyncio.get_running_loop()  # made by `TransferEngine.start`
 
     async def start(self, host: str, port: int) -> int:
         return await self._server.start(host, port)
@@ -358,13 +363,20 @@ class TcpTransport:
     def can_reach(self, peer: TransferEndpoint, remote: list[SegmentInfo]) -> bool:
         return True
 
-    async def write(self, plan: Plan) -> None:
+    def write(self, plan: Plan) -> Awaitable[None]:
+        """Send the plan's pieces; what to await is the answer's future itself when one link
+        takes them (`_submit`), so a layer-sized write costs no coroutine here."""
+        if plan.compression is None and self._num_stripes(plan.num_bytes) == 1:
+            return self._submit(plan.peer, plan.timeout_s,
+                                self._job(wire.Op.WRITE, plan.runs, plan.notifications))
+        return self._write_parts(plan)
+
+    async def _write_parts(self, plan: Plan) -> None:
+        """A compressed write (quantized off the loop first), or one cut into stripes."""
         if plan.compression is not None:
             payload = await asyncio.to_thread(_compress_all, plan.runs, plan.compression)
             jobs = [self._job(wire.Op.WRITE, plan.runs, plan.notifications,
                               plan.compression, payload)]
-        elif self._num_stripes(plan.num_bytes) == 1:
-            jobs = [self._job(wire.Op.WRITE, plan.runs, plan.notifications)]
         else:
             jobs = [self._job(wire.Op.WRITE, part)
                     for part in stripe(plan.runs, self._options.num_streams)]
@@ -376,30 +388,32 @@ class TcpTransport:
             # follow all of them, so it goes once every stripe is acknowledged.
             await self.notify(plan.peer, plan.notifications, plan.timeout_s)
 
-    async def read(self, plan: Plan) -> None:
+    def read(self, plan: Plan) -> Awaitable[None]:
+        if self._num_stripes(plan.num_bytes) == 1:
+            return self._submit(plan.peer, plan.timeout_s, self._job(wire.Op.READ, plan.runs))
         stripes = stripe(plan.runs, self._num_stripes(plan.num_bytes))
-        await self._run(plan.peer, plan.timeout_s,
-                        [self._job(wire.Op.READ, stripe) for stripe in stripes])
+        return self._run(plan.peer, plan.timeout_s,
+                         [self._job(wire.Op.READ, stripe) for stripe in stripes])
 
     async def notify(self, peer: TransferEndpoint, notifications: list[bytes],
                      timeout_s: float, written: Sequence[Run] = ()) -> None:
         """Deliver notifications after a one-sided transfer by another transport, naming
         the pieces it wrote into the peer's staged segments (`written`), which the peer
         moves from their mirrors to their devices first."""
-        await self._run(peer, timeout_s, [self._job(wire.Op.NOTIFY, list(written),
-                                                    notifications)])
+        await self._submit(peer, timeout_s, self._job(wire.Op.NOTIFY, list(written),
+                                                      notifications))
 
     async def stage(self, peer: TransferEndpoint, runs: Sequence[Run], timeout_s: float) -> None:
         """Have the peer copy these pieces of its staged segments from their devices to their
         mirrors (before another transport reads the mirrors one-sidedly)."""
-        await self._run(peer, timeout_s, [self._job(wire.Op.STAGE, list(runs))])
+        await self._submit(peer, timeout_s, self._job(wire.Op.STAGE, list(runs)))
 
     async def request(self, peer: TransferEndpoint, op: wire.Op, meta: bytes,
                       timeout_s: float) -> bytes:
         """Send one control request on a link to `peer`; return the body of its ACK."""
         job = self._job(op, [])
         job.meta = meta
-        await self._run(peer, timeout_s, [job])
+        await self._submit(peer, timeout_s, job)
         return job.reply
 
     @property
@@ -409,21 +423,31 @@ class TcpTransport:
     def _job(self, op: wire.Op, runs: list[Run], notifications: Sequence[bytes] = (),
              compress: wire.Compression | None = None,
              payload: list[bytes] | None = None) -> _Job:
-        future = asyncio.get_running_loop().create_future()
-        return _Job(op, runs, future, list(notifications), compress, payload)
+        return _Job(op, runs, self._loop.create_future(), list(notifications), compress,
+                    payload)
 
     def _num_stripes(self, num_bytes: int) -> int:
         return self._options.num_streams if num_bytes >= self._options.stripe_min_bytes else 1
 
+    def _submit(self, peer: TransferEndpoint, timeout_s: float, job: _Job) -> Awaitable[None]:
+        """One job: on a live link it goes at once and its future is what to await;
+        otherwise a link is opened first (`_run`)."""
+        link = self._live_link(peer)
+        if link is None:
+            return self._run(peer, timeout_s, [job])
+        job.timeout_s, job.deadline = timeout_s, self._loop.time() + timeout_s
+        link.submit(job)
+        return job.future
+
     async def _run(self, peer: TransferEndpoint, timeout_s: float, jobs: list[_Job]) -> None:
-        """Submit the jobs on links to `peer` and wait for their answers; a job unanswered
-        after `timeout_s` closes its link (`Link._expire`) and fails with `TransferTimeout`."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
+        """Submit the jobs on links to `peer`, opening them as needed, and wait for their
+        answers; a job unanswered after `timeout_s` closes its link (`Link._expire`) and
+        fails with `TransferTimeout`."""
+        deadline = self._loop.time() + timeout_s
         for job in jobs:
             job.timeout_s, job.deadline = timeout_s, deadline
         try:
-            links = self._live_link(peer, len(jobs)) or await self._links_to(
-                peer, len(jobs), timeout_s)
+            links = await self._links_to(peer, len(jobs), timeout_s)
         except TimeoutError:
             raise TransferTimeout(f"transfer to {peer.engine_id!r} did not finish within "
                                   f"{timeout_s:g} s (no connection)") from None
@@ -432,16 +456,13 @@ class TcpTransport:
         for job in jobs:
             await job.future
 
-    def _live_link(self, peer: TransferEndpoint, count: int) -> list[Link] | None:
-        """The common case, at once: one transfer, and a live link to take it (the least
-        loaded, if there are several)."""
-        if count != 1:
-            return None
+    def _live_link(self, peer: TransferEndpoint) -> Link | None:
+        """A live link to `peer`, at once (the least loaded, if there are several)."""
         links = self._links.get(peer.engine_id)
         if links and len(links) == 1:
-            return links if links[0].is_alive else None
+            return links[0] if links[0].is_alive else None
         live = self._live_links(peer)
-        return [_least_loaded(live)] if live else None
+        return _least_loaded(live) if live else None
 
     def _live_links(self, peer: TransferEndpoint) -> list[Link]:
         return [link for link in self._links.get(peer.engine_id, ()) if link.is_alive]

@@ -301,7 +301,9 @@ class _Inbound(FrameStream):
             self._answer(wire.Header(wire.Op.ACK, header.request_id))
             return
         total = sum(view.nbytes for view in views)
-        self._answer(wire.Header(wire.Op.DATA, header.request_id, payload_len=total), *views)
+        self.send_frame([wire.Header(wire.Op.DATA, header.request_id, payload_len=total).pack()],
+                        views)
+        self._next_frame()
 
     def _connect_rdma(self, header: wire.Header, meta: bytes) -> None:
         if self._server.accept_rdma is None:

@@ -7,7 +7,7 @@ moves bytes and reports failures as `TransferFailed` / `TransferTimeout`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -52,11 +52,12 @@ class Transport(Protocol):
     def can_reach(self, peer: TransferEndpoint, remote: list[SegmentInfo]) -> bool:
         """Whether this transport can carry a transfer to these segments of `peer`."""
 
-    async def write(self, plan: Plan) -> None:
-        """Land every piece's local bytes in the peer's memory, then its notifications; return
-        once the peer has them. Raise `TransferFailed` or `TransferTimeout`."""
+    def write(self, plan: Plan) -> Awaitable[None]:
+        """Land every piece's local bytes in the peer's memory, then its notifications; done
+        once the peer has them. Raise `TransferFailed` or `TransferTimeout`. (An `async def`
+        will do; tcp returns its answer's future, with no coroutine per transfer.)"""
 
-    async def read(self, plan: Plan) -> None:
+    def read(self, plan: Plan) -> Awaitable[None]:
         """Fill every piece's local view from the peer's memory."""
 
     def moves_in_place(self, segment: Segment) -> bool:
