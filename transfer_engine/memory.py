@@ -177,18 +177,22 @@ class LocalMemory:
                 move(table["offset"][mine].astype(np.int64),
                      table["length"][mine].astype(np.int64))
 
+    def view(self, segment_id: int, offset: int, length: int, *,
+             for_write: bool) -> memoryview:
+        """The view of one piece a peer named; `InvalidTransfer` if it is not ours or out of
+        bounds."""
+        segment = self._by_id.get(segment_id)
+        if segment is None:
+            raise InvalidTransfer(f"no segment with id {segment_id}")
+        if for_write and not segment.is_writable:
+            raise InvalidTransfer(f"segment {segment.name!r} is read-only")
+        check_bounds(segment.name, segment.size_bytes, offset, length)
+        return segment.data[offset:offset + length]
+
     def _few_views(self, pieces: Iterable[tuple[int, int, int]], *,
                    for_write: bool) -> list[memoryview]:
-        checked = []
-        for segment_id, offset, length in pieces:
-            segment = self._by_id.get(segment_id)
-            if segment is None:
-                raise InvalidTransfer(f"no segment with id {segment_id}")
-            if for_write and not segment.is_writable:
-                raise InvalidTransfer(f"segment {segment.name!r} is read-only")
-            check_bounds(segment.name, segment.size_bytes, offset, length)
-            checked.append(segment.data[offset:offset + length])
-        return checked
+        return [self.view(segment_id, offset, length, for_write=for_write)
+                for segment_id, offset, length in pieces]
 
     def close(self) -> None:
         """Release every shared-memory name this engine created."""

@@ -120,14 +120,14 @@ def unpack_pieces(table: bytes | memoryview) -> np.ndarray:
 
 
 # A WRITE of one piece, its header and piece table packed at once (the layer-sized common case).
-_WRITE_ONE = struct.Struct(HEADER.format + PIECE.format[1:])
+WRITE_ONE = struct.Struct(HEADER.format + PIECE.format[1:])
 
 
 def write_one_head(request_id: int, segment_id: int, offset: int, length: int) -> bytes:
     """The header and table of a WRITE frame of one piece and no meta (the bytes of
     `Header(Op.WRITE, request_id, 1, 0, length).pack() + PIECE.pack(segment_id, offset,
     length)`)."""
-    return _WRITE_ONE.pack(MAGIC, VERSION, Op.WRITE, 0, request_id, 1, 0, length, segment_id,
+    return WRITE_ONE.pack(MAGIC, VERSION, Op.WRITE, 0, request_id, 1, 0, length, segment_id,
                            offset, length)
 
 
