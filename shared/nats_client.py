@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import socket
 import ssl
@@ -93,7 +94,12 @@ async def connect(url: str, name: str, timeout_s: float = 10.0,
     connected, reconnect without limit, across the cluster's servers. Connection events go
     to the log and to `on_event` ("disconnected" | "reconnected"). Raises `WorkerUnavailable`
     on time-out and `ConfigError` when a server refuses this client (credentials, TLS)."""
+    # Shuffled here, kept in order by nats-py: a client moves to the *next* server when it
+    # loses one. nats-py's own shuffle runs again on every reconnect, so one time in N it
+    # tried the server just lost first, and a partitioned one answers nothing: a whole
+    # connect timeout (2 s) more before the client was back.
     servers = nats_servers(url)
+    random.shuffle(servers)
     options = auth_options(auth or NatsAuth())
     refusals: list[str] = []
 
@@ -121,6 +127,7 @@ async def connect(url: str, name: str, timeout_s: float = 10.0,
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
+        dont_randomize=True,
         connect_timeout=CONNECT_TIMEOUT_S,
         # A server cut off by a partition closes nothing: unanswered pings are how a client
         # learns it, within PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 1), and moves to

@@ -4,7 +4,9 @@ and losing the node that leads the request stream loses no request and no token.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import signal
+import time
+from collections.abc import Callable, Iterator
 
 import nats
 import openai
@@ -13,7 +15,7 @@ import pytest
 from engine.fake_engine import fake_completion
 from services.gateway.tokenizer import ByteTokenizer
 from shared.errors import ConfigError
-from shared.nats_client import ensure_work_queue
+from shared.nats_client import CONNECT_TIMEOUT_S, connect, ensure_work_queue
 from shared.nats_server import EmbeddedNatsCluster
 from shared.subjects import Subjects
 from tests.stack import Stack, eventually
@@ -89,3 +91,35 @@ async def test_an_asset_with_other_replicas_is_refused_by_name(
     finally:
         await js.delete_stream(subjects.requests_stream)
         await nc.close()
+
+
+async def test_a_client_that_loses_its_server_goes_to_another_without_trying_it_again(
+        nats_cluster: EmbeddedNatsCluster) -> None:
+    """A node that answers nothing (SIGSTOPped; a partitioned host looks the same) is not
+    dialled again first by the clients it served: each goes on to the next server of its
+    list at once. Before, nats-py shuffled the list on every reconnect, and one time in
+    three a client spent a whole connect timeout (2 s) on the silent node again."""
+    outages: dict[int, list[tuple[str, float]]] = {}
+
+    def recorder(index: int) -> Callable[[str], None]:
+        return lambda event: outages.setdefault(index, []).append((event, time.monotonic()))
+
+    clients = [await connect(nats_cluster.url, f"rotation-{i}", on_event=recorder(i))
+               for i in range(12)]
+    ports = [client.connected_url.port for client in clients]  # type: ignore[union-attr]
+    port = max(set(ports), key=ports.count)
+    (silent,) = [node for node in nats_cluster.nodes if node.url.endswith(f":{port}")]
+    served = [i for i, p in enumerate(ports) if p == port]
+    silent.send_signal(signal.SIGSTOP)
+    try:
+        await eventually(lambda: all(len(outages.get(i, ())) >= 2 for i in served), 10.0)
+    finally:
+        silent.send_signal(signal.SIGCONT)
+        for client in clients:
+            await client.close()
+    await asyncio.to_thread(nats_cluster.wait_healthy)
+    for i in served:
+        (_, lost_at), (event, back_at) = outages[i][:2]
+        assert event == "reconnected"
+        assert back_at - lost_at < CONNECT_TIMEOUT_S / 2
+    assert {port} != {p for p in ports}  # some were elsewhere: only the silent node's moved
