@@ -2,10 +2,13 @@
 
 Conductor replicas share the consumer, so JetStream delivers each request to one of them.
 Each replica keeps `num_fetchers` pulls open and hands every message to `handle` (which
-acks, naks or terms it); a replica that dies with messages unacked has them delivered again
-after `ack_wait`. While the stream's leader moves (a NATS node lost) a pull fails and is
-tried again; pulls failing for longer declare the stream and the consumer again (they may be
-gone: deleted, or lost with a server that restarted without its store).
+acks, naks or terms it), telling JetStream every second that a message is still in hand; a
+replica that dies with messages unacked has them delivered again after `ack_wait`, and so
+does a delivery lost on its way (into a connection a partition cut off). `ack_wait` is short
+for that, long enough for an ack held while the conductor reconnects. While the stream's
+leader moves (a NATS node lost) a pull fails and is tried again; pulls failing for longer
+declare the stream and the consumer again (they may be gone: deleted, or lost with a server
+that restarted without its store).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ FETCH_RETRY_S = 0.25
 # stream and consumer again and pull through a new subscription; each try bounded.
 REDECLARE_AFTER_S = 3.0
 REDECLARE_LIMIT_S = 2.0
-ACK_WAIT_S = 10.0
+ACK_WAIT_S = 5.0  # was 10 s: a delivery lost in a partition held its request that long
+IN_PROGRESS_EVERY_S = 1.0
 MAX_ACK_PENDING = 4096
 
 log = get_logger(__name__)
@@ -56,11 +60,13 @@ class RequestIntake:
         self._subscriptions: list[Any] = []
         self._is_fetching = False
         self._redeclare = Redeclare(self._declare_stream, "the request stream")
+        self._spawn: Callable[[Coroutine[Any, Any, Any], str], Any] | None = None
         self.num_in_hand = 0  # messages being handled now
 
     async def start(self, num_fetchers: int,
                     spawn: Callable[[Coroutine[Any, Any, Any], str], Any]) -> None:
         await self._declare_stream()
+        self._spawn = spawn
         self._is_fetching = True
         for i in range(num_fetchers):
             subscription = await answered(self._subscribe, "the conductors' consumer",
@@ -80,15 +86,18 @@ class RequestIntake:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
 
-    def _subscribe(self) -> Awaitable[Any]:
-        """A pull subscription on the durable consumer (created if missing)."""
+    async def _subscribe(self) -> Any:
+        """A pull subscription on the durable consumer, made, or brought to these settings
+        (one an older conductor made keeps its own otherwise: a longer ack_wait, say)."""
+        subjects = self._subjects
         consumer = ConsumerConfig(
-            durable_name=self._subjects.conductor_consumer, ack_policy=AckPolicy.EXPLICIT,
+            durable_name=subjects.conductor_consumer, ack_policy=AckPolicy.EXPLICIT,
             ack_wait=ACK_WAIT_S, max_deliver=holding.MAX_DELIVER,
-            max_ack_pending=MAX_ACK_PENDING)
-        return self._js.pull_subscribe(
-            self._subjects.requests, durable=self._subjects.conductor_consumer,
-            stream=self._subjects.requests_stream, config=consumer)
+            max_ack_pending=MAX_ACK_PENDING, filter_subject=subjects.requests)
+        await self._js.add_consumer(subjects.requests_stream, consumer)
+        return await self._js.pull_subscribe(
+            subjects.requests, durable=subjects.conductor_consumer,
+            stream=subjects.requests_stream, config=consumer)
 
     def _declare_stream(self) -> Awaitable[None]:
         return ensure_work_queue(self._js, self._subjects.requests_stream,
@@ -116,10 +125,16 @@ class RequestIntake:
             failing_since = None
             for message in messages:
                 self.num_in_hand += 1
+                in_hand = _InHand(message, self._say_in_progress)
                 try:
                     await self._handle(message)
                 finally:
+                    in_hand.stop()
                     self.num_in_hand -= 1
+
+    def _say_in_progress(self, message: Msg) -> None:
+        assert self._spawn is not None  # set by `start`, before any fetch
+        self._spawn(_in_progress(message), "requests.in_progress")
 
     async def _resubscribe(self, index: int) -> None:
         """Pulls failing this long: the stream or the consumer may be gone (deleted, or lost
@@ -134,3 +149,26 @@ class RequestIntake:
         old, self._subscriptions[index] = self._subscriptions[index], subscription
         with contextlib.suppress(Exception):
             await old.unsubscribe()
+
+
+class _InHand:
+    """Tells JetStream every `IN_PROGRESS_EVERY_S` that a message is still being handled
+    (it would be delivered again after `ack_wait` otherwise), until `stop()`."""
+
+    def __init__(self, message: Msg, say: Callable[[Msg], None]) -> None:
+        self._message = message
+        self._say = say
+        self._loop = asyncio.get_running_loop()
+        self._timer = self._loop.call_later(IN_PROGRESS_EVERY_S, self._tick)
+
+    def _tick(self) -> None:
+        self._say(self._message)
+        self._timer = self._loop.call_later(IN_PROGRESS_EVERY_S, self._tick)
+
+    def stop(self) -> None:
+        self._timer.cancel()
+
+
+async def _in_progress(message: Msg) -> None:
+    with contextlib.suppress(nats.errors.Error, OSError):  # acked meanwhile, or cut off
+        await message.in_progress()

@@ -1,0 +1,91 @@
+"""The conductors' intake on a real nats-server: a request in hand stays with its conductor
+however long it takes; the consumer's ack_wait is short, also on a consumer an older
+conductor made."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+import pytest
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from services.conductor import intake
+from services.conductor.intake import RequestIntake
+from shared.nats_client import NatsClient, connect, ensure_work_queue
+from shared.subjects import Subjects
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[NatsClient]:
+    client = await connect(nats_url, "intake-test")
+    yield client
+    await client.close()
+
+
+class Tasks:
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self.tasks.add(task)
+        return task
+
+    async def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+async def test_a_request_in_hand_longer_than_ack_wait_is_delivered_once(
+        nc: NatsClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its conductor says it is in progress every second: JetStream does not hand it to the
+    next pull (before, with no word, a request placed for longer than ack_wait went to a
+    second conductor too)."""
+    monkeypatch.setattr(intake, "ACK_WAIT_S", 1.0)
+    monkeypatch.setattr(intake, "IN_PROGRESS_EVERY_S", 0.25)
+    subjects = Subjects("intake-slow")
+    deliveries: list[int] = []
+
+    async def handle(message: Msg) -> None:
+        deliveries.append(message.metadata.num_delivered)
+        await asyncio.sleep(3.0)  # three ack_waits
+        await message.ack()
+
+    tasks = Tasks()
+    requests = RequestIntake(nc.jetstream(), subjects, handle, max_age_s=60)
+    await requests.start(2, tasks.spawn)  # a second pull, free to take a redelivery
+    try:
+        await nc.jetstream().publish(subjects.requests, b"{}")
+        await asyncio.sleep(4.0)
+    finally:
+        requests.stop()
+        await tasks.cancel()
+        await requests.close()
+    assert deliveries == [1]
+
+
+async def test_a_consumer_an_older_conductor_made_gets_the_short_ack_wait(
+        nc: NatsClient) -> None:
+    subjects = Subjects("intake-older")
+    js = nc.jetstream()
+    await ensure_work_queue(js, subjects.requests_stream, subjects.requests, max_age_s=60)
+    await js.add_consumer(subjects.requests_stream, ConsumerConfig(
+        durable_name=subjects.conductor_consumer, ack_policy=AckPolicy.EXPLICIT, ack_wait=10.0,
+        filter_subject=subjects.requests))
+    tasks = Tasks()
+    requests = RequestIntake(js, subjects, lambda message: message.ack(), max_age_s=60)
+    await requests.start(1, tasks.spawn)
+    try:
+        info = await js.consumer_info(subjects.requests_stream, subjects.conductor_consumer)
+    finally:
+        requests.stop()
+        await tasks.cancel()
+        await requests.close()
+    assert info.config.ack_wait == intake.ACK_WAIT_S
+    assert info.config.filter_subject == subjects.requests
