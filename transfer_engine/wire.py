@@ -128,7 +128,7 @@ def write_one_head(request_id: int, segment_id: int, offset: int, length: int) -
     `Header(Op.WRITE, request_id, 1, 0, length).pack() + PIECE.pack(segment_id, offset,
     length)`)."""
     return WRITE_ONE.pack(MAGIC, VERSION, Op.WRITE, 0, request_id, 1, 0, length, segment_id,
-                           offset, length)
+                          offset, length)
 
 
 def ack(request_id: int) -> bytes:
