@@ -375,13 +375,13 @@ class TcpTransport:
         """A compressed write (quantized off the loop first), or one cut into stripes."""
         if plan.compression is not None:
             payload = await asyncio.to_thread(_compress_all, plan.runs, plan.compression)
-            jobs = [self._job(wire.Op.WRITE, plan.runs, plan.notifications,
-                              plan.compression, payload)]
-        else:
-            jobs = [self._job(wire.Op.WRITE, part)
-                    for part in stripe(plan.runs, self._options.num_streams)]
-            if len(jobs) == 1:
-                jobs[0].notifications = list(plan.notifications)
+            await self._submit(plan.peer, plan.timeout_s, self._job(
+                wire.Op.WRITE, plan.runs, plan.notifications, plan.compression, payload))
+            return
+        jobs = [self._job(wire.Op.WRITE, part)
+                for part in stripe(plan.runs, self._options.num_streams)]
+        if len(jobs) == 1:
+            jobs[0].notifications = list(plan.notifications)
         await self._run(plan.peer, plan.timeout_s, jobs)
         if plan.notifications and len(jobs) > 1:
             # Stripes land on different connections in any order; the notification must
@@ -389,11 +389,11 @@ class TcpTransport:
             await self.notify(plan.peer, plan.notifications, plan.timeout_s)
 
     def read(self, plan: Plan) -> Awaitable[None]:
-        if self._num_stripes(plan.num_bytes) == 1:
+        num_stripes = self._num_stripes(plan.num_bytes)
+        if num_stripes == 1:
             return self._submit(plan.peer, plan.timeout_s, self._job(wire.Op.READ, plan.runs))
-        stripes = stripe(plan.runs, self._num_stripes(plan.num_bytes))
-        return self._run(plan.peer, plan.timeout_s,
-                         [self._job(wire.Op.READ, stripe) for stripe in stripes])
+        return self._run(plan.peer, plan.timeout_s, [
+            self._job(wire.Op.READ, part) for part in stripe(plan.runs, num_stripes)])
 
     async def notify(self, peer: TransferEndpoint, notifications: list[bytes],
                      timeout_s: float, written: Sequence[Run] = ()) -> None:
