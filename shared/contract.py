@@ -68,6 +68,10 @@ def channels() -> list[Channel]:
         Channel("gateway", s.gateway(gateway),
                 (m.TokenBatch, m.RequestFailed, m.RequestPlaced),
                 "Tokens, failures and placements for one gateway's requests.", "core"),
+        Channel("gatewayStatus", s.gateway_status(gateway), (m.StreamQuery,),
+                "Conductor to a request's gateway, before placing a request delivered "
+                "again: is it placed, streaming, still wanted?", "request",
+                reply=m.StreamStatus),
         Channel("abort", s.abort, (m.AbortRequest,),
                 "Stop a request and free its blocks (every worker listens).", "core"),
         Channel("prefillTask", s.prefill_task(worker), (m.PrefillTask,),

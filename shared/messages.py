@@ -166,6 +166,10 @@ class GenerateRequest(Message, frozen=True, kw_only=True):
     # A continuation after a worker was lost: `prompt_token_ids` ends with the
     # `output_offset` tokens already streamed, and output indexes count on from there.
     output_offset: int = 0
+    # How many times the gateway placed the request again (0: the first placement), and
+    # where it answers `StreamQuery` about it ("": a gateway too old to answer).
+    attempt: int = 0
+    status_subject: str = ""
 
 
 class PrefixSource(msgspec.Struct, frozen=True, kw_only=True):
@@ -473,6 +477,30 @@ class RequestPlaced(Message, frozen=True, kw_only=True):
 
 
 GatewayEvent = TokenBatch | RequestFailed | RequestPlaced
+
+
+class StreamQuery(Message, frozen=True, kw_only=True):
+    """Request from a conductor to a request's gateway (`GenerateRequest.status_subject`)
+    before it places a request delivered again: the delivery before may have been placed
+    (its conductor died, or its ack was lost, after the commands went out), and a second
+    placement would run the request twice. Answered with `StreamStatus`."""
+
+    request_id: str
+    attempt: int  # the delivered message's `GenerateRequest.attempt`
+
+
+class StreamStatus(Message, frozen=True, kw_only=True):
+    """The gateway's answer to `StreamQuery`: whether a client still waits for the request
+    (`is_open`), whether that attempt is the one its stream follows (`is_current`: false
+    once the gateway placed the request again itself), whether the stream has that
+    attempt's `RequestPlaced` (`is_placed`) and how many output tokens it has had
+    (`num_streamed`)."""
+
+    request_id: str
+    is_open: bool
+    is_current: bool = False
+    is_placed: bool = False
+    num_streamed: int = 0
 
 
 KvLeaseKind = Literal["decode_reservation", "prefix_fetch", "prefill_hold"]

@@ -73,6 +73,10 @@ class ConductorMetrics(ServiceMetrics):
                                   ["policy", "path", "prefix_fetch"], registry=r)
         self.rejections = Counter("halfmoon_rejections", "requests rejected, by reason",
                                   ["reason"], registry=r)
+        self.deliveries_again = Counter("halfmoon_request_deliveries_again", "requests "
+                                        "delivered to a conductor again, by what it did "
+                                        "(place | place_unasked | done | drop | move | "
+                                        "ask_later)", ["step"], registry=r)
         self.placement_seconds = Histogram("halfmoon_placement_seconds",
                                            "request taken to both workers accepted",
                                            buckets=LATENCY_BUCKETS, registry=r)

@@ -24,7 +24,15 @@ from shared import tracing
 from shared.config import NatsAuth
 from shared.errors import ConfigError, TransferFailed, WorkerUnavailable
 from shared.logs import get_logger
-from shared.messages import DispatchReply, Message, PrefixFetch, PrefixFetched, WorkerHeartbeat
+from shared.messages import (
+    DispatchReply,
+    Message,
+    PrefixFetch,
+    PrefixFetched,
+    StreamQuery,
+    StreamStatus,
+    WorkerHeartbeat,
+)
 from shared.subjects import Subjects
 
 T = TypeVar("T")
@@ -35,6 +43,7 @@ _encoder = msgspec.json.Encoder()
 _reply_decoder = msgspec.json.Decoder(DispatchReply)
 _heartbeat_decoder = msgspec.json.Decoder(WorkerHeartbeat)
 _fetch_decoder = msgspec.json.Decoder(PrefixFetched | DispatchReply)
+_status_decoder = msgspec.json.Decoder(StreamStatus | DispatchReply)
 
 
 def encode(message: Message) -> bytes:
@@ -541,6 +550,16 @@ async def fetch_prefix(nc: NatsClient, subject: str, message: PrefixFetch, timeo
     reply = _fetch_decoder.decode(await _request(nc, subject, message, timeout_s))
     if isinstance(reply, DispatchReply):
         raise TransferFailed(f"{reply.worker_id} refused the prefix fetch: {reply.reason}")
+    return reply
+
+
+async def query_stream(nc: NatsClient, subject: str, query: StreamQuery, timeout_s: float
+                       ) -> StreamStatus:
+    """Ask a request's gateway what it holds of the request (`StreamQuery`). Raises
+    `WorkerUnavailable` when nobody listens, nobody answers in time, or it refused."""
+    reply = _status_decoder.decode(await _request(nc, subject, query, timeout_s, {}))
+    if isinstance(reply, DispatchReply):
+        raise WorkerUnavailable(f"{reply.worker_id} refused the stream query: {reply.reason}")
     return reply
 
 

@@ -51,6 +51,10 @@ class Subjects:
     def gateway(self, gateway_id: str) -> str:
         return f"{self._root}.gateway.{check_token(gateway_id, 'gateway id')}"
 
+    def gateway_status(self, gateway_id: str) -> str:
+        """Where the gateway answers `StreamQuery` (a request/reply subject)."""
+        return f"{self.gateway(gateway_id)}.status"
+
     def heartbeat(self, role: str, worker_id: str) -> str:
         return f"{self._root}.heartbeat.{role}.{check_token(worker_id, 'worker id')}"
 

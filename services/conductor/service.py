@@ -27,7 +27,7 @@ import structlog
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from services.conductor import assignment, holding
+from services.conductor import assignment, holding, redelivery
 from services.conductor.assignment import Plan
 from services.conductor.intake import RequestIntake
 from services.conductor.model_loader import ModelLoader
@@ -35,6 +35,7 @@ from services.conductor.placement import PendingWork, PrefixView, prefix_view
 from services.conductor.planning import PlanningLoop
 from services.conductor.prefix_follower import STREAM_CHECK_S, PrefixIndexFollower
 from services.conductor.prefix_index import PrefixIndex
+from services.conductor.redelivery import Step
 from shared import tracing
 from shared.config import ConductorConfig
 from shared.errors import (
@@ -137,6 +138,8 @@ class ConductorService(Service):
             self.log.warning("request.expired", request_id=request.request_id, age_s=age_s)
             await msg.ack()
             return
+        if msg.metadata.num_delivered > 1 and not await self._may_place_again(request, msg):
+            return
         started = time.perf_counter()
         try:
             with tracing.span(__name__, "conductor.schedule",
@@ -171,6 +174,30 @@ class ConductorService(Service):
             await msg.nak(delay=0.5)
             return
         await msg.ack()
+
+    async def _may_place_again(self, request: GenerateRequest, msg: Msg) -> bool:
+        """A delivery after the first (`redelivery`): whether to place it; if not, it is
+        settled here."""
+        step = Step.PLACE_UNASKED  # a gateway too old to be asked
+        if request.status_subject:
+            status = await redelivery.ask_gateway(self.nc, request)
+            step = redelivery.next_step(status, num_delivered=msg.metadata.num_delivered,
+                                        output_offset=request.output_offset)
+        self.log.info("request.delivered_again", request_id=request.request_id,
+                      num_delivered=msg.metadata.num_delivered, step=step.value)
+        self.metrics.deliveries_again.labels(step.value).inc()
+        if step in (Step.PLACE, Step.DROP, Step.MOVE):  # what an earlier placement left
+            await self._abort(request.request_id, f"delivered again: {step.value}")
+        if step is Step.MOVE:
+            with contextlib.suppress(nats.errors.Error):
+                await self.nc.publish(request.reply_subject, encode(RequestFailed(
+                    request_id=request.request_id, code=ErrorCode.MOVED,
+                    message="placed again after its conductor was lost")))  # never stale
+        if step is Step.ASK_LATER:
+            await msg.nak(delay=redelivery.ASK_AGAIN_S)
+        elif step not in (Step.PLACE, Step.PLACE_UNASKED):
+            await msg.ack()
+        return step in (Step.PLACE, Step.PLACE_UNASKED)
 
     async def _place(self, request: GenerateRequest,
                      progress: assignment.Progress | None = None) -> Plan:

@@ -71,6 +71,7 @@ class GeneratorContext:
     metrics: GatewayMetrics
     events: EventPublisher
     redeclare_requests: Redeclare | None = None  # the request stream, when it is gone
+    status_subject: str = ""  # where this gateway answers `StreamQuery`
 
 
 class _TokenClock:
@@ -261,6 +262,7 @@ class Generator:
                     error=exc.message, num_streamed=len(generated), attempt=attempt)
                 if not is_moved:
                     ctx.metrics.failovers.inc()
+                stream.attempt = attempt
                 await self._publish(request_id, parsed, generated, attempt=attempt)
                 await ctx.events.request("migrated", request_id, model=parsed.model,
                                          attempt=attempt, num_output_tokens=len(generated),
@@ -332,7 +334,7 @@ class Generator:
             request_id=request_id, model=parsed.model,
             prompt_token_ids=parsed.prompt_token_ids + generated, sampling=sampling,
             reply_subject=ctx.reply_subject, created_at_s=time.time(),
-            output_offset=len(generated),
+            output_offset=len(generated), attempt=attempt, status_subject=ctx.status_subject,
         )
         message_id = request_id if attempt == 0 else f"{request_id}/{attempt}"
         try:

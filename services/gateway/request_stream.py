@@ -25,6 +25,8 @@ from shared.messages import (
     RequestFailed,
     RequestPlaced,
     ResumePoint,
+    StreamQuery,
+    StreamStatus,
     TokenBatch,
     TokenDelta,
 )
@@ -41,6 +43,7 @@ class RequestStream:
         self.resumed_at = 0.0  # the last `StreamResume` asked for it
         self.has_decoded = False  # a token came from the placement's decode worker
         self.lost_workers: set[str] = set()  # failed over from: their late failures are stale
+        self.attempt = 0  # which placement of the request it follows (`GenerateRequest.attempt`)
         self._next_index = 0
         self._early: dict[int, TokenDelta] = {}
         self._queue: asyncio.Queue[TokenDelta | HalfmoonError] = asyncio.Queue()
@@ -70,7 +73,8 @@ class RequestStream:
         """`worker_id` will not serve the request on (it was lost, or it shed the request):
         its reader places it again, and that worker's late failures are stale."""
         self.placement = None  # until the new placement arrives
-        self.lost_workers.add(worker_id)
+        if worker_id:  # "": a conductor's move, not a worker's (`redelivery`)
+            self.lost_workers.add(worker_id)
         self.fail(error)
 
     def is_stale_failure(self, worker_id: str) -> bool:
@@ -175,6 +179,17 @@ class StreamTable:
                 for stream in self._targets(request_id):
                     stream.placement = event
                     stream.has_decoded = False
+
+    def status(self, query: StreamQuery) -> StreamStatus:
+        """What this gateway holds of a request a conductor is about to place again: the
+        streams of its choices that follow the queried attempt, their placement, and the
+        most tokens any of them has had."""
+        streams = self._targets(query.request_id)
+        following = [stream for stream in streams if stream.attempt == query.attempt]
+        return StreamStatus(
+            request_id=query.request_id, is_open=bool(streams), is_current=bool(following),
+            is_placed=any(stream.placement is not None for stream in following),
+            num_streamed=max((stream.next_index for stream in following), default=0))
 
     def has_lost(self, is_alive: Callable[[str], bool],
                  started_at_s: Callable[[str], float]) -> bool:

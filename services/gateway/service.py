@@ -44,7 +44,13 @@ from services.gateway.tool_calls import ToolUse, tool_format
 from shared.config import GatewayConfig
 from shared.errors import ConfigError, RequestAborted, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
-from shared.messages import GatewayEvent, StreamResume, WorkerHeartbeat
+from shared.messages import (
+    GatewayEvent,
+    StreamQuery,
+    StreamResume,
+    StreamStatus,
+    WorkerHeartbeat,
+)
 from shared.metrics import GatewayMetrics
 from shared.nats_client import (
     Redeclare,
@@ -117,6 +123,8 @@ class GatewayService(Service):
         await declare_requests()
         reply_subject = self.subjects.gateway(self.gateway_id)
         await self.serve(reply_subject, GatewayEvent, self._on_event)
+        status_subject = self.subjects.gateway_status(self.gateway_id)
+        await self.serve(status_subject, StreamQuery, self._on_stream_query)
         await self.serve(self.subjects.all_heartbeats, WorkerHeartbeat, self._on_heartbeat)
         for heartbeat in await read_registry(self.nc.jetstream(), self.subjects.workers_bucket):
             self._observe(heartbeat, from_registry=True)
@@ -134,6 +142,7 @@ class GatewayService(Service):
             table=self.table, tokenizer_of=self._tokenizer_of,
             timeout_s=self.config.request_timeout_s, metrics=self.metrics, events=self.events,
             redeclare_requests=Redeclare(declare_requests, "the request stream"),
+            status_subject=status_subject,
         ))
         await self._serve_http()
         self.spawn(self._watch_workers(), "watch-workers")
@@ -195,6 +204,9 @@ class GatewayService(Service):
 
     async def _on_event(self, event: GatewayEvent) -> None:
         self.table.dispatch(event)
+
+    async def _on_stream_query(self, query: StreamQuery) -> StreamStatus:
+        return self.table.status(query)
 
     async def _on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         self._observe(heartbeat)

@@ -37,6 +37,8 @@ from shared.messages import (
     RoleChange,
     SamplingParams,
     SegmentInfo,
+    StreamQuery,
+    StreamStatus,
     TokenBatch,
     TokenDelta,
     TokenLogprob,
@@ -100,6 +102,9 @@ SAMPLES: dict[str, Message] = {
                                     prefill_started_at_s=1699999000.5,
                                     decode_started_at_s=1699999100.75),
     "abort_request": AbortRequest(request_id="cmpl-1", reason="client gone"),
+    "stream_query": StreamQuery(request_id="cmpl-1", attempt=1),
+    "stream_status": StreamStatus(request_id="cmpl-1", is_open=True, is_current=True,
+                                  num_streamed=12),
     "role_change": RoleChange(role="prefill", reason="prefill queue over the TTFT SLO",
                               requested_by="conductor-a"),
     "kv_event_batch": KvEventBatch(worker_id="prefill-a", block_size=16, events=[

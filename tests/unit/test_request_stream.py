@@ -3,8 +3,21 @@ from __future__ import annotations
 import pytest
 
 from services.gateway.request_stream import RequestStream, StreamTable
-from shared.errors import CapacityExhausted, ErrorCode, RequestTimeout, TransferTimeout
-from shared.messages import RequestFailed, RequestPlaced, TokenBatch, TokenDelta
+from shared.errors import (
+    CapacityExhausted,
+    ErrorCode,
+    RequestMoved,
+    RequestTimeout,
+    TransferTimeout,
+)
+from shared.messages import (
+    RequestFailed,
+    RequestPlaced,
+    StreamQuery,
+    StreamStatus,
+    TokenBatch,
+    TokenDelta,
+)
 
 
 def delta(index: int, token: int, finish: str | None = None) -> TokenDelta:
@@ -92,3 +105,40 @@ def test_a_placement_from_an_older_conductor_is_judged_by_heartbeats_alone() -> 
     table.dispatch(RequestPlaced(request_id="r", prefill_worker_id="p", decode_worker_id="d"))
     assert stream.lost_worker(lambda _: True, lambda _: 500.0) is None
     assert stream.lost_worker(lambda worker: worker != "p", lambda _: 500.0) == "p"
+
+
+def test_the_status_a_conductor_asks_for_says_what_the_gateway_holds() -> None:
+    table = StreamTable()
+    assert not table.status(StreamQuery(request_id="r", attempt=0)).is_open
+    stream = table.open("r")
+    assert table.status(StreamQuery(request_id="r", attempt=0)) == StreamStatus(
+        request_id="r", is_open=True, is_current=True)
+    stream.deliver(delta(0, 10))
+    stream.deliver(delta(1, 11))
+    assert table.status(StreamQuery(request_id="r", attempt=0)).num_streamed == 2
+    table.dispatch(RequestPlaced(request_id="r", prefill_worker_id="p", decode_worker_id="d"))
+    assert table.status(StreamQuery(request_id="r", attempt=0)).is_placed
+    stream.attempt = 1  # the gateway placed the rest again itself
+    assert table.status(StreamQuery(request_id="r", attempt=0)) == StreamStatus(
+        request_id="r", is_open=True, is_current=False)
+
+
+def test_a_choice_still_on_the_first_attempt_keeps_it_current() -> None:
+    table = StreamTable()
+    first, second = table.open_group("r", ["r-0", "r-1"])
+    first.attempt = 1  # failed over on its own
+    second.deliver(TokenDelta(request_id="r-1", index=0, token_ids=[5, 6]))
+    assert table.status(StreamQuery(request_id="r", attempt=0)) == StreamStatus(
+        request_id="r", is_open=True, is_current=True, num_streamed=2)
+
+
+async def test_a_conductors_move_is_never_stale() -> None:
+    """A conductor moves a request (`redelivery`) with no worker id: each attempt's move
+    fails the stream over, and none makes a later failure look stale."""
+    table = StreamTable()
+    stream = table.open("r")
+    for _ in range(2):
+        table.dispatch(RequestFailed(request_id="r", code=ErrorCode.MOVED, message="moved"))
+        with pytest.raises(RequestMoved):
+            await stream.next(1.0)
+    assert not stream.is_stale_failure("")

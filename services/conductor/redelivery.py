@@ -1,0 +1,65 @@
+"""A request delivered to a conductor again: placed already, or not?
+
+JetStream delivers a request again when the delivery before was not acked within
+`ack_wait`: its conductor died or was cut off, or the ack was lost on its way, possibly
+after the request's commands had gone out and it was running. Placed again blindly, it
+ran twice: two decode workers streaming one request, each using blocks and steps, their
+tokens mixed at the gateway. (A held request, nak'ed on purpose, is delivered again too.)
+So before placing a delivery after the first, the conductor asks the request's gateway
+(`StreamQuery`), which knows whether a client still waits, which attempt its stream
+follows, whether that placement reached it and how much it has streamed; `next_step`
+decides from the answer (pure, tested without NATS).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from services.conductor import holding
+from shared.errors import WorkerUnavailable
+from shared.logs import get_logger
+from shared.messages import GenerateRequest, StreamQuery, StreamStatus
+from shared.nats_client import NatsClient, query_stream
+
+ASK_AGAIN_S = 1.0  # a silent gateway is asked again this much later
+# A gateway answers from memory at once; a fetcher waits this long at most on one gone quiet.
+ANSWER_WITHIN_S = 0.5
+
+log = get_logger(__name__)
+
+
+class Step(enum.Enum):
+    PLACE = "place"  # not placed: abort what a cut-short placement left, then place it
+    PLACE_UNASKED = "place_unasked"  # the gateway cannot tell (it is too old, or silent)
+    DONE = "done"  # placed already, or the gateway placed it again itself: ack only
+    DROP = "drop"  # no client waits for it: abort it, ack
+    MOVE = "move"  # it streams from a placement the gateway never heard of: abort that,
+    #                and have the gateway place the rest as a continuation
+    ASK_LATER = "ask_later"  # no answer: deliver it again shortly
+
+
+def next_step(status: StreamStatus | None, *, num_delivered: int, output_offset: int) -> Step:
+    """What to do with a delivery after the first, from the gateway's answer (None: no
+    answer; a gateway cut off from us gets until the request's last delivery). A
+    continuation's first `output_offset` tokens came from the attempts before it, and the
+    first token of this one may come from a prefill whose decode side refused (the request
+    was then held, its sides aborted): only tokens past it say a decode worker streams."""
+    if status is None:
+        return Step.ASK_LATER if num_delivered < holding.MAX_DELIVER - 1 else Step.PLACE_UNASKED
+    if not status.is_open:
+        return Step.DROP
+    if not status.is_current or status.is_placed:
+        return Step.DONE
+    if status.num_streamed > output_offset + 1:
+        return Step.MOVE
+    return Step.PLACE
+
+
+async def ask_gateway(nc: NatsClient, request: GenerateRequest) -> StreamStatus | None:
+    """The request's gateway's answer to `StreamQuery`; None when it gives none."""
+    query = StreamQuery(request_id=request.request_id, attempt=request.attempt)
+    try:
+        return await query_stream(nc, request.status_subject, query, ANSWER_WITHIN_S)
+    except WorkerUnavailable as exc:
+        log.info("request.gateway_silent", request_id=request.request_id, error=exc.message)
+        return None

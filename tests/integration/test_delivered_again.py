@@ -1,0 +1,144 @@
+"""A request JetStream delivers to the conductors again after it was placed (its ack, or
+its ack and its `RequestPlaced`, lost on the way: a conductor cut off or killed right after
+sending the commands) runs once: the conductor asks the gateway before placing it again.
+Before, it was placed a second time and two decode workers streamed it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import msgspec
+import nats
+import openai
+import pytest
+from nats.aio.msg import Msg
+
+from engine.fake_engine import fake_completion
+from services.conductor import intake
+from services.gateway.tokenizer import ByteTokenizer
+from shared.messages import GatewayEvent, RequestEvent, RequestPlaced, TokenBatch
+from tests.stack import Stack, eventually
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "halfmoon-tiny"
+PROMPT = "delivered again"
+NUM_TOKENS = 120  # 2.4 s of decoding at 20 ms a token: still running when delivered again
+
+
+@pytest.fixture(autouse=True)
+def short_ack_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(intake, "ACK_WAIT_S", 1.0)
+    monkeypatch.setattr(intake, "IN_PROGRESS_EVERY_S", 0.25)
+
+
+def two_of_each(nats_url: str) -> Stack:
+    return Stack(nats_url, num_prefill=2, num_decode=2, worker={"fake_token_delay_s": 0.02})
+
+
+def lose_the_first_ack(stack: Stack) -> None:
+    """The first delivery's ack never reaches JetStream (before the conductor starts)."""
+    handle, lost = stack.conductor._handle, []
+
+    async def handle_losing_ack(msg: Msg) -> None:
+        if not lost:
+            lost.append(msg)
+
+            async def nothing(*_: Any, **__: Any) -> None:
+                return None
+
+            msg.ack = nothing  # type: ignore[method-assign]
+        await handle(msg)
+
+    stack.conductor._handle = handle_losing_ack  # type: ignore[method-assign]
+
+
+@asynccontextmanager
+async def tap(stack: Stack) -> AsyncIterator[tuple[Counter[str], Counter[str]]]:
+    """Tokens each worker sent the gateway, and the request events by kind."""
+    nc = await nats.connect(stack.nats_url)
+    tokens: Counter[str] = Counter()
+    kinds: Counter[str] = Counter()
+    events = msgspec.json.Decoder(GatewayEvent)
+    lifecycle = msgspec.json.Decoder(RequestEvent)
+
+    async def on_event(msg: Msg) -> None:
+        if isinstance(event := events.decode(msg.data), TokenBatch):
+            tokens[event.worker_id] += sum(len(item.token_ids) for item in event.items)
+
+    async def on_lifecycle(msg: Msg) -> None:
+        kinds[lifecycle.decode(msg.data).kind] += 1
+
+    await nc.subscribe(stack.gateway.subjects.gateway(stack.gateway.gateway_id), cb=on_event)
+    await nc.subscribe(stack.gateway.subjects.all_request_events, cb=on_lifecycle)
+    await nc.flush()
+    try:
+        yield tokens, kinds
+    finally:
+        await nc.close()
+
+
+async def ask(stack: Stack) -> str:
+    async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x", max_retries=0,
+                                  timeout=30) as sdk:
+        response = await sdk.completions.create(model=MODEL, prompt=PROMPT,
+                                                max_tokens=NUM_TOKENS, temperature=0.0)
+    assert response.usage is not None
+    assert response.usage.completion_tokens == NUM_TOKENS
+    return response.choices[0].text
+
+
+def whole_answer() -> str:
+    tokenizer = ByteTokenizer()
+    return tokenizer.decode(fake_completion(tokenizer.encode(PROMPT), None, NUM_TOKENS))
+
+
+def delivered_again(stack: Stack, step: str) -> float | None:
+    return stack.conductor.metrics.registry.get_sample_value(
+        "halfmoon_request_deliveries_again_total", {"step": step})
+
+
+def decoded(tokens: Counter[str]) -> dict[str, int]:
+    return {worker: count for worker, count in tokens.items() if worker.startswith("decode")}
+
+
+async def test_a_placed_request_whose_ack_was_lost_is_not_placed_again(nats_url: str) -> None:
+    stack = two_of_each(nats_url)
+    lose_the_first_ack(stack)
+    async with stack, tap(stack) as (tokens, kinds):
+        assert await ask(stack) == whole_answer()
+        await eventually(lambda: kinds["finished"] == 1)
+        assert delivered_again(stack, "done") == 1
+    # One decode worker streamed it (before: both, the whole answer each; placed twice).
+    assert list(decoded(tokens).values()) == [NUM_TOKENS - 1]  # prefill sent the first
+    assert kinds["placed"] == 1
+    assert kinds["kv_committed"] == 1
+
+
+async def test_a_request_streaming_from_a_placement_never_announced_moves_once(
+        nats_url: str) -> None:
+    """The ack and the `RequestPlaced` both lost: the gateway has tokens from workers it
+    was never told of. The conductor aborts them and the gateway places the rest as a
+    continuation: the whole answer, decoded about once (before: twice)."""
+    stack = two_of_each(nats_url)
+    lose_the_first_ack(stack)
+    on_event, dropped = stack.gateway._on_event, []
+
+    async def lose_the_first_placement(event: GatewayEvent) -> None:
+        if isinstance(event, RequestPlaced) and not dropped:
+            dropped.append(event)
+            return
+        await on_event(event)
+
+    stack.gateway._on_event = lose_the_first_placement  # type: ignore[method-assign]
+    async with stack, tap(stack) as (tokens, kinds):
+        assert await ask(stack) == whole_answer()
+        await eventually(lambda: kinds["finished"] == 1)
+        assert delivered_again(stack, "move") == 1
+    assert kinds["migrated"] == 1
+    assert kinds["placed"] == 2  # the lost one, and the continuation's
+    # The aborted run stopped: a token or two in flight at most came twice.
+    assert sum(decoded(tokens).values()) <= NUM_TOKENS + 2
