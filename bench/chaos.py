@@ -23,8 +23,9 @@ prefill, 2 decode, 2 gateways, no supervisor: a killed process stays dead).
 Columns: requests, completed (200 and exactly the reference text), truncated (200, a prefix
 of it), wrong (200, anything else), errors by HTTP status, missing and duplicated tokens
 (against the reference), KV blocks still used and leases still held once the run is idle
-(leaked), recovery seconds (fault to the first token of a request sent after it), TTFT p99
-against the fault-free run.
+(leaked), requests placed twice (`twice`: more `placed` events than the gateway placed
+them, from a conductor placing a delivery that was placed already), recovery seconds
+(fault to the first token of a request sent after it), TTFT p99 against the fault-free run.
 
     python -m bench.chaos [--scenarios kill-decode,restart-nats] [--requests 48]
 """
@@ -50,7 +51,7 @@ import msgspec
 import nats
 
 from bench.control_path import MODEL
-from shared.messages import KvLeaseEvent, WorkerHeartbeat
+from shared.messages import KvLeaseEvent, RequestEvent, WorkerHeartbeat
 from shared.nats_server import EmbeddedNatsServer, free_ports
 from shared.subjects import Subjects
 
@@ -84,6 +85,7 @@ class Row:
     duplicated_tokens: int = 0
     leaked_blocks: int = 0
     leaked_leases: int = 0
+    placed_twice: int = 0
     recovery_s: float | None = None
     ttft_p99_ms: float = 0.0
 
@@ -142,6 +144,10 @@ class Cluster:
         self.nats_url = ""
         self.heartbeats: dict[str, WorkerHeartbeat] = {}
         self.leases: Counter[tuple[str, str, str]] = Counter()
+        # Per request id: `placed` events, and the gateway's re-placements (`migrated` with
+        # an attempt): a placement beyond the first and those ran the request twice.
+        self.placements: Counter[str] = Counter()
+        self.replacements: Counter[str] = Counter()
         self._nc: nats.aio.client.Client | None = None
 
     @property
@@ -185,6 +191,7 @@ class Cluster:
         subjects = Subjects(self.cluster)
         heartbeat = msgspec.json.Decoder(WorkerHeartbeat)
         lease = msgspec.json.Decoder(KvLeaseEvent)
+        request_event = msgspec.json.Decoder(RequestEvent)
 
         async def on_heartbeat(msg: nats.aio.msg.Msg) -> None:
             beat = heartbeat.decode(msg.data)
@@ -195,8 +202,22 @@ class Cluster:
             key = (event.owner, event.kind, event.request_id)
             self.leases[key] += 1 if event.action == "granted" else -1
 
+        async def on_request_event(msg: nats.aio.msg.Msg) -> None:
+            event = request_event.decode(msg.data)
+            if event.kind == "placed":
+                self.placements[event.request_id] += 1
+            elif event.kind == "migrated" and event.attempt:
+                self.replacements[event.request_id] += 1
+
         await self._nc.subscribe(subjects.all_heartbeats, cb=on_heartbeat)
+        await self._nc.subscribe(subjects.all_request_events, cb=on_request_event)
         await self._nc.subscribe(subjects.all_kv_lease_events, cb=on_lease)
+
+    def placed_twice(self) -> int:
+        """Requests placed more often than the gateway placed them (a conductor placing a
+        delivery that was placed already): each ran twice for a while."""
+        return sum(1 for request_id, count in self.placements.items()
+                   if count > 1 + self.replacements[request_id])
 
     def leaked(self) -> tuple[int, int]:
         """(KV blocks still used by live workers, leases still held) once idle."""
@@ -390,6 +411,7 @@ def score(scenario: str, outcomes: list[Outcome], reference: dict[str, str],
             row.duplicated_tokens += max(0, len(got) - len(expected))
             row.missing_tokens += max(0, len(expected) - len(got))
     row.leaked_blocks, row.leaked_leases = cluster.leaked()
+    row.placed_twice = cluster.placed_twice()
     after = [o.sent_at + o.ttft_s for o in outcomes
              if o.ttft_s is not None and o.sent_at >= fault_at]
     row.recovery_s = min(after) - fault_at if after and scenario != "none" else None
@@ -403,7 +425,7 @@ def print_table(rows: list[Row]) -> None:
     base = rows[0].ttft_p99_ms or 1.0
     print(f"{'scenario':<15} {'req':>4} {'ok':>4} {'own':>4} {'trunc':>5} {'wrong':>5} "
           f"{'errors':<12} "
-          f"{'miss':>5} {'dup':>4} {'blocks':>6} {'leases':>6} {'recov s':>7} "
+          f"{'miss':>5} {'dup':>4} {'blocks':>6} {'leases':>6} {'twice':>5} {'recov s':>7} "
           f"{'TTFT p99':>9} {'x ref':>6}")
     for r in rows:
         errors = ",".join(f"{k}:{v}" for k, v in sorted(r.errors.items())) or "-"
@@ -411,7 +433,7 @@ def print_table(rows: list[Row]) -> None:
         print(f"{r.scenario:<15} {r.requests:>4} {r.completed:>4} {r.own_affected:>4} "
               f"{r.truncated:>5} "
               f"{r.wrong:>5} {errors:<12} {r.missing_tokens:>5} {r.duplicated_tokens:>4} "
-              f"{r.leaked_blocks:>6} {r.leaked_leases:>6} {recovery:>7} "
+              f"{r.leaked_blocks:>6} {r.leaked_leases:>6} {r.placed_twice:>5} {recovery:>7} "
               f"{r.ttft_p99_ms:>7.1f}ms {r.ttft_p99_ms / base:>5.2f}x")
 
 
