@@ -42,7 +42,14 @@ class Channel:
     summary: str
     delivery: Literal["core", "jetstream", "request"]
     is_public: bool = False
-    reply: type[Message] | None = None
+    reply: type[Message] | tuple[type[Message], ...] | None = None
+
+    @property
+    def replies(self) -> tuple[type[Message], ...]:
+        """The answers to a request: one per message sent, in the same order."""
+        if self.reply is None:
+            return ()
+        return self.reply if isinstance(self.reply, tuple) else (self.reply,)
 
 
 def channels() -> list[Channel]:
@@ -68,10 +75,12 @@ def channels() -> list[Channel]:
         Channel("gateway", s.gateway(gateway),
                 (m.TokenBatch, m.RequestFailed, m.RequestPlaced),
                 "Tokens, failures and placements for one gateway's requests.", "core"),
-        Channel("gatewayStatus", s.gateway_status(gateway), (m.StreamQuery,),
-                "Conductor to a request's gateway, before placing a request delivered "
-                "again: is it placed, streaming, still wanted?", "request",
-                reply=m.StreamStatus),
+        Channel("gatewayStatus", s.gateway_status(gateway),
+                (m.StreamQuery, m.OpenStreamsQuery),
+                "To a request's gateway: from a conductor before placing a request "
+                "delivered again (is it placed, streaming, still wanted?); from a decode "
+                "worker every few seconds (which of these does a client still wait for?).",
+                "request", reply=(m.StreamStatus, m.OpenStreams)),
         Channel("abort", s.abort, (m.AbortRequest,),
                 "Stop a request and free its blocks (every worker listens).", "core"),
         Channel("prefillTask", s.prefill_task(worker), (m.PrefillTask,),
@@ -138,8 +147,8 @@ def asyncapi() -> dict[str, Any]:
         },
         "defaultContentType": "application/json",
         "channels": {**{channel.key: _channel(channel) for channel in channels()},
-                     **{f"{channel.key}Reply": _reply_channel(channel.reply)
-                        for channel in channels() if channel.reply is not None}},
+                     **{f"{channel.key}Reply": _reply_channel(channel.replies)
+                        for channel in channels() if channel.replies}},
         "operations": {f"send{channel.key[0].upper()}{channel.key[1:]}": _operation(channel)
                        for channel in channels()},
         "components": {
@@ -179,17 +188,18 @@ def _operation(channel: Channel) -> dict[str, Any]:
         "messages": [{"$ref": f"#/channels/{channel.key}/messages/{cls.__name__}"}
                      for cls in channel.messages],
     }
-    if channel.reply is not None:
+    if channel.replies:
         reply = f"#/channels/{channel.key}Reply"
         operation["reply"] = {"channel": {"$ref": reply}, "messages": [
-            {"$ref": f"{reply}/messages/{channel.reply.__name__}"}]}
+            {"$ref": f"{reply}/messages/{cls.__name__}"} for cls in channel.replies]}
     return operation
 
 
-def _reply_channel(reply: type[Message]) -> dict[str, Any]:
+def _reply_channel(replies: tuple[type[Message], ...]) -> dict[str, Any]:
     """The answer to a request: on the requester's NATS inbox, whose address is dynamic."""
     return {"address": None, "description": "The requester's reply inbox.",
-            "messages": {reply.__name__: {"$ref": f"#/components/messages/{reply.__name__}"}}}
+            "messages": {cls.__name__: {"$ref": f"#/components/messages/{cls.__name__}"}
+                         for cls in replies}}
 
 
 def _message(cls: type[Message]) -> dict[str, Any]:

@@ -503,6 +503,32 @@ class StreamStatus(Message, frozen=True, kw_only=True):
     num_streamed: int = 0
 
 
+class StreamAttempt(msgspec.Struct, frozen=True, kw_only=True):
+    """One attempt at a request (`GenerateRequest.attempt`), by request id (choice id for
+    one choice of an n > 1 request)."""
+
+    request_id: str
+    attempt: int = 0
+
+
+class OpenStreamsQuery(Message, frozen=True, kw_only=True):
+    """Request from a decode worker to a gateway (`GenerateRequest.status_subject`), every
+    few seconds, about the requests it decodes for that gateway: which does a client still
+    wait for? Decoding goes on for no one when a request's abort (core NATS, at most once)
+    was lost, when the gateway placed the rest elsewhere after losing sight of this worker,
+    or when the gateway is gone (no one answers on its subject). Answered with
+    `OpenStreams`."""
+
+    streams: list[StreamAttempt]
+
+
+class OpenStreams(Message, frozen=True, kw_only=True):
+    """The gateway's answer to `OpenStreamsQuery`: the request ids, of those asked, whose
+    attempt a client's stream still follows."""
+
+    request_ids: list[str]
+
+
 KvLeaseKind = Literal["decode_reservation", "prefix_fetch", "prefill_hold"]
 
 

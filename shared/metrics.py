@@ -128,6 +128,10 @@ class WorkerMetrics(ServiceMetrics):
         self.kv_lease_expirations = Counter("halfmoon_kv_lease_expirations", "KV leases that "
                                             "expired (their party went silent), by kind",
                                             ["kind"], registry=r)
+        self.orphaned_streams = Counter("halfmoon_orphaned_streams", "requests a decode "
+                                        "worker stopped because no client waited for them "
+                                        "any more (an abort lost, the gateway gone, the rest "
+                                        "placed elsewhere)", registry=r)
         self.kv_transfer_bytes = Counter("halfmoon_kv_transfer_bytes", "KV bytes moved, by "
                                          "transport", ["transport"], registry=r)
         self.kv_transfer_seconds = Histogram("halfmoon_kv_transfer_seconds",

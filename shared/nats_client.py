@@ -27,6 +27,8 @@ from shared.logs import get_logger
 from shared.messages import (
     DispatchReply,
     Message,
+    OpenStreams,
+    OpenStreamsQuery,
     PrefixFetch,
     PrefixFetched,
     StreamQuery,
@@ -44,6 +46,7 @@ _reply_decoder = msgspec.json.Decoder(DispatchReply)
 _heartbeat_decoder = msgspec.json.Decoder(WorkerHeartbeat)
 _fetch_decoder = msgspec.json.Decoder(PrefixFetched | DispatchReply)
 _status_decoder = msgspec.json.Decoder(StreamStatus | DispatchReply)
+_open_streams_decoder = msgspec.json.Decoder(OpenStreams | DispatchReply)
 
 
 def encode(message: Message) -> bytes:
@@ -561,6 +564,23 @@ async def query_stream(nc: NatsClient, subject: str, query: StreamQuery, timeout
     if isinstance(reply, DispatchReply):
         raise WorkerUnavailable(f"{reply.worker_id} refused the stream query: {reply.reason}")
     return reply
+
+
+async def ask_open_streams(nc: NatsClient, subject: str, query: OpenStreamsQuery,
+                           timeout_s: float) -> OpenStreams | None:
+    """Ask a gateway which of these requests a client still waits for; None when no one
+    listens on `subject` (the gateway is gone). Raises `WorkerUnavailable` when no answer
+    comes in time, or on a refusal."""
+    try:
+        reply = await nc.request(subject, encode(query), timeout=timeout_s)
+    except nats.errors.NoRespondersError:
+        return None
+    except nats.errors.TimeoutError as exc:
+        raise WorkerUnavailable(f"no answer on {subject} within {timeout_s}s") from exc
+    answer = _open_streams_decoder.decode(reply.data)
+    if isinstance(answer, DispatchReply):
+        raise WorkerUnavailable(f"{answer.worker_id} refused the query: {answer.reason}")
+    return answer
 
 
 async def _request(nc: NatsClient, subject: str, message: Message, timeout_s: float,

@@ -17,6 +17,8 @@ A request's life here:
   5. `ShedLoad` (from the planner, when this worker runs more than its share while others
      have room): the running requests with the most tokens still owed leave here; each
      one's gateway hears `moved` after every token sent, and places the rest anew.
+  6. Every few seconds, the gateways are asked which running requests a client still
+     waits for (`orphans`); the others are aborted.
 A reservation is a KV lease (`kv_leases`) held for the prefill worker, which renews it every
 heartbeat while the request is queued or computing there; one not renewed for
 `kv_wait_timeout_s` expires, its blocks are freed and the request fails. An abort frees the
@@ -36,6 +38,8 @@ import msgspec
 from opentelemetry.trace import Span, StatusCode
 
 from engine.protocol import DecodeRequest, PrefillRequest, TokenOutput
+from services.decode import orphans
+from services.decode.orphans import OrphanFinder
 from services.decode.sent_tokens import SentTokens
 from services.duty import Duty, Handler
 from services.kv_leases import Lease
@@ -159,6 +163,7 @@ class DecodeDuty(Duty):
     async def start(self) -> None:
         await super().start()
         self.run_loop(self._step_loop(), "steps")
+        self.run_loop(self._let_orphans_go(), "orphans")
 
     @property
     def num_open_requests(self) -> int:
@@ -408,6 +413,17 @@ class DecodeDuty(Duty):
         self._active.pop(request_id, None)
         self._spans.end(request_id, error="aborted")
         self.engine.abort(request_id)
+
+    async def _let_orphans_go(self) -> None:
+        """Every `orphans.CHECK_EVERY_S`: abort what this worker decodes for no one."""
+        finder = OrphanFinder(self.nc)
+        while True:
+            await asyncio.sleep(orphans.CHECK_EVERY_S)
+            for request_id in await finder.find(list(self._active.values())):
+                if request_id in self._active:  # not finished meanwhile
+                    self.log.warning("request.orphaned", request_id=request_id)
+                    self.metrics.orphaned_streams.inc()
+                    self.abort(request_id)
 
     def on_tick(self) -> None:
         self._sent.expire()

@@ -22,6 +22,8 @@ from shared.errors import (
 from shared.logs import get_logger
 from shared.messages import (
     GatewayEvent,
+    OpenStreams,
+    OpenStreamsQuery,
     RequestFailed,
     RequestPlaced,
     ResumePoint,
@@ -190,6 +192,13 @@ class StreamTable:
             request_id=query.request_id, is_open=bool(streams), is_current=bool(following),
             is_placed=any(stream.placement is not None for stream in following),
             num_streamed=max((stream.next_index for stream in following), default=0))
+
+    def open_streams(self, query: OpenStreamsQuery) -> OpenStreams:
+        """Which of a decode worker's requests a client here still waits for, on the
+        attempt the worker decodes."""
+        return OpenStreams(request_ids=[
+            asked.request_id for asked in query.streams
+            if any(stream.attempt == asked.attempt for stream in self._targets(asked.request_id))])
 
     def has_lost(self, is_alive: Callable[[str], bool],
                  started_at_s: Callable[[str], float]) -> bool:

@@ -46,6 +46,8 @@ from shared.errors import ConfigError, RequestAborted, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
 from shared.messages import (
     GatewayEvent,
+    OpenStreams,
+    OpenStreamsQuery,
     StreamQuery,
     StreamResume,
     StreamStatus,
@@ -124,7 +126,7 @@ class GatewayService(Service):
         reply_subject = self.subjects.gateway(self.gateway_id)
         await self.serve(reply_subject, GatewayEvent, self._on_event)
         status_subject = self.subjects.gateway_status(self.gateway_id)
-        await self.serve(status_subject, StreamQuery, self._on_stream_query)
+        await self.serve(status_subject, StreamQuery | OpenStreamsQuery, self._on_status_query)
         await self.serve(self.subjects.all_heartbeats, WorkerHeartbeat, self._on_heartbeat)
         for heartbeat in await read_registry(self.nc.jetstream(), self.subjects.workers_bucket):
             self._observe(heartbeat, from_registry=True)
@@ -205,7 +207,10 @@ class GatewayService(Service):
     async def _on_event(self, event: GatewayEvent) -> None:
         self.table.dispatch(event)
 
-    async def _on_stream_query(self, query: StreamQuery) -> StreamStatus:
+    async def _on_status_query(self, query: StreamQuery | OpenStreamsQuery
+                               ) -> StreamStatus | OpenStreams:
+        if isinstance(query, OpenStreamsQuery):
+            return self.table.open_streams(query)
         return self.table.status(query)
 
     async def _on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:

@@ -11,8 +11,11 @@ from shared.errors import (
     TransferTimeout,
 )
 from shared.messages import (
+    OpenStreams,
+    OpenStreamsQuery,
     RequestFailed,
     RequestPlaced,
+    StreamAttempt,
     StreamQuery,
     StreamStatus,
     TokenBatch,
@@ -142,3 +145,14 @@ async def test_a_conductors_move_is_never_stale() -> None:
         with pytest.raises(RequestMoved):
             await stream.next(1.0)
     assert not stream.is_stale_failure("")
+
+
+def test_open_streams_are_those_a_client_waits_for_on_the_asked_attempt() -> None:
+    table = StreamTable()
+    table.open("a")
+    table.open("b").attempt = 1  # placed again elsewhere: attempt 0 decodes for no one
+    table.open_group("c", ["c-0", "c-1"])
+    query = OpenStreamsQuery(streams=[
+        StreamAttempt(request_id=request_id, attempt=0)
+        for request_id in ("a", "b", "c-1", "c", "gone")])
+    assert table.open_streams(query) == OpenStreams(request_ids=["a", "c-1", "c"])
