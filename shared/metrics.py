@@ -75,8 +75,8 @@ class ConductorMetrics(ServiceMetrics):
                                   ["reason"], registry=r)
         self.deliveries_again = Counter("halfmoon_request_deliveries_again", "requests "
                                         "delivered to a conductor again, by what it did "
-                                        "(place | place_unasked | done | drop | move | "
-                                        "ask_later)", ["step"], registry=r)
+                                        "(held_here | place | place_unasked | done | drop "
+                                        "| move | ask_later)", ["step"], registry=r)
         self.placement_seconds = Histogram("halfmoon_placement_seconds",
                                            "request taken to both workers accepted",
                                            buckets=LATENCY_BUCKETS, registry=r)

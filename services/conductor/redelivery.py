@@ -38,6 +38,26 @@ class Step(enum.Enum):
     ASK_LATER = "ask_later"  # no answer: deliver it again shortly
 
 
+class HeldHere:
+    """Requests this conductor held (nak'ed with a delay) after aborting every side it had
+    placed: a delivery of one of them that comes back here needs no question (with one
+    conductor, every held request's does). Bounded: the oldest are forgotten first."""
+
+    def __init__(self, max_entries: int = 100_000) -> None:
+        self._max_entries = max_entries
+        self._ids: dict[str, None] = {}  # insertion-ordered
+
+    def note(self, request_id: str) -> None:
+        self._ids.pop(request_id, None)
+        self._ids[request_id] = None
+        if len(self._ids) > self._max_entries:
+            del self._ids[next(iter(self._ids))]
+
+    def take(self, request_id: str) -> bool:
+        """Whether this conductor held the request (and forget it)."""
+        return self._ids.pop(request_id, 0) is None
+
+
 def next_step(status: StreamStatus | None, *, num_delivered: int, output_offset: int) -> Step:
     """What to do with a delivery after the first, from the gateway's answer (None: no
     answer; a gateway cut off from us gets until the request's last delivery). A

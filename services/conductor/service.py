@@ -86,6 +86,7 @@ class ConductorService(Service):
         self._rules = assignment.Rules.from_config(config)
         self.rejections: Counter[str] = Counter()  # by reason (also in the metrics)
         self._pending: dict[str, PendingWork] = {}
+        self._held = redelivery.HeldHere()
         self.intake: RequestIntake | None = None
         self.prefix_follower: PrefixIndexFollower | None = None
         self.planning: PlanningLoop | None = None  # --planner slo
@@ -166,6 +167,7 @@ class ConductorService(Service):
                                             num_delivered=msg.metadata.num_delivered)
             if delay_s is not None:
                 self.log.info("request.held", reason=exc.message)
+                self._held.note(request.request_id)
                 await msg.nak(delay=delay_s)  # JetStream delivers it again then
                 return
             await self._reject(request, exc)
@@ -178,6 +180,9 @@ class ConductorService(Service):
     async def _may_place_again(self, request: GenerateRequest, msg: Msg) -> bool:
         """A delivery after the first (`redelivery`): whether to place it; if not, it is
         settled here."""
+        if self._held.take(request.request_id):  # after aborting its sides: none runs
+            self.metrics.deliveries_again.labels("held_here").inc()
+            return True
         step = Step.PLACE_UNASKED  # a gateway too old to be asked
         if request.status_subject:
             status = await redelivery.ask_gateway(self.nc, request)

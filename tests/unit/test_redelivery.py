@@ -4,7 +4,7 @@ the gateway, then acks, naks, aborts or places)."""
 from __future__ import annotations
 
 from services.conductor import holding
-from services.conductor.redelivery import Step, next_step
+from services.conductor.redelivery import HeldHere, Step, next_step
 from shared.messages import StreamStatus
 
 
@@ -57,3 +57,13 @@ def test_a_silent_gateway_is_asked_again_until_the_last_delivery() -> None:
     assert step(None) is Step.ASK_LATER
     assert step(None, num_delivered=holding.MAX_DELIVER - 2) is Step.ASK_LATER
     assert step(None, num_delivered=holding.MAX_DELIVER - 1) is Step.PLACE_UNASKED
+
+
+def test_a_request_held_here_is_known_once_and_the_oldest_forgotten_first() -> None:
+    held = HeldHere(max_entries=2)
+    for request_id in ("a", "b", "c"):
+        held.note(request_id)
+    assert not held.take("a")  # forgotten: past the bound
+    assert held.take("b")
+    assert not held.take("b")  # taken
+    assert held.take("c")
