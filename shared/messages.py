@@ -167,7 +167,7 @@ class GenerateRequest(Message, frozen=True, kw_only=True):
     # `output_offset` tokens already streamed, and output indexes count on from there.
     output_offset: int = 0
     # How many times the gateway placed the request again (0: the first placement), and
-    # where it answers `StreamQuery` about it ("": a gateway too old to answer).
+    # where it answers `StreamQuery` and `OpenStreamsQuery` ("": too old to answer).
     attempt: int = 0
     status_subject: str = ""
 

@@ -556,8 +556,8 @@ async def fetch_prefix(nc: NatsClient, subject: str, message: PrefixFetch, timeo
     return reply
 
 
-async def query_stream(nc: NatsClient, subject: str, query: StreamQuery, timeout_s: float
-                       ) -> StreamStatus:
+async def ask_stream_status(nc: NatsClient, subject: str, query: StreamQuery,
+                            timeout_s: float) -> StreamStatus:
     """Ask a request's gateway what it holds of the request (`StreamQuery`). Raises
     `WorkerUnavailable` when nobody listens, nobody answers in time, or it refused."""
     reply = _status_decoder.decode(await _request(nc, subject, query, timeout_s, {}))

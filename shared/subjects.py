@@ -52,7 +52,7 @@ class Subjects:
         return f"{self._root}.gateway.{check_token(gateway_id, 'gateway id')}"
 
     def gateway_status(self, gateway_id: str) -> str:
-        """Where the gateway answers `StreamQuery` (a request/reply subject)."""
+        """Where the gateway answers `StreamQuery` and `OpenStreamsQuery` (request/reply)."""
         return f"{self.gateway(gateway_id)}.status"
 
     def heartbeat(self, role: str, worker_id: str) -> str:

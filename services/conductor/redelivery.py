@@ -19,7 +19,7 @@ from services.conductor import holding
 from shared.errors import WorkerUnavailable
 from shared.logs import get_logger
 from shared.messages import GenerateRequest, StreamQuery, StreamStatus
-from shared.nats_client import NatsClient, query_stream
+from shared.nats_client import NatsClient, ask_stream_status
 
 ASK_AGAIN_S = 1.0  # a silent gateway is asked again this much later
 # A gateway answers from memory at once; a fetcher waits this long at most on one gone quiet.
@@ -79,7 +79,7 @@ async def ask_gateway(nc: NatsClient, request: GenerateRequest) -> StreamStatus 
     """The request's gateway's answer to `StreamQuery`; None when it gives none."""
     query = StreamQuery(request_id=request.request_id, attempt=request.attempt)
     try:
-        return await query_stream(nc, request.status_subject, query, ANSWER_WITHIN_S)
+        return await ask_stream_status(nc, request.status_subject, query, ANSWER_WITHIN_S)
     except WorkerUnavailable as exc:
         log.info("request.gateway_silent", request_id=request.request_id, error=exc.message)
         return None

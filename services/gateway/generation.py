@@ -71,7 +71,7 @@ class GeneratorContext:
     metrics: GatewayMetrics
     events: EventPublisher
     redeclare_requests: Redeclare | None = None  # the request stream, when it is gone
-    status_subject: str = ""  # where this gateway answers `StreamQuery`
+    status_subject: str = ""  # where this gateway answers `StreamQuery`, `OpenStreamsQuery`
 
 
 class _TokenClock:
