@@ -215,6 +215,14 @@ class PrefillDuty(Duty):
         ))
         self._observe_prefill(request, result, started, layers)
         self.worker.publish_kv_events_soon()
+        sampling = request.sampling
+        if sampling.temperature > 0 and sampling.seed is None \
+                and not self._target_future(request.request_id).done():
+            # A draw no other run repeats goes out once decode has accepted (its target is
+            # on its way long before a real prefill ends): a request whose decode side
+            # refused is held and placed again, and this run's first token would reach the
+            # client while the next run samples its own. Greedy and seeded ones do not wait.
+            await self._wait_for_target(request.request_id)
         await self._send_first_token(request, result)
         if all(first.finish_reason is not None for first in _first_tokens(result)):
             # Done already: free decode's reservation. Leave the in-flight table first so

@@ -5,6 +5,7 @@ Before, it was placed a second time and two decode workers streamed it."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -57,17 +58,21 @@ def lose_the_first_ack(stack: Stack) -> None:
 
 
 @asynccontextmanager
-async def tap(stack: Stack) -> AsyncIterator[tuple[Counter[str], Counter[str]]]:
-    """Tokens each worker sent the gateway, and the request events by kind."""
+async def tap(stack: Stack) -> AsyncIterator[tuple[Counter[str], Counter[str], Counter[str]]]:
+    """Tokens each worker sent the gateway, the request events by kind, and the first
+    tokens prefill workers sent for each request."""
     nc = await nats.connect(stack.nats_url)
     tokens: Counter[str] = Counter()
     kinds: Counter[str] = Counter()
+    firsts: Counter[str] = Counter()
     events = msgspec.json.Decoder(GatewayEvent)
     lifecycle = msgspec.json.Decoder(RequestEvent)
 
     async def on_event(msg: Msg) -> None:
         if isinstance(event := events.decode(msg.data), TokenBatch):
             tokens[event.worker_id] += sum(len(item.token_ids) for item in event.items)
+            if event.worker_id.startswith("prefill"):
+                firsts.update(item.request_id for item in event.items)
 
     async def on_lifecycle(msg: Msg) -> None:
         kinds[lifecycle.decode(msg.data).kind] += 1
@@ -76,7 +81,7 @@ async def tap(stack: Stack) -> AsyncIterator[tuple[Counter[str], Counter[str]]]:
     await nc.subscribe(stack.gateway.subjects.all_request_events, cb=on_lifecycle)
     await nc.flush()
     try:
-        yield tokens, kinds
+        yield tokens, kinds, firsts
     finally:
         await nc.close()
 
@@ -108,7 +113,7 @@ def decoded(tokens: Counter[str]) -> dict[str, int]:
 async def test_a_placed_request_whose_ack_was_lost_is_not_placed_again(nats_url: str) -> None:
     stack = two_of_each(nats_url)
     lose_the_first_ack(stack)
-    async with stack, tap(stack) as (tokens, kinds):
+    async with stack, tap(stack) as (tokens, kinds, _):
         assert await ask(stack) == whole_answer()
         await eventually(lambda: kinds["finished"] == 1)
         assert delivered_again(stack, "done") == 1
@@ -134,7 +139,7 @@ async def test_a_request_streaming_from_a_placement_never_announced_moves_once(
         await on_event(event)
 
     stack.gateway._on_event = lose_the_first_placement  # type: ignore[method-assign]
-    async with stack, tap(stack) as (tokens, kinds):
+    async with stack, tap(stack) as (tokens, kinds, _):
         assert await ask(stack) == whole_answer()
         await eventually(lambda: kinds["finished"] == 1)
         assert delivered_again(stack, "move") == 1
@@ -142,3 +147,22 @@ async def test_a_request_streaming_from_a_placement_never_announced_moves_once(
     assert kinds["placed"] == 2  # the lost one, and the continuation's
     # The aborted run stopped: a token or two in flight at most came twice.
     assert sum(decoded(tokens).values()) <= NUM_TOKENS + 2
+
+
+async def test_a_held_request_has_its_first_token_from_one_prefill_run(nats_url: str) -> None:
+    """Decode refuses for want of KV blocks while prefill computes: the conductor aborts
+    both sides and holds the request. Prefill sends an unseeded sampled first token only
+    once decode has accepted, so the client's comes from the run that is placed for good
+    (before, the refused run's reached the gateway too, which kept it: the client got its
+    first token from one run and the rest from another)."""
+    stack = Stack(nats_url, worker={"fake_token_delay_s": 0.02},
+                  decode_options={"num_blocks": 12},  # room for one request at a time
+                  conductor_options={"kv_short_hold_s": 6.0, "no_worker_hold_s": 0.0})
+    body = {"model": MODEL, "prompt": "x" * 85, "max_tokens": 20, "temperature": 0.8}
+    async with stack, tap(stack) as (_, kinds, firsts):
+        replies = await asyncio.gather(*(stack.post("/v1/completions", body)
+                                         for _ in range(3)))
+        assert [status for status, _ in replies] == [200] * 3, replies
+        await eventually(lambda: kinds["finished"] == 3)
+        assert delivered_again(stack, "held_here")  # some were held
+    assert sorted(firsts.values()) == [1, 1, 1]
