@@ -19,6 +19,7 @@ from services.worker import DecodeService, PrefillService, WorkerService
 from shared.config import PlannerSettings
 from shared.messages import DispatchReply, RoleChange
 from shared.nats_client import dispatch
+from shared.service import ServiceState
 from tests.engine.hf_models import greedy_reference, hf_model
 from tests.stack import Stack, eventually
 
@@ -127,9 +128,11 @@ async def test_a_worker_back_from_another_model_gets_the_kv_in_its_new_pool(
         for model in ("beta", "alpha"):
             switching = runner.service
             assert (await change_model(stack, switching, model)).is_accepted  # type: ignore[arg-type]
+            # Heard as serving the model, and done starting: it heartbeats from early in its
+            # start, and refuses a change until started.
             await eventually(lambda model=model: first.worker_id in {  # type: ignore[misc]
-                w.worker_id for w in stack.conductor.workers.healthy("decode", model=model)},
-                timeout_s=30)
+                w.worker_id for w in stack.conductor.workers.healthy("decode", model=model)}
+                and runner.service.state is ServiceState.RUNNING, timeout_s=30)
         await stack.decodes[0].stop()  # the other alpha decode worker: all go to this one
         after = await asyncio.gather(*(greedy(sdk, "alpha", p) for p in prompts))
     assert before == [expected(models_dir / "alpha", p) for p in prompts]
