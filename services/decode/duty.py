@@ -419,8 +419,9 @@ class DecodeDuty(Duty):
         finder = OrphanFinder(self.nc)
         while True:
             await asyncio.sleep(orphans.CHECK_EVERY_S)
-            for request_id in await finder.find(list(self._active.values())):
-                if request_id in self._active:  # not finished meanwhile
+            asked = dict(self._active)
+            for request_id in await finder.find(asked.values()):
+                if self._active.get(request_id) is asked[request_id]:  # not ended meanwhile
                     self.log.warning("request.orphaned", request_id=request_id)
                     self.metrics.orphaned_streams.inc()
                     self.abort(request_id)
