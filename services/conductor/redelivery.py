@@ -55,7 +55,10 @@ class HeldHere:
 
     def take(self, request_id: str) -> bool:
         """Whether this conductor held the request (and forget it)."""
-        return self._ids.pop(request_id, 0) is None
+        if request_id not in self._ids:
+            return False
+        del self._ids[request_id]
+        return True
 
 
 def next_step(status: StreamStatus | None, *, num_delivered: int, output_offset: int) -> Step:

@@ -8,8 +8,9 @@ module sends and receives. When one side refuses or is gone, only that side is p
 (up to `max_placement_attempts`), the accepted side is kept; when placement is impossible
 the gateway gets `RequestFailed` (429 for capacity, 503 for no workers) and any accepted
 side is aborted; a request for a model no worker of a role serves is held while one loads it
-(`model_loader`). The global prefix index follows the workers' KV events
-(`prefix_follower`).
+(`model_loader`). A request JetStream delivers again may have been placed already: its
+gateway is asked first (`redelivery`). The global prefix index follows the workers' KV
+events (`prefix_follower`).
 """
 
 from __future__ import annotations
