@@ -134,6 +134,11 @@ class ModelLoading(NoHealthyWorker):
         self.load_s = load_s
 
 
+class NobodyListens(WorkerUnavailable):
+    """No one subscribes to the subject a request went to (NATS answered "no responders"):
+    the service behind it is gone, not slow."""
+
+
 class WorkerLost(WorkerUnavailable):
     """A worker serving the request stopped heartbeating; the gateway places it again."""
 

@@ -22,7 +22,7 @@ from nats.js.object_store import ObjectStore
 
 from shared import tracing
 from shared.config import NatsAuth
-from shared.errors import ConfigError, TransferFailed, WorkerUnavailable
+from shared.errors import ConfigError, NobodyListens, TransferFailed, WorkerUnavailable
 from shared.logs import get_logger
 from shared.messages import (
     DispatchReply,
@@ -572,12 +572,9 @@ async def ask_open_streams(nc: NatsClient, subject: str, query: OpenStreamsQuery
     listens on `subject` (the gateway is gone). Raises `WorkerUnavailable` when no answer
     comes in time, or on a refusal."""
     try:
-        reply = await nc.request(subject, encode(query), timeout=timeout_s)
-    except nats.errors.NoRespondersError:
+        answer = _open_streams_decoder.decode(await _request(nc, subject, query, timeout_s, {}))
+    except NobodyListens:
         return None
-    except nats.errors.TimeoutError as exc:
-        raise WorkerUnavailable(f"no answer on {subject} within {timeout_s}s") from exc
-    answer = _open_streams_decoder.decode(reply.data)
     if isinstance(answer, DispatchReply):
         raise WorkerUnavailable(f"{answer.worker_id} refused the query: {answer.reason}")
     return answer
@@ -590,7 +587,7 @@ async def _request(nc: NatsClient, subject: str, message: Message, timeout_s: fl
                                  headers=tracing.inject() if trace_headers is None
                                  else trace_headers or None)
     except nats.errors.NoRespondersError as exc:
-        raise WorkerUnavailable(f"no worker listens on {subject}") from exc
+        raise NobodyListens(f"no worker listens on {subject}") from exc
     except nats.errors.TimeoutError as exc:
         raise WorkerUnavailable(f"no answer on {subject} within {timeout_s}s") from exc
     return reply.data

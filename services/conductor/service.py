@@ -194,11 +194,10 @@ class ConductorService(Service):
         self.metrics.deliveries_again.labels(step.value).inc()
         if step in (Step.PLACE, Step.DROP, Step.MOVE):  # what an earlier placement left
             await self._abort(request.request_id, f"delivered again: {step.value}")
-        if step is Step.MOVE:
-            with contextlib.suppress(nats.errors.Error):
-                await self.nc.publish(request.reply_subject, encode(RequestFailed(
-                    request_id=request.request_id, code=ErrorCode.MOVED,
-                    message="placed again after its conductor was lost")))  # never stale
+        if step is Step.MOVE:  # naming no worker: never stale
+            await self._tell_gateway(request, RequestFailed(
+                request_id=request.request_id, code=ErrorCode.MOVED,
+                message="placed again after its conductor was lost"))
         if step is Step.ASK_LATER:
             await msg.nak(delay=redelivery.ASK_AGAIN_S)
         elif step not in (Step.PLACE, Step.PLACE_UNASKED):
@@ -326,9 +325,11 @@ class ConductorService(Service):
         if isinstance(error, SloViolation) and self.planning is not None:
             self.planning.slo_rejections.note(request.model, error.role, time.monotonic())
         self.metrics.rejections.labels(reason).inc()
-        failure = RequestFailed(request_id=request.request_id, code=error.code,
-                                message=error.message, worker_id=self.instance_id,
-                                retry_after_s=error.retry_after_s, param=error.param)
+        await self._tell_gateway(request, RequestFailed(
+            request_id=request.request_id, code=error.code, message=error.message,
+            worker_id=self.instance_id, retry_after_s=error.retry_after_s, param=error.param))
+
+    async def _tell_gateway(self, request: GenerateRequest, failure: RequestFailed) -> None:
         with contextlib.suppress(nats.errors.Error):
             await self.nc.publish(request.reply_subject, encode(failure))
 
