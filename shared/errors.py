@@ -140,7 +140,13 @@ class NobodyListens(WorkerUnavailable):
 
 
 class WorkerLost(WorkerUnavailable):
-    """A worker serving the request stopped heartbeating; the gateway places it again."""
+    """A worker serving the request stopped heartbeating; the gateway places it again.
+    `worker_id` names it ("" for a conductor's move, which names none)."""
+
+    def __init__(self, message: str, *, worker_id: str = "",
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.worker_id = worker_id
 
 
 class RequestMoved(WorkerLost):

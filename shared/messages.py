@@ -618,8 +618,11 @@ class RequestEvent(Message, frozen=True, kw_only=True):
                                  or "abort" when the client left first), ttft_s, e2e_s,
                                  itl_mean_s, itl_max_s
         failed        gateway    error_code, error, e2e_s
-        migrated      gateway    attempt, num_output_tokens so far, the lost worker's id
-                                 (a continuation is queued after a worker was lost)
+        migrated      gateway    attempt, num_output_tokens so far, lost_worker_id (a
+                                 continuation is queued after a worker was lost; this
+                                 event goes first, its `placed` after)
+                      conductor  lost_worker_id, prefill and the new decode_worker_id (a
+                                 decode worker refused the KV: it went to another)
 
     `source` is the publisher's instance id; `at_s` its wall clock (Unix seconds). Times
     are the gateway's view (what the client sees) unless the kind says otherwise."""

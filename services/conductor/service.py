@@ -147,7 +147,8 @@ class ConductorService(Service):
             with tracing.span(__name__, "conductor.schedule",
                               parent=tracing.extract(msg.headers), attributes={
                                   "halfmoon.request_id": request.request_id,
-                                  "halfmoon.policy": self.config.policy}), \
+                                  "halfmoon.policy": self.config.policy,
+                                  **_continuation(request, msg)}), \
                     structlog.contextvars.bound_contextvars(request_id=request.request_id):
                 chosen = await self._place(request)
             prefill_id, decode_id = chosen.prefill.worker_id, chosen.decode.worker_id
@@ -364,3 +365,15 @@ def _age_s(request: GenerateRequest, msg: Msg) -> float:
     the difference, and past `request_max_age_s` every one was dropped as expired."""
     stored_at_s = msg.metadata.timestamp.timestamp()
     return time.time() - max(request.created_at_s, stored_at_s)
+
+
+def _continuation(request: GenerateRequest, msg: Msg) -> dict[str, int]:
+    """Span attributes of a placement after the first: which attempt of the request (a
+    continuation after a lost worker), and which delivery of it (JetStream's again)."""
+    attributes = {}
+    if request.attempt:
+        attributes["halfmoon.attempt"] = request.attempt
+        attributes["halfmoon.output_offset"] = request.output_offset
+    if msg.metadata.num_delivered > 1:
+        attributes["halfmoon.num_delivered"] = msg.metadata.num_delivered
+    return attributes

@@ -18,6 +18,7 @@ import structlog
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from opentelemetry import trace
+from opentelemetry.trace import StatusCode
 
 from services.gateway.merge import merged
 from services.gateway.openai_schema import ParsedRequest
@@ -213,6 +214,8 @@ class Generator:
                     yield item
         except HalfmoonError as exc:
             error = exc
+            # A stream's HTTP status (200) went out before it: the span says it failed.
+            span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc.message}")
             raise
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
@@ -262,11 +265,15 @@ class Generator:
                     error=exc.message, num_streamed=len(generated), attempt=attempt)
                 if not is_moved:
                     ctx.metrics.failovers.inc()
-                stream.attempt = attempt
-                await self._publish(request_id, parsed, generated, attempt=attempt)
+                span.add_event("migrated", {
+                    "halfmoon.attempt": attempt, "halfmoon.lost_worker": exc.worker_id,
+                    "halfmoon.output_tokens": len(generated), "halfmoon.error": exc.message})
+                # Before the continuation is queued: its `placed` event comes after this one.
                 await ctx.events.request("migrated", request_id, model=parsed.model,
                                          attempt=attempt, num_output_tokens=len(generated),
-                                         error=exc.message, **progress.workers(stream))
+                                         lost_worker_id=exc.worker_id, error=exc.message)
+                stream.attempt = attempt
+                await self._publish(request_id, parsed, generated, attempt=attempt)
                 continue
             clock.tick(len(delta.token_ids))
             is_first = not generated

@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from shared.errors import (
+    ErrorCode,
     HalfmoonError,
     RequestMoved,
     RequestTimeout,
@@ -71,12 +72,12 @@ class RequestStream:
     def fail(self, error: HalfmoonError) -> None:
         self._queue.put_nowait(error)
 
-    def fail_over(self, worker_id: str, error: WorkerLost) -> None:
-        """`worker_id` will not serve the request on (it was lost, or it shed the request):
-        its reader places it again, and that worker's late failures are stale."""
+    def fail_over(self, error: WorkerLost) -> None:
+        """`error.worker_id` will not serve the request on (it was lost, or it shed the
+        request): its reader places it again, and that worker's late failures are stale."""
         self.placement = None  # until the new placement arrives
-        if worker_id:  # "": a conductor's move, not a worker's (`redelivery`)
-            self.lost_workers.add(worker_id)
+        if error.worker_id:  # "": a conductor's move, not a worker's (`redelivery`)
+            self.lost_workers.add(error.worker_id)
         self.fail(error)
 
     def is_stale_failure(self, worker_id: str) -> bool:
@@ -171,12 +172,11 @@ class StreamTable:
                     if stream.is_stale_failure(worker_id):
                         log.info("request.stale_failure_ignored", request_id=request_id,
                                  worker_id=worker_id, error=message)
+                    elif code is ErrorCode.MOVED:
+                        stream.fail_over(RequestMoved(message, worker_id=worker_id,
+                                                      retry_after_s=retry_after_s))
                     else:
-                        error = error_from_code(code, message, retry_after_s, param)
-                        if isinstance(error, RequestMoved):
-                            stream.fail_over(worker_id, error)
-                        else:
-                            stream.fail(error)
+                        stream.fail(error_from_code(code, message, retry_after_s, param))
             case RequestPlaced(request_id=request_id):
                 for stream in self._targets(request_id):
                     stream.placement = event
@@ -213,7 +213,8 @@ class StreamTable:
         count = 0
         for stream in self._streams.values():
             if (worker_id := stream.lost_worker(is_alive, started_at_s)) is not None:
-                stream.fail_over(worker_id, WorkerLost(f"worker {worker_id} stopped answering"))
+                stream.fail_over(WorkerLost(f"worker {worker_id} stopped answering",
+                                            worker_id=worker_id))
                 count += 1
         return count
 

@@ -19,12 +19,14 @@ import rotel
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 from oteltap import OtelTapHttpProtobufReceiver, OtelTapHttpProtobufReceiverSettings
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.control_path import free_port, launch
 from shared import tracing
 from shared.lean_tracer import LeanTracerProvider
+from tests.integration.test_events import subscriber
 from tests.stack import Stack, eventually
 
 pytestmark = pytest.mark.e2e
@@ -107,6 +109,61 @@ async def test_a_decode_worker_that_prefills_itself_joins_the_trace_under_the_co
     # Its reservation carried the conductor's context (a paired one goes without).
     schedule, stream = by_name["conductor.schedule"], by_name["decode.stream"]
     assert stream.parent is not None and stream.parent.span_id == schedule.context.span_id
+
+
+async def test_a_request_that_lost_its_decode_worker_says_so_in_its_trace_and_events(
+        spans: InMemorySpanExporter, nats_url: str) -> None:
+    """A reader of the trace sees where the request moved, and a subscriber which worker
+    it lost; the lost worker's own span dies with it."""
+    async with Stack(nats_url, num_decode=2, worker={"fake_token_delay_s": 0.02}) as stack, \
+            subscriber(stack) as events:
+        body = {"model": MODEL, "prompt": "moving on", "max_tokens": 60, "ignore_eos": True}
+        request = asyncio.ensure_future(stack.post("/v1/completions", body))
+        await eventually(lambda: any(d.engine.stats().num_running for d in stack.decodes))
+        (lost,) = [d for d in stack.decodes if d.engine.stats().num_running]
+        await lost._cancel_tasks()  # the process dies: no heartbeat, no token
+        await lost.nc.close()
+        status, _ = await request
+        assert status == 200
+        await eventually(lambda: any(s.name == "gateway.request"
+                                     for s in spans.get_finished_spans()))
+    trace = trace_of(list(spans.get_finished_spans()), "gateway.request")
+    root = next(s for s in trace if s.name == "gateway.request")
+    (migrated,) = [e for e in root.events if e.name == "migrated"]
+    attributes = migrated.attributes or {}
+    assert attributes["halfmoon.lost_worker"] == lost.worker_id
+    assert attributes["halfmoon.attempt"] == 1 and attributes["halfmoon.output_tokens"] > 0
+    schedules = sorted((s for s in trace if s.name == "conductor.schedule"),
+                       key=lambda s: s.start_time or 0)
+    assert [(s.attributes or {}).get("halfmoon.attempt") for s in schedules] == [None, 1]
+    assert (schedules[1].attributes or {})["halfmoon.output_offset"] == \
+        attributes["halfmoon.output_tokens"]
+    kinds = [e.kind for e in events if e.kind in ("migrated", "placed")]
+    assert kinds == ["placed", "migrated", "placed"]  # the move before its new placement
+    (event,) = [e for e in events if e.kind == "migrated"]
+    assert (event.lost_worker_id, event.attempt) == (lost.worker_id, 1)
+
+
+async def test_a_stream_that_fails_after_its_first_token_is_an_error_span(
+        spans: InMemorySpanExporter, nats_url: str) -> None:
+    """Its HTTP status (200) went out with the first chunk; the span still says it failed."""
+    async with Stack(nats_url, num_decode=1, worker={"fake_token_delay_s": 0.02}) as stack:
+        body = {"model": MODEL, "prompt": "no one left", "max_tokens": 60, "stream": True,
+                "ignore_eos": True}
+        decode = stack.decodes[0]
+        async with aiohttp.ClientSession() as session, session.post(
+                f"{stack.gateway.url}/v1/completions", json=body) as response:
+            assert response.status == 200
+            await response.content.readline()  # the first chunk
+            await decode._cancel_tasks()  # the only decode worker dies: nowhere to go
+            await decode.nc.close()
+            rest = (await response.read()).decode()
+        assert '"error"' in rest
+        await eventually(lambda: any(s.name == "gateway.request"
+                                     for s in spans.get_finished_spans()), timeout_s=30)
+    (root,) = [s for s in spans.get_finished_spans() if s.name == "gateway.request"]
+    assert root.status.status_code is StatusCode.ERROR
+    assert (root.status.description or "").startswith("WorkerUnavailable: ")
 
 
 async def test_with_tracing_off_no_span_is_made_and_no_header_sent(stack: Stack) -> None:
