@@ -70,6 +70,7 @@ class Outcome:
     text: str = ""
     sent_at: float = 0.0
     ttft_s: float | None = None
+    error: str = ""  # the error a failed request got
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Row:
     truncated: int = 0
     wrong: int = 0
     errors: Counter[int] = field(default_factory=Counter)
+    error_messages: Counter[str] = field(default_factory=Counter)
     own_affected: int = 0  # kill-gateway: the killed gateway's own requests not completed
     missing_tokens: int = 0
     duplicated_tokens: int = 0
@@ -100,6 +102,7 @@ async def stream_one(session: aiohttp.ClientSession, urls: list[str], outcome: O
         async with session.post(f"{url}/v1/completions", json=body) as response:
             outcome.status = response.status
             if response.status != 200:
+                outcome.error = (await response.text())[:300]
                 return
             async for line in response.content:
                 if not line.startswith(b"data: {"):
@@ -107,13 +110,15 @@ async def stream_one(session: aiohttp.ClientSession, urls: list[str], outcome: O
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     outcome.status = 500
+                    outcome.error = chunk["error"].get("message", "")
                     return
                 text = chunk["choices"][0]["text"]
                 if text and outcome.ttft_s is None:
                     outcome.ttft_s = time.monotonic() - outcome.sent_at
                 outcome.text += text
-    except (aiohttp.ClientError, TimeoutError):
+    except (aiohttp.ClientError, TimeoutError) as exc:
         outcome.status = outcome.status or 599
+        outcome.error = repr(exc)
 
 
 async def run_load(urls: list[str], prompts: list[str], clients: int, max_tokens: int
@@ -400,6 +405,7 @@ def score(scenario: str, outcomes: list[Outcome], reference: dict[str, str],
             continue
         if outcome.status != 200:
             row.errors[outcome.status] += 1
+            row.error_messages[f"{outcome.status}: {outcome.error}"] += 1
             continue
         if got == expected:
             row.completed += 1
@@ -435,6 +441,9 @@ def print_table(rows: list[Row]) -> None:
               f"{r.wrong:>5} {errors:<12} {r.missing_tokens:>5} {r.duplicated_tokens:>4} "
               f"{r.leaked_blocks:>6} {r.leaked_leases:>6} {r.placed_twice:>5} {recovery:>7} "
               f"{r.ttft_p99_ms:>7.1f}ms {r.ttft_p99_ms / base:>5.2f}x")
+    for r in rows:
+        for message, count in r.error_messages.most_common():
+            print(f"  {r.scenario}: {count} x {message}")
 
 
 async def run(args: argparse.Namespace) -> list[Row]:
