@@ -467,13 +467,16 @@ class RequestPlaced(Message, frozen=True, kw_only=True):
     serve it. The gateway watches their heartbeats and places the request again (as a
     continuation) when one of them is lost, or restarted: its heartbeat's `started_at_s`
     is later than the one it was placed on (`*_started_at_s`, 0: unknown), as when it
-    comes back under the same id within the heartbeat timeout."""
+    comes back under the same id within the heartbeat timeout. `attempt` is the placed
+    request's (`GenerateRequest.attempt`): the placement of an attempt the gateway has
+    moved on from (a late handoff retry, a conductor back from a partition) is ignored."""
 
     request_id: str
     prefill_worker_id: str
     decode_worker_id: str
     prefill_started_at_s: float = 0.0
     decode_started_at_s: float = 0.0
+    attempt: int = 0
 
 
 GatewayEvent = TokenBatch | RequestFailed | RequestPlaced

@@ -157,7 +157,7 @@ class ConductorService(Service):
             await self.nc.publish(request.reply_subject, encode(RequestPlaced(
                 request_id=request.request_id, prefill_worker_id=prefill_id,
                 decode_worker_id=decode_id, prefill_started_at_s=chosen.prefill.started_at_s,
-                decode_started_at_s=chosen.decode.started_at_s)))
+                decode_started_at_s=chosen.decode.started_at_s, attempt=request.attempt)))
             await self.events.request(
                 "placed", request.request_id, model=request.model,
                 num_prompt_tokens=len(request.prompt_token_ids), prefill_worker_id=prefill_id,
@@ -267,7 +267,7 @@ class ConductorService(Service):
         await self.nc.publish(request.reply_subject, encode(RequestPlaced(
             request_id=request.request_id, prefill_worker_id=message.prefill_worker_id,
             decode_worker_id=decode_id, prefill_started_at_s=chosen.prefill.started_at_s,
-            decode_started_at_s=chosen.decode.started_at_s)))
+            decode_started_at_s=chosen.decode.started_at_s, attempt=request.attempt)))
         await self.events.request(
             "migrated", request.request_id, model=request.model,
             prefill_worker_id=message.prefill_worker_id, decode_worker_id=decode_id,

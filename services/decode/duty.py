@@ -174,6 +174,9 @@ class DecodeDuty(Duty):
 
     async def _on_reserve(self, message: DecodeReservation) -> DispatchReply:
         request = message.request
+        if (held := self._attempt_held(request.request_id)) is not None \
+                and held < request.attempt:  # the gateway's abort of it was lost
+            return self.worker.refusal(f"attempt {held} of the request still runs here")
         reservation = self._reservations.get(request.request_id)
         if self.is_draining and reservation is None:  # one it holds may still be re-pointed
             return self.worker.refusal("worker is draining")
@@ -204,6 +207,14 @@ class DecodeDuty(Duty):
                           engine_incarnation=transfer.incarnation if transfer else "")
         await self.nc.publish(self.subjects.kv_target(message.prefill_worker_id), encode(target))
         return self.worker.accept()
+
+    def _attempt_held(self, request_id: str) -> int | None:
+        """Which attempt of the request this worker holds (reserved, prefilling, decoding)."""
+        if (reservation := self._reservations.get(request_id)) is not None:
+            return reservation.request.attempt
+        choices = self._choices.get(request_id, [request_id])
+        held = self._local.get(request_id) or self._active.get(choices[0])
+        return None if held is None else held.attempt
 
     def _readying(self, request: GenerateRequest) -> asyncio.Task[InvalidRequest | None]:
         return self.worker.spawn(self._ready(request), f"ready.{request.request_id}")

@@ -273,6 +273,10 @@ class Generator:
                                          attempt=attempt, num_output_tokens=len(generated),
                                          lost_worker_id=exc.worker_id, error=exc.message)
                 stream.attempt = attempt
+                # What the attempt before left running (a prefill worker still holding its
+                # KV, a decode worker that was only slow) stops before this one is placed: a
+                # worker sees one attempt of a request at a time.
+                await self._abort(request_id, "placed again")
                 await self._publish(request_id, parsed, generated, attempt=attempt)
                 continue
             clock.tick(len(delta.token_ids))
@@ -351,11 +355,11 @@ class Generator:
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             raise WorkerUnavailable(f"cannot queue the request: {str(exc) or repr(exc)}") from exc
 
-    async def _abort(self, request_id: str) -> None:
+    async def _abort(self, request_id: str, reason: str = "gateway") -> None:
         try:
             await self._ctx.nc.publish(
                 self._ctx.subjects.abort,
-                encode(AbortRequest(request_id=request_id, reason="gateway")),
+                encode(AbortRequest(request_id=request_id, reason=reason)),
             )
         except nats.errors.Error as exc:
             log.warning("abort.publish_failed", request_id=request_id, error=repr(exc))

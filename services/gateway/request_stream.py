@@ -177,8 +177,12 @@ class StreamTable:
                                                       retry_after_s=retry_after_s))
                     else:
                         stream.fail(error_from_code(code, message, retry_after_s, param))
-            case RequestPlaced(request_id=request_id):
+            case RequestPlaced(request_id=request_id, attempt=attempt):
                 for stream in self._targets(request_id):
+                    if attempt < stream.attempt:  # an attempt it has moved on from
+                        log.info("request.stale_placement_ignored", request_id=request_id,
+                                 attempt=attempt, current=stream.attempt)
+                        continue
                     stream.placement = event
                     stream.has_decoded = False
 

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import nats.errors
 import structlog
@@ -69,6 +69,13 @@ MAX_HANDOFF_RETRIES = 2  # decode workers tried again with the KV prefill holds
 LEASE_KINDS: tuple[KvLeaseKind, ...] = ("prefix_fetch", "prefill_hold")  # this role's holds
 
 
+class _Running(NamedTuple):
+    """A request this worker prefills (and hands off): its task, and which attempt."""
+
+    task: asyncio.Task[None]
+    attempt: int
+
+
 class PrefillDuty(Duty):
     """The prefill role: tasks from conductors, KV targets from decode, prefix fetches from
     other prefill workers."""
@@ -78,7 +85,7 @@ class PrefillDuty(Duty):
     def __init__(self, worker: WorkerService) -> None:
         super().__init__(worker)
         self.prefix_sharing = worker.prefix_sharing
-        self._in_flight: dict[str, asyncio.Task[None]] = {}
+        self._in_flight: dict[str, _Running] = {}
         # request id -> (the decode side's KvTarget, when this worker first heard of it)
         self._targets: dict[str, tuple[asyncio.Future[KvTarget], float]] = {}
 
@@ -95,13 +102,18 @@ class PrefillDuty(Duty):
         request = task.request
         if self.is_draining:
             return self.worker.refusal("worker is draining")
-        if request.request_id in self._in_flight:
-            return self.worker.accept()  # a redelivery of a task we already run
+        if (running := self._in_flight.get(request.request_id)) is not None:
+            if running.attempt >= request.attempt:
+                return self.worker.accept()  # a redelivery of a task we already run
+            # The gateway aborts an attempt before it places the next; that abort was lost.
+            # Never one for the other (their KV differs): placed elsewhere, or held.
+            return self.worker.refusal(f"attempt {running.attempt} of the request still "
+                                       "runs here")
         if len(self._in_flight) >= self.config.max_queue:
             return self.worker.refusal(f"prefill queue full ({self.config.max_queue})")
-        self._in_flight[request.request_id] = self.worker.spawn(
+        self._in_flight[request.request_id] = _Running(self.worker.spawn(
             self._run(request, task.prefix_source), f"request.{request.request_id}"
-        )
+        ), request.attempt)
         return self.worker.accept()
 
     async def _on_prefix_fetch(self, fetch: PrefixFetch) -> PrefixFetched:
@@ -126,9 +138,9 @@ class PrefillDuty(Duty):
         return self._targets[request_id][0]
 
     def abort(self, request_id: str) -> None:
-        task = self._in_flight.pop(request_id, None)
-        if task is not None:
-            task.cancel()
+        running = self._in_flight.pop(request_id, None)
+        if running is not None:
+            running.task.cancel()
         self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:

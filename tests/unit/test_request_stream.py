@@ -135,6 +135,21 @@ def test_a_choice_still_on_the_first_attempt_keeps_it_current() -> None:
         request_id="r", is_open=True, is_current=True, num_streamed=2)
 
 
+def test_a_placement_of_an_attempt_moved_on_from_is_ignored() -> None:
+    """A late placement of the attempt before (a prefill worker's handoff retry, a
+    conductor back from a partition) does not replace the current attempt's."""
+    table = StreamTable()
+    stream = table.open("r")
+    stream.attempt = 1  # failed over
+    current = RequestPlaced(request_id="r", prefill_worker_id="p2", decode_worker_id="d2",
+                            attempt=1)
+    table.dispatch(current)
+    table.dispatch(RequestPlaced(request_id="r", prefill_worker_id="p1",
+                                 decode_worker_id="d1"))
+    assert stream.placement == current
+    assert stream.is_stale_failure("d1") and not stream.is_stale_failure("d2")
+
+
 async def test_a_conductors_move_is_never_stale() -> None:
     """A conductor moves a request (`redelivery`) with no worker id: each attempt's move
     fails the stream over, and none makes a later failure look stale."""

@@ -1,0 +1,115 @@
+"""A decode worker that freezes mid-handoff (a SIGSTOPped process: no heartbeat, no answer)
+and comes back. The gateway places the rest of its request again; the prefill worker still
+holds the first attempt, waiting to commit it there. Before, it took the second attempt for
+a redelivery of the first and dropped it: the new decode worker waited for KV that never
+came until its reservation expired, and the client got an error (`bench.chaos`'s
+`pause-decode`: 2-3 of 48 requests in one run of three)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import pytest
+
+from services.decode.duty import DecodeDuty
+from services.worker import DecodeService
+from shared.messages import (
+    DecodeReservation,
+    DispatchReply,
+    GenerateRequest,
+    KvCommitted,
+    PrefillTask,
+    SamplingParams,
+)
+from shared.nats_client import dispatch
+from tests.integration.test_events import subscriber
+from tests.stack import Stack, eventually
+
+pytestmark = pytest.mark.e2e
+
+BODY: dict[str, Any] = {"model": "halfmoon-tiny", "prompt": "frozen for a while",
+                        "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+
+
+class FreezingDecodeDuty(DecodeDuty):
+    """Freezes at its first commit until resumed."""
+
+    async def _on_commit(self, message: KvCommitted) -> DispatchReply:
+        worker: FreezingDecode = self.worker  # type: ignore[assignment]
+        worker.is_frozen = True
+        await worker.resumed.wait()
+        return await super()._on_commit(message)
+
+
+class FreezingDecode(DecodeService):
+    duty_types = {**DecodeService.duty_types, "decode": FreezingDecodeDuty}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.is_frozen = False
+        self.resumed = asyncio.Event()
+
+    async def _heartbeat(self) -> None:
+        if self.is_frozen:
+            await self.resumed.wait()
+        await super()._heartbeat()
+
+
+async def test_a_request_whose_decode_worker_froze_mid_handoff_completes_elsewhere(
+        nats_url: str) -> None:
+    stack = Stack(nats_url, num_decode=2, worker={"fake_token_delay_s": 0.01})
+    # Its id sorts first: placement tries it first (all else equal).
+    stack.decodes[0] = frozen = FreezingDecode(msgspec.structs.replace(
+        stack.decodes[0].config, worker_id="decode-0-freezes"))
+    async with stack, subscriber(stack) as events:
+        other = stack.decodes[1]
+        status, body = await stack.post("/v1/completions", BODY)
+        assert status == 200, body
+        assert frozen.is_frozen  # the request met the frozen worker, and moved on
+        frozen.resumed.set()
+        (migrated,) = [e for e in events if e.kind == "migrated" and e.attempt]  # the gateway's
+        assert migrated.lost_worker_id == frozen.worker_id
+        await eventually(lambda: frozen.engine.stats().num_running == 0)
+        status, again = await stack.post("/v1/completions", BODY)  # now on the healthy worker
+        assert status == 200, again
+        assert body["choices"][0]["text"] == again["choices"][0]["text"]
+        assert other.engine.stats().num_running == 0
+        await stack.wait_blocks_free(timeout_s=10)
+
+
+def attempt(number: int) -> GenerateRequest:
+    """Attempt `number` of one request: its prompt grows by a token streamed before each."""
+    return GenerateRequest(
+        request_id="r1", model="halfmoon-tiny", prompt_token_ids=list(range(4 + number)),
+        sampling=SamplingParams(max_tokens=8, temperature=0), reply_subject="_INBOX.unused",
+        created_at_s=0.0, attempt=number, output_offset=number)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_a_worker_runs_one_attempt_of_a_request_at_a_time(nats_url: str,
+                                                                 role: str) -> None:
+    """Were the gateway's abort of the attempt before lost, the next attempt is refused
+    (placed elsewhere, or held) while the earlier one runs here, never taken for a
+    redelivery of it: their prompts, and so their KV, differ by the tokens streamed between."""
+    async with Stack(nats_url) as stack:  # its other side never hears of the request
+        worker = stack.prefills[0] if role == "prefill" else stack.decodes[0]
+
+        async def send(number: int) -> DispatchReply:
+            if role == "prefill":
+                subject, command = (worker.subjects.prefill_task(worker.worker_id),
+                                    PrefillTask(request=attempt(number)))
+            else:
+                subject, command = (worker.subjects.decode_reserve(worker.worker_id),
+                                    DecodeReservation(request=attempt(number),
+                                                      prefill_worker_id="p1"))
+            return await dispatch(stack.gateway.nc, subject, command, 5)
+
+        assert (await send(0)).is_accepted  # waits for its other side: none comes
+        assert (await send(0)).is_accepted  # a redelivery: the same run
+        refused = await send(1)
+        assert not refused.is_accepted and "attempt 0" in refused.reason
+        worker.duty.abort("r1")
+        assert (await send(1)).is_accepted  # once the earlier one is gone
+        worker.duty.abort("r1")
