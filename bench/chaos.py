@@ -12,6 +12,9 @@ completions of `--max-tokens` tokens in all; `--fault-at-s` into the load, one f
     stop-prefill     SIGSTOP a prefill worker (frozen mid-work), SIGKILL it 2 s later
     pause-decode     SIGSTOP a decode worker for 3 s (past the heartbeat timeout), then
                      SIGCONT: it comes back to requests moved elsewhere
+    pause-prefill    the same for a prefill worker
+    pause-conductor  SIGSTOP the conductor for 6 s (past the request stream's 5 s ack
+                     wait), then SIGCONT: what it was placing is delivered again
     restart-nats     SIGKILL the embedded nats-server (the launcher restarts it, same store)
     kill-gateway     SIGKILL one of the two gateways: only its own clients may be affected
                      (counted apart, as `own`); the other gateway's must all complete
@@ -56,7 +59,8 @@ from shared.nats_server import EmbeddedNatsServer, free_ports
 from shared.subjects import Subjects
 
 SCENARIOS = ("none", "kill-prefill", "kill-decode", "kill-conductor", "stop-prefill",
-             "pause-decode", "restart-nats", "kill-gateway")
+             "pause-decode", "pause-prefill", "pause-conductor", "restart-nats",
+             "kill-gateway")
 
 
 @dataclass
@@ -359,10 +363,12 @@ async def inject(cluster: Cluster, scenario: str) -> None:
             os.kill(pid, signal.SIGSTOP)
             await asyncio.sleep(2.0)
             os.kill(pid, signal.SIGKILL)
-        case "pause-decode":  # hung past the heartbeat timeout, then back (a long stall)
-            pid = cluster.pids("decode")[0]
+        case "pause-decode" | "pause-prefill" | "pause-conductor":
+            # Hung past the heartbeat timeout (the conductor: past the ack wait), then back.
+            role = scenario.removeprefix("pause-")
+            pid = cluster.pids(role)[0]
             os.kill(pid, signal.SIGSTOP)
-            await asyncio.sleep(3.0)
+            await asyncio.sleep(6.0 if role == "conductor" else 3.0)
             os.kill(pid, signal.SIGCONT)
         case "restart-nats":
             await cluster.restart_nats()

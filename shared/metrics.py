@@ -77,6 +77,10 @@ class ConductorMetrics(ServiceMetrics):
                                         "delivered to a conductor again, by what it did "
                                         "(held_here | place | place_unasked | done | drop "
                                         "| move | ask_later)", ["step"], registry=r)
+        self.deliveries_lapsed = Counter(
+            "halfmoon_request_deliveries_lapsed", "requests this conductor stopped placing: "
+            "held past most of the ack wait (stopped, or its loop blocked), maybe delivered "
+            "again", registry=r)
         self.placement_seconds = Histogram("halfmoon_placement_seconds",
                                            "request taken to both workers accepted",
                                            buckets=LATENCY_BUCKETS, registry=r)

@@ -43,6 +43,8 @@ REDECLARE_AFTER_S = 3.0
 REDECLARE_LIMIT_S = 2.0
 ACK_WAIT_S = 5.0  # was 10 s: a delivery lost in a partition held its request that long
 IN_PROGRESS_EVERY_S = 1.0
+LAPSED_AFTER = 0.8  # of ACK_WAIT_S without an in-progress word: maybe delivered again
+STOOD_STILL_S = 0.25  # a pull's timeout this late: the loop stood still meanwhile
 MAX_ACK_PENDING = 4096
 
 log = get_logger(__name__)
@@ -50,7 +52,7 @@ log = get_logger(__name__)
 
 class RequestIntake:
     def __init__(self, js: JetStreamContext, subjects: Subjects,
-                 handle: Callable[[Msg], Awaitable[None]], *, max_age_s: float,
+                 handle: Callable[[Msg, InHand], Awaitable[None]], *, max_age_s: float,
                  replicas: int = 1) -> None:
         self._js = js
         self._subjects = subjects
@@ -106,11 +108,21 @@ class RequestIntake:
 
     async def _fetch_loop(self, index: int) -> None:
         failing_since: float | None = None
+        # A pull answered while this loop stood still (a stopped process) may have timed
+        # out here all the same, its message left for the next fetch to return: that one
+        # was delivered when that pull was made, or later.
+        stood_pull_at: float | None = None
         while self._is_fetching:
             subscription = self._subscriptions[index]
+            timeout_s = min(1.0, ACK_WAIT_S / 8)  # two pulls well inside the ack wait
+            asked_at = time.monotonic()
             try:
-                messages = await subscription.fetch(1, timeout=1.0)
+                messages = await subscription.fetch(1, timeout=timeout_s)
             except (nats.errors.TimeoutError, TimeoutError):
+                if time.monotonic() - asked_at > timeout_s + STOOD_STILL_S:
+                    await asyncio.sleep(0.01)  # what came meanwhile is read in
+                    if subscription.pending_msgs:
+                        stood_pull_at = asked_at
                 continue
             except nats.errors.ConnectionClosedError:
                 return
@@ -123,11 +135,12 @@ class RequestIntake:
                 await asyncio.sleep(FETCH_RETRY_S)
                 continue
             failing_since = None
+            delivered_by, stood_pull_at = stood_pull_at or asked_at, None  # then or later
             for message in messages:
                 self.num_in_hand += 1
-                in_hand = _InHand(message, self._say_in_progress)
+                in_hand = InHand(message, self._say_in_progress, delivered_by)
                 try:
-                    await self._handle(message)
+                    await self._handle(message, in_hand)
                 finally:
                     in_hand.stop()
                     self.num_in_hand -= 1
@@ -151,17 +164,31 @@ class RequestIntake:
             await old.unsubscribe()
 
 
-class _InHand:
+class InHand:
     """Tells JetStream every `IN_PROGRESS_EVERY_S` that a message is still being handled
-    (it would be delivered again after `ack_wait` otherwise), until `stop()`."""
+    (it would be delivered again after `ack_wait` otherwise), until `stop()`; and says when
+    it may have been delivered again meanwhile (`is_lapsed`)."""
 
-    def __init__(self, message: Msg, say: Callable[[Msg], None]) -> None:
+    def __init__(self, message: Msg, say: Callable[[Msg], None], delivered_by: float) -> None:
         self._message = message
         self._say = say
         self._loop = asyncio.get_running_loop()
+        self._said_at = delivered_by  # JetStream's ack wait started then or later
+        self._has_lapsed = False
         self._timer = self._loop.call_later(IN_PROGRESS_EVERY_S, self._tick)
 
+    def is_lapsed(self) -> bool:
+        """Whether JetStream went most of its ack wait without word from us (this process
+        was stopped, or its loop held): the message may be another conductor's now, and
+        whatever this one sends for it would run the request twice. Once lapsed, always
+        (the overdue tick that runs first on waking must not hide it)."""
+        self._has_lapsed = self._has_lapsed or \
+            time.monotonic() - self._said_at > LAPSED_AFTER * ACK_WAIT_S
+        return self._has_lapsed
+
     def _tick(self) -> None:
+        self.is_lapsed()
+        self._said_at = time.monotonic()
         self._say(self._message)
         self._timer = self._loop.call_later(IN_PROGRESS_EVERY_S, self._tick)
 

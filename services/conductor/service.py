@@ -20,6 +20,7 @@ import contextlib
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -30,7 +31,7 @@ from opentelemetry import trace
 
 from services.conductor import assignment, holding, redelivery
 from services.conductor.assignment import Plan
-from services.conductor.intake import RequestIntake
+from services.conductor.intake import InHand, RequestIntake
 from services.conductor.model_loader import ModelLoader
 from services.conductor.placement import PendingWork, PrefixView, prefix_view
 from services.conductor.planning import PlanningLoop
@@ -128,8 +129,9 @@ class ConductorService(Service):
         self._pending.pop(heartbeat.worker_id, None)
         self.model_loader.observe(heartbeat)
 
-    async def _handle(self, msg: Msg) -> None:
-        """Error boundary: decode -> place -> ack; invalid -> term; unexpected -> nak."""
+    async def _handle(self, msg: Msg, in_hand: InHand) -> None:
+        """Error boundary: decode -> place -> ack; invalid -> term; unexpected -> nak; held
+        past its ack wait -> nothing more (its delivery again decides)."""
         try:
             request = _request_decoder.decode(msg.data)
         except msgspec.DecodeError as exc:
@@ -140,7 +142,8 @@ class ConductorService(Service):
             self.log.warning("request.expired", request_id=request.request_id, age_s=age_s)
             await msg.ack()
             return
-        if msg.metadata.num_delivered > 1 and not await self._may_place_again(request, msg):
+        if msg.metadata.num_delivered > 1 and \
+                not await self._may_place_again(request, msg, in_hand):
             return
         started = time.perf_counter()
         try:
@@ -150,19 +153,17 @@ class ConductorService(Service):
                                   "halfmoon.policy": self.config.policy,
                                   **_continuation(request, msg)}), \
                     structlog.contextvars.bound_contextvars(request_id=request.request_id):
-                chosen = await self._place(request)
-            prefill_id, decode_id = chosen.prefill.worker_id, chosen.decode.worker_id
-            placement_s = time.perf_counter() - started
-            self.metrics.placement_seconds.observe(placement_s)
-            await self.nc.publish(request.reply_subject, encode(RequestPlaced(
-                request_id=request.request_id, prefill_worker_id=prefill_id,
-                decode_worker_id=decode_id, prefill_started_at_s=chosen.prefill.started_at_s,
-                decode_started_at_s=chosen.decode.started_at_s, attempt=request.attempt)))
-            await self.events.request(
-                "placed", request.request_id, model=request.model,
-                num_prompt_tokens=len(request.prompt_token_ids), prefill_worker_id=prefill_id,
-                decode_worker_id=decode_id, placement_s=placement_s, path=chosen.path)
+                chosen = await self._place(request, is_current=lambda: not in_hand.is_lapsed())
+            if in_hand.is_lapsed():  # its commands went out in time, not the gateway's word
+                raise _Lapsed
+            await self._announce(request, chosen, time.perf_counter() - started)
+        except _Lapsed:
+            self._let_go(request)
+            return
         except HalfmoonError as exc:
+            if in_hand.is_lapsed():  # its abort, hold or refusal is the next delivery's
+                self._let_go(request)
+                return
             await self._abort(request.request_id, exc.message)  # any side that accepted
             delay_s = holding.retry_delay_s(exc, self.config, self._rules.slo.ttft_s,
                                             age_s=_age_s(request, msg),
@@ -179,9 +180,32 @@ class ConductorService(Service):
             return
         await msg.ack()
 
-    async def _may_place_again(self, request: GenerateRequest, msg: Msg) -> bool:
+    async def _announce(self, request: GenerateRequest, chosen: Plan,
+                        placement_s: float) -> None:
+        """Tell the request's gateway, and anyone listening, where it runs."""
+        prefill_id, decode_id = chosen.prefill.worker_id, chosen.decode.worker_id
+        self.metrics.placement_seconds.observe(placement_s)
+        await self.nc.publish(request.reply_subject, encode(RequestPlaced(
+            request_id=request.request_id, prefill_worker_id=prefill_id,
+            decode_worker_id=decode_id, prefill_started_at_s=chosen.prefill.started_at_s,
+            decode_started_at_s=chosen.decode.started_at_s, attempt=request.attempt)))
+        await self.events.request(
+            "placed", request.request_id, model=request.model,
+            num_prompt_tokens=len(request.prompt_token_ids), prefill_worker_id=prefill_id,
+            decode_worker_id=decode_id, placement_s=placement_s, path=chosen.path)
+
+    def _let_go(self, request: GenerateRequest) -> None:
+        """A delivery that lapsed while this conductor placed it (`InHand.is_lapsed`):
+        another conductor may hold it again, and asks the gateway and aborts what this one
+        sent before it places (`redelivery`). Nothing more is sent for it; neither ack nor
+        nak."""
+        self.log.warning("request.delivery_lapsed", request_id=request.request_id)
+        self.metrics.deliveries_lapsed.inc()
+
+    async def _may_place_again(self, request: GenerateRequest, msg: Msg,
+                               in_hand: InHand) -> bool:
         """A delivery after the first (`redelivery`): whether to place it; if not, it is
-        settled here."""
+        settled here (or let go: it lapsed while the gateway answered)."""
         if self._held.take(request.request_id):  # after aborting its sides: none runs
             self.metrics.deliveries_again.labels("held_here").inc()
             return True
@@ -190,6 +214,9 @@ class ConductorService(Service):
             status = await redelivery.ask_gateway(self.nc, request)
             step = redelivery.next_step(status, num_delivered=msg.metadata.num_delivered,
                                         output_offset=request.output_offset)
+            if in_hand.is_lapsed():  # its abort would reach the next delivery's sides
+                self._let_go(request)
+                return False
         self.log.info("request.delivered_again", request_id=request.request_id,
                       num_delivered=msg.metadata.num_delivered, step=step.value)
         self.metrics.deliveries_again.labels(step.value).inc()
@@ -206,9 +233,11 @@ class ConductorService(Service):
         return step in (Step.PLACE, Step.PLACE_UNASKED)
 
     async def _place(self, request: GenerateRequest,
-                     progress: assignment.Progress | None = None) -> Plan:
+                     progress: assignment.Progress | None = None, *,
+                     is_current: Callable[[], bool] = lambda: True) -> Plan:
         """Place the request (see `assignment`): one loop for both paths, each attempt's
-        commands sent at once, accepted sides kept (`progress` may hold some already)."""
+        commands sent at once, accepted sides kept (`progress` may hold some already);
+        none sent once the request is no longer this conductor's (`is_current`)."""
         progress = progress or assignment.Progress()
         prefix = self._prefix_view(request)
         error: HalfmoonError = WorkerUnavailable("no placement attempted")
@@ -228,6 +257,8 @@ class ConductorService(Service):
             except HalfmoonError as exc:
                 error = exc
                 break
+            if not is_current():
+                raise _Lapsed
             headers = tracing.inject() or {}  # once for both sides: the same context
             replies = await asyncio.gather(*(
                 self._dispatch(self._subject(send), send.message,
@@ -365,6 +396,10 @@ def _age_s(request: GenerateRequest, msg: Msg) -> float:
     the difference, and past `request_max_age_s` every one was dropped as expired."""
     stored_at_s = msg.metadata.timestamp.timestamp()
     return time.time() - max(request.created_at_s, stored_at_s)
+
+
+class _Lapsed(Exception):
+    """The request's delivery lapsed while this conductor placed it (`InHand.is_lapsed`)."""
 
 
 def _continuation(request: GenerateRequest, msg: Msg) -> dict[str, int]:

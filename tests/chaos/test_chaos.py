@@ -38,7 +38,7 @@ async def test_a_nats_restart_loses_no_request(reference: dict[str, str]) -> Non
 
 @pytest.mark.chaos
 @pytest.mark.parametrize("scenario", ["kill-prefill", "kill-conductor", "stop-prefill",
-                                      "pause-decode"])
+                                      "pause-decode", "pause-prefill", "pause-conductor"])
 async def test_the_other_faults_lose_no_request(scenario: str,
                                                 reference: dict[str, str]) -> None:
     await check(scenario, reference)

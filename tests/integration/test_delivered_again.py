@@ -6,6 +6,7 @@ Before, it was placed a second time and two decode workers streamed it."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +20,7 @@ from nats.aio.msg import Msg
 
 from engine.fake_engine import fake_completion
 from services.conductor import intake
+from services.conductor.intake import InHand
 from services.gateway.tokenizer import ByteTokenizer
 from shared.messages import GatewayEvent, RequestEvent, RequestPlaced, TokenBatch
 from tests.stack import Stack, eventually
@@ -44,7 +46,7 @@ def lose_the_first_ack(stack: Stack) -> None:
     """The first delivery's ack never reaches JetStream (before the conductor starts)."""
     handle, lost = stack.conductor._handle, []
 
-    async def handle_losing_ack(msg: Msg) -> None:
+    async def handle_losing_ack(msg: Msg, in_hand: InHand) -> None:
         if not lost:
             lost.append(msg)
 
@@ -52,7 +54,7 @@ def lose_the_first_ack(stack: Stack) -> None:
                 return None
 
             msg.ack = nothing  # type: ignore[method-assign]
-        await handle(msg)
+        await handle(msg, in_hand)
 
     stack.conductor._handle = handle_losing_ack  # type: ignore[method-assign]
 
@@ -147,6 +149,33 @@ async def test_a_request_streaming_from_a_placement_never_announced_moves_once(
     assert kinds["placed"] == 2  # the lost one, and the continuation's
     # The aborted run stopped: a token or two in flight at most came twice.
     assert sum(decoded(tokens).values()) <= NUM_TOKENS + 2
+
+
+async def test_a_conductor_that_stood_still_past_the_ack_wait_sends_nothing_more(
+        nats_url: str) -> None:
+    """Its loop stood still mid-placement (a SIGSTOPped process): the delivery may be
+    another conductor's now, which asks the gateway and places the request. The one that
+    stood still sends none of its commands, no `RequestPlaced`, and neither acks nor naks
+    (before, it went on: with two conductors, `bench.chaos --launch processes --scenarios
+    pause-conductor` had a request placed twice in one of two runs)."""
+    stack = two_of_each(nats_url)
+    view, stood = stack.conductor._view, []
+
+    def stand_still_once(model: str) -> Any:
+        if not stood:
+            stood.append(model)
+            time.sleep(intake.ACK_WAIT_S * 1.2)  # the whole loop stands still
+        return view(model)
+
+    stack.conductor._view = stand_still_once  # type: ignore[method-assign]
+    async with stack, tap(stack) as (tokens, kinds, _):
+        assert await ask(stack) == whole_answer()
+        await eventually(lambda: kinds["finished"] == 1)
+        lapsed = stack.conductor.metrics.registry.get_sample_value(
+            "halfmoon_request_deliveries_lapsed_total")
+        assert lapsed == 1 and delivered_again(stack, "place") == 1
+    assert kinds["placed"] == 1 and kinds["kv_committed"] == 1
+    assert list(decoded(tokens).values()) == [NUM_TOKENS - 1]
 
 
 async def test_a_held_request_has_its_first_token_from_one_prefill_run(nats_url: str) -> None:

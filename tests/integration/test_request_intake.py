@@ -5,6 +5,7 @@ conductor made."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
@@ -13,7 +14,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from services.conductor import intake
-from services.conductor.intake import RequestIntake
+from services.conductor.intake import InHand, RequestIntake
 from shared.nats_client import NatsClient, connect, ensure_work_queue
 from shared.subjects import Subjects
 
@@ -51,10 +52,12 @@ async def test_a_request_in_hand_longer_than_ack_wait_is_delivered_once(
     monkeypatch.setattr(intake, "IN_PROGRESS_EVERY_S", 0.25)
     subjects = Subjects("intake-slow")
     deliveries: list[int] = []
+    lapsed: list[bool] = []
 
-    async def handle(message: Msg) -> None:
+    async def handle(message: Msg, in_hand: InHand) -> None:
         deliveries.append(message.metadata.num_delivered)
         await asyncio.sleep(3.0)  # three ack_waits
+        lapsed.append(in_hand.is_lapsed())
         await message.ack()
 
     tasks = Tasks()
@@ -67,7 +70,40 @@ async def test_a_request_in_hand_longer_than_ack_wait_is_delivered_once(
         requests.stop()
         await tasks.cancel()
         await requests.close()
-    assert deliveries == [1]
+    assert deliveries == [1] and lapsed == [False]
+
+
+async def test_a_request_held_by_a_stopped_loop_lapses_and_is_delivered_again(
+        nc: NatsClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A conductor whose loop stood still past most of the ack wait (a SIGSTOPped process, a
+    blocked loop) cannot have said "in progress": the request may be another's now, and the
+    conductor learns so before it sends anything more for it."""
+    monkeypatch.setattr(intake, "ACK_WAIT_S", 1.0)
+    monkeypatch.setattr(intake, "IN_PROGRESS_EVERY_S", 0.25)
+    subjects = Subjects("intake-stopped")
+    deliveries: list[tuple[int, bool]] = []
+
+    async def handle(message: Msg, in_hand: InHand) -> None:
+        if message.metadata.num_delivered == 1:
+            await asyncio.sleep(0.3)  # a tick or so: still current
+            assert not in_hand.is_lapsed()
+            time.sleep(1.5)  # noqa: ASYNC251 (the loop stands still, as if stopped)
+            await asyncio.sleep(0)  # the overdue tick runs first on waking
+        deliveries.append((message.metadata.num_delivered, in_hand.is_lapsed()))
+        if not in_hand.is_lapsed():
+            await message.ack()
+
+    tasks = Tasks()
+    requests = RequestIntake(nc.jetstream(), subjects, handle, max_age_s=60)
+    await requests.start(2, tasks.spawn)
+    try:
+        await nc.jetstream().publish(subjects.requests, b"{}")
+        await asyncio.sleep(3.0)
+    finally:
+        requests.stop()
+        await tasks.cancel()
+        await requests.close()
+    assert deliveries == [(1, True), (2, False)]
 
 
 async def test_a_consumer_an_older_conductor_made_gets_the_short_ack_wait(
@@ -79,7 +115,7 @@ async def test_a_consumer_an_older_conductor_made_gets_the_short_ack_wait(
         durable_name=subjects.conductor_consumer, ack_policy=AckPolicy.EXPLICIT, ack_wait=10.0,
         filter_subject=subjects.requests))
     tasks = Tasks()
-    requests = RequestIntake(js, subjects, lambda message: message.ack(), max_age_s=60)
+    requests = RequestIntake(js, subjects, lambda message, _: message.ack(), max_age_s=60)
     await requests.start(1, tasks.spawn)
     try:
         info = await js.consumer_info(subjects.requests_stream, subjects.conductor_consumer)
