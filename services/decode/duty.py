@@ -212,7 +212,7 @@ class DecodeDuty(Duty):
         """Which attempt of the request this worker holds (reserved, prefilling, decoding)."""
         if (reservation := self._reservations.get(request_id)) is not None:
             return reservation.request.attempt
-        choices = self._choices.get(request_id, [request_id])
+        choices = self._choices.get(request_id) or [request_id]
         held = self._local.get(request_id) or self._active.get(choices[0])
         return None if held is None else held.attempt
 
