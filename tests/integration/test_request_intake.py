@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -43,6 +43,23 @@ class Tasks:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
+async def one_request_through(nc: NatsClient, subjects: Subjects,
+                              handle: Callable[[Msg, InHand], Awaitable[None]], *,
+                              for_s: float) -> None:
+    """An intake with two pulls (the second free to take a redelivery) handling one
+    request for `for_s` seconds."""
+    tasks = Tasks()
+    requests = RequestIntake(nc.jetstream(), subjects, handle, max_age_s=60)
+    await requests.start(2, tasks.spawn)
+    try:
+        await nc.jetstream().publish(subjects.requests, b"{}")
+        await asyncio.sleep(for_s)
+    finally:
+        requests.stop()
+        await tasks.cancel()
+        await requests.close()
+
+
 async def test_a_request_in_hand_longer_than_ack_wait_is_delivered_once(
         nc: NatsClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """Its conductor says it is in progress every second: JetStream does not hand it to the
@@ -60,16 +77,7 @@ async def test_a_request_in_hand_longer_than_ack_wait_is_delivered_once(
         lapsed.append(in_hand.is_lapsed())
         await message.ack()
 
-    tasks = Tasks()
-    requests = RequestIntake(nc.jetstream(), subjects, handle, max_age_s=60)
-    await requests.start(2, tasks.spawn)  # a second pull, free to take a redelivery
-    try:
-        await nc.jetstream().publish(subjects.requests, b"{}")
-        await asyncio.sleep(4.0)
-    finally:
-        requests.stop()
-        await tasks.cancel()
-        await requests.close()
+    await one_request_through(nc, subjects, handle, for_s=4.0)
     assert deliveries == [1] and lapsed == [False]
 
 
@@ -93,16 +101,7 @@ async def test_a_request_held_by_a_stopped_loop_lapses_and_is_delivered_again(
         if not in_hand.is_lapsed():
             await message.ack()
 
-    tasks = Tasks()
-    requests = RequestIntake(nc.jetstream(), subjects, handle, max_age_s=60)
-    await requests.start(2, tasks.spawn)
-    try:
-        await nc.jetstream().publish(subjects.requests, b"{}")
-        await asyncio.sleep(3.0)
-    finally:
-        requests.stop()
-        await tasks.cancel()
-        await requests.close()
+    await one_request_through(nc, subjects, handle, for_s=3.0)
     assert deliveries == [(1, True), (2, False)]
 
 
