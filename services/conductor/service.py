@@ -185,14 +185,18 @@ class ConductorService(Service):
         """Tell the request's gateway, and anyone listening, where it runs."""
         prefill_id, decode_id = chosen.prefill.worker_id, chosen.decode.worker_id
         self.metrics.placement_seconds.observe(placement_s)
-        await self.nc.publish(request.reply_subject, encode(RequestPlaced(
-            request_id=request.request_id, prefill_worker_id=prefill_id,
-            decode_worker_id=decode_id, prefill_started_at_s=chosen.prefill.started_at_s,
-            decode_started_at_s=chosen.decode.started_at_s, attempt=request.attempt)))
+        await self._tell_placed(request, chosen)
         await self.events.request(
             "placed", request.request_id, model=request.model,
             num_prompt_tokens=len(request.prompt_token_ids), prefill_worker_id=prefill_id,
             decode_worker_id=decode_id, placement_s=placement_s, path=chosen.path)
+
+    async def _tell_placed(self, request: GenerateRequest, chosen: Plan) -> None:
+        await self.nc.publish(request.reply_subject, encode(RequestPlaced(
+            request_id=request.request_id, prefill_worker_id=chosen.prefill.worker_id,
+            decode_worker_id=chosen.decode.worker_id,
+            prefill_started_at_s=chosen.prefill.started_at_s,
+            decode_started_at_s=chosen.decode.started_at_s, attempt=request.attempt)))
 
     def _let_go(self, request: GenerateRequest) -> None:
         """A delivery that lapsed while this conductor placed it (`InHand.is_lapsed`):
@@ -295,10 +299,7 @@ class ConductorService(Service):
         self.log.info("placement.decode_replaced", request_id=request.request_id,
                       failed=message.failed_decode_worker_id, decode_worker_id=decode_id,
                       reason=message.reason)
-        await self.nc.publish(request.reply_subject, encode(RequestPlaced(
-            request_id=request.request_id, prefill_worker_id=message.prefill_worker_id,
-            decode_worker_id=decode_id, prefill_started_at_s=chosen.prefill.started_at_s,
-            decode_started_at_s=chosen.decode.started_at_s, attempt=request.attempt)))
+        await self._tell_placed(request, chosen)  # its prefill side: the one kept
         await self.events.request(
             "migrated", request.request_id, model=request.model,
             prefill_worker_id=message.prefill_worker_id, decode_worker_id=decode_id,
