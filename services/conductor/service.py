@@ -3,9 +3,9 @@
 Replicas share one durable pull consumer (`intake`), so each request is placed once. Per request:
 pick a prefill and a decode worker from live heartbeats (or one decode worker that prefills
 it itself), send their commands at the same time, and ack the request once every side
-accepted. The decisions are pure functions (`assignment`, `placement`, `cost_model`); this
-module sends and receives. When one side refuses or is gone, only that side is placed again
-(up to `max_placement_attempts`), the accepted side is kept; when placement is impossible
+accepted (`placer`, over the pure decisions of `assignment`, `placement`, `cost_model`).
+When one side refuses or is gone, only that side is placed again (up to
+`max_placement_attempts`), the accepted side is kept; when placement is impossible
 the gateway gets `RequestFailed` (429 for capacity, 503 for no workers) and any accepted
 side is aborted; a request for a model no worker of a role serves is held while one loads it
 (`model_loader`). A request JetStream delivers again may have been placed already: its
@@ -15,25 +15,22 @@ events (`prefix_follower`).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import nats.errors
 import structlog
 from nats.aio.msg import Msg
-from opentelemetry import trace
 
 from services.conductor import assignment, holding, redelivery
 from services.conductor.assignment import Plan
 from services.conductor.intake import InHand, RequestIntake
 from services.conductor.model_loader import ModelLoader
-from services.conductor.placement import PendingWork, PrefixView, prefix_view
+from services.conductor.placer import Lapsed, Placer
 from services.conductor.planning import PlanningLoop
 from services.conductor.prefix_follower import STREAM_CHECK_S, PrefixIndexFollower
 from services.conductor.prefix_index import PrefixIndex
@@ -43,10 +40,7 @@ from shared.config import ConductorConfig
 from shared.errors import (
     ErrorCode,
     HalfmoonError,
-    KvShortage,
-    NoHealthyWorker,
     SloViolation,
-    WorkerUnavailable,
 )
 from shared.heartbeats import WorkerDirectory
 from shared.messages import (
@@ -54,7 +48,6 @@ from shared.messages import (
     DecodeReplacement,
     DispatchReply,
     GenerateRequest,
-    PrefillTask,
     RequestFailed,
     RequestPlaced,
     WorkerHeartbeat,
@@ -64,13 +57,6 @@ from shared.nats_client import dispatch, encode, read_registry
 from shared.service import Service
 
 _request_decoder = msgspec.json.Decoder(GenerateRequest)
-
-
-def _makes_span(send: assignment.Send) -> bool:
-    """Whether the receiver makes a span under the command's trace context: a prefill task
-    does, and so does a decode worker prefilling itself; a paired decode reservation's
-    span comes later, a child of prefill's (`KvCommitted` carries that context)."""
-    return isinstance(send.message, PrefillTask) or send.message.is_local_prefill
 
 
 class ConductorService(Service):
@@ -84,16 +70,15 @@ class ConductorService(Service):
         self.prefix_index = PrefixIndex(config.prefix_index_max_blocks)
         self.workers = WorkerDirectory(config.heartbeat_timeout_s,
                                        on_expire=self.prefix_index.forget_worker)
-        self._turn = 0
-        self._rules = assignment.Rules.from_config(config)
         self.rejections: Counter[str] = Counter()  # by reason (also in the metrics)
-        self._pending: dict[str, PendingWork] = {}
         self._held = redelivery.HeldHere()
         self.intake: RequestIntake | None = None
         self.prefix_follower: PrefixIndexFollower | None = None
         self.planning: PlanningLoop | None = None  # --planner slo
         self.model_loader = ModelLoader(self.subjects, self.workers, config, self.instance_id,
                                         self._dispatch, self.spawn)
+        self.placer = Placer(config, self.subjects, self.workers, self.prefix_index,
+                             self.model_loader, self.metrics, self._dispatch, self._abort)
         # Gauges read at scrape time, not kept up to date on every heartbeat.
         for role in ("prefill", "decode"):
             self.metrics.workers.labels(role).set_function(
@@ -126,7 +111,7 @@ class ConductorService(Service):
 
     async def _on_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         self.workers.observe(heartbeat)
-        self._pending.pop(heartbeat.worker_id, None)
+        self.placer.observe(heartbeat)
         self.model_loader.observe(heartbeat)
 
     async def _handle(self, msg: Msg, in_hand: InHand) -> None:
@@ -153,11 +138,12 @@ class ConductorService(Service):
                                   "halfmoon.policy": self.config.policy,
                                   **_continuation(request, msg)}), \
                     structlog.contextvars.bound_contextvars(request_id=request.request_id):
-                chosen = await self._place(request, is_current=lambda: not in_hand.is_lapsed())
+                chosen = await self.placer.place(
+                    request, is_current=lambda: not in_hand.is_lapsed())
             if in_hand.is_lapsed():  # its commands went out in time, not the gateway's word
-                raise _Lapsed
+                raise Lapsed
             await self._announce(request, chosen, time.perf_counter() - started)
-        except _Lapsed:
+        except Lapsed:
             self._let_go(request)
             return
         except HalfmoonError as exc:
@@ -165,7 +151,7 @@ class ConductorService(Service):
                 self._let_go(request)
                 return
             await self._abort(request.request_id, exc.message)  # any side that accepted
-            delay_s = holding.retry_delay_s(exc, self.config, self._rules.slo.ttft_s,
+            delay_s = holding.retry_delay_s(exc, self.config, self.placer.rules.slo.ttft_s,
                                             age_s=_age_s(request, msg),
                                             num_delivered=msg.metadata.num_delivered)
             if delay_s is not None:
@@ -236,51 +222,6 @@ class ConductorService(Service):
             await msg.ack()
         return step in (Step.PLACE, Step.PLACE_UNASKED)
 
-    async def _place(self, request: GenerateRequest,
-                     progress: assignment.Progress | None = None, *,
-                     is_current: Callable[[], bool] = lambda: True) -> Plan:
-        """Place the request (see `assignment`): one loop for both paths, each attempt's
-        commands sent at once, accepted sides kept (`progress` may hold some already);
-        none sent once the request is no longer this conductor's (`is_current`)."""
-        progress = progress or assignment.Progress()
-        prefix = self._prefix_view(request)
-        error: HalfmoonError = WorkerUnavailable("no placement attempted")
-        for _ in range(self.config.max_placement_attempts):
-            self._turn += 1
-            view = self._view(request.model)
-            try:
-                chosen = assignment.plan(request, view, progress, self._rules,
-                                         prefix=prefix, turn=self._turn)
-                if progress.num_attempts == 1:
-                    assignment.admit(request, chosen, self._pending, prefix, self._rules)
-            except NoHealthyWorker as exc:
-                # Every worker left refused: a KV refusal says more than "none healthy".
-                if not isinstance(error, KvShortage):
-                    error = self.model_loader.hold(request, view) or exc
-                break
-            except HalfmoonError as exc:
-                error = exc
-                break
-            if not is_current():
-                raise _Lapsed
-            headers = tracing.inject() or {}  # once for both sides: the same context
-            replies = await asyncio.gather(*(
-                self._dispatch(self._subject(send), send.message,
-                               headers if _makes_span(send) else {})
-                for send in chosen.sends))
-            for send, reply in zip(chosen.sends, replies, strict=True):
-                if progress.record(send, reply):
-                    self._pending[send.worker.worker_id] = assignment.with_sent(
-                        self._pending.get(send.worker.worker_id), send)
-                else:
-                    error = self._refusal_error(send.worker.worker_id, reply)
-            for worker_id in progress.take_given_up():
-                await self._abort(request.request_id, "placed elsewhere", worker_id=worker_id)
-            if progress.is_complete(chosen):
-                self._count_placement(chosen, prefix, num_candidates=len(view.prefill))
-                return chosen
-        raise error
-
     async def _on_replace_decode(self, message: DecodeReplacement) -> DispatchReply:
         """A KV handoff failed after prefill: another decode worker for the same prefill
         worker, which still holds the KV (no recompute)."""
@@ -292,7 +233,7 @@ class ConductorService(Service):
         progress = assignment.Progress(kept={"prefill": message.prefill_worker_id},
                                        excluded={message.failed_decode_worker_id})
         try:
-            chosen = await self._place(request, progress)
+            chosen = await self.placer.place(request, progress)
         except HalfmoonError as exc:
             return self.refusal(f"no decode worker for {request.request_id}: {exc.message}")
         decode_id = chosen.decode.worker_id
@@ -306,25 +247,6 @@ class ConductorService(Service):
             lost_worker_id=message.failed_decode_worker_id, error=message.reason)
         return self.accept()
 
-    def _view(self, model: str) -> assignment.ClusterView:
-        """The workers of the request's model only: a request is never placed, and its
-        prefix never looked for, on another model's worker (their KV never matches)."""
-        return assignment.ClusterView(
-            prefill=self.workers.healthy("prefill", model=model),
-            decode=self.workers.healthy("decode", model=model),
-            pending=self._pending, known=self.workers.get)
-
-    def _subject(self, send: assignment.Send) -> str:
-        worker_id = send.worker.worker_id
-        return self.subjects.prefill_task(worker_id) if send.role == "prefill" \
-            else self.subjects.decode_reserve(worker_id)
-
-    def _prefix_view(self, request: GenerateRequest) -> PrefixView | None:
-        return prefix_view(request.prompt_token_ids,
-                           self.workers.healthy("prefill", model=request.model),
-                           self.prefix_index, policy=self.config.policy,
-                           is_fetch_enabled=self.config.prefix_fetch)
-
     async def _dispatch(self, subject: str, message: Any,
                         trace_headers: dict[str, str] | None = None
                         ) -> DispatchReply | HalfmoonError:
@@ -333,22 +255,6 @@ class ConductorService(Service):
                                   trace_headers=trace_headers)
         except HalfmoonError as exc:
             return exc
-
-    def _refusal_error(self, worker_id: str, reply: DispatchReply | HalfmoonError) -> HalfmoonError:
-        reason = reply.message if isinstance(reply, HalfmoonError) else reply.reason
-        self.log.info("placement.refused", worker_id=worker_id, reason=reason)
-        if isinstance(reply, DispatchReply) and reply.code == ErrorCode.CAPACITY_EXHAUSTED:
-            return KvShortage(f"{worker_id} refused: {reason}")  # its blocks will free
-        return WorkerUnavailable(f"{worker_id} refused: {reason}")
-
-    def _count_placement(self, chosen: Plan, prefix: PrefixView | None, *,
-                         num_candidates: int) -> None:
-        """Metrics, and the decision with its inputs on the schedule span."""
-        self.metrics.placements.labels(self.config.policy, chosen.path,
-                                       "true" if chosen.source else "false").inc()
-        if tracing.is_enabled():
-            trace.get_current_span().set_attributes(
-                assignment.describe(chosen, prefix, num_candidates))
 
     async def _reject(self, request: GenerateRequest, error: HalfmoonError) -> None:
         self.log.info("request.rejected", request_id=request.request_id, code=error.code,
@@ -397,10 +303,6 @@ def _age_s(request: GenerateRequest, msg: Msg) -> float:
     the difference, and past `request_max_age_s` every one was dropped as expired."""
     stored_at_s = msg.metadata.timestamp.timestamp()
     return time.time() - max(request.created_at_s, stored_at_s)
-
-
-class _Lapsed(Exception):
-    """The request's delivery lapsed while this conductor placed it (`InHand.is_lapsed`)."""
 
 
 def _continuation(request: GenerateRequest, msg: Msg) -> dict[str, int]:

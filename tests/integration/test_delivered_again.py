@@ -159,7 +159,7 @@ async def test_a_conductor_that_stood_still_past_the_ack_wait_sends_nothing_more
     (before, it went on: with two conductors, `bench.chaos --launch processes --scenarios
     pause-conductor` had a request placed twice in one of two runs)."""
     stack = two_of_each(nats_url)
-    view, stood = stack.conductor._view, []
+    view, stood = stack.conductor.placer.view, []
 
     def stand_still_once(model: str) -> Any:
         if not stood:
@@ -167,7 +167,7 @@ async def test_a_conductor_that_stood_still_past_the_ack_wait_sends_nothing_more
             time.sleep(intake.ACK_WAIT_S * 1.2)  # the whole loop stands still
         return view(model)
 
-    stack.conductor._view = stand_still_once  # type: ignore[method-assign]
+    stack.conductor.placer.view = stand_still_once  # type: ignore[method-assign]
     async with stack, tap(stack) as (tokens, kinds, _):
         assert await ask(stack) == whole_answer()
         await eventually(lambda: kinds["finished"] == 1)
