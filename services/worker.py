@@ -38,6 +38,7 @@ from services.kv_leases import LeaseTable
 from services.model_shelf import config_for_model, models_on_disk
 from services.prefill.duty import PrefillDuty
 from services.prefill.prefix_reuse import PrefixSharing
+from services.superseded import Superseded
 from services.worker_parts import assemble, model_files_dir, register_device_kv
 from shared import tracing
 from shared.config import WorkerConfig
@@ -100,6 +101,8 @@ class WorkerService(Service):
         self.prefix_sharing: PrefixSharing | None = None
         # Every hold of KV blocks on behalf of another party (`kv_leases`).
         self.leases = LeaseTable(self.worker_id, self.metrics, self._publish_lease_event)
+        # Requests placed again since: their earlier placements' late commands are refused.
+        self.superseded = Superseded()
         self._kv_event_flush: asyncio.Task[None] | None = None
         self._registry_put: asyncio.Task[None] | None = None
         # JetStream assets found gone (deleted, or lost with a server's store): declared again.
@@ -203,6 +206,7 @@ class WorkerService(Service):
     async def _on_abort(self, message: AbortRequest) -> DispatchReply | None:
         if message.worker_id and message.worker_id != self.worker_id:
             return None  # one side of a re-placed request: another worker's to drop
+        self.superseded.note(message)
         for duty in list(self._duties.values()):
             duty.abort(message.request_id)
         return None

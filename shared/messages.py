@@ -188,6 +188,9 @@ class PrefillTask(Message, frozen=True, kw_only=True):
 
     request: GenerateRequest
     prefix_source: PrefixSource | None = None
+    # The JetStream delivery of the request it was placed from (see `AbortRequest.attempt`);
+    # 0: from none (a decode side placed again after a failed handoff), or an older conductor.
+    delivery: int = 0
 
 
 class DecodeReservation(Message, frozen=True, kw_only=True):
@@ -201,6 +204,7 @@ class DecodeReservation(Message, frozen=True, kw_only=True):
     request: GenerateRequest
     prefill_worker_id: str
     is_local_prefill: bool = False
+    delivery: int = 0  # as `PrefillTask.delivery`
 
 
 class DecodeReplacement(Message, frozen=True, kw_only=True):
@@ -342,6 +346,12 @@ class AbortRequest(Message, frozen=True, kw_only=True):
     request_id: str
     reason: str = ""
     worker_id: str = ""  # only this worker drops the request; empty: every worker
+    # Set when the request is placed again: by a conductor, attempt `attempt` from JetStream
+    # delivery `before_delivery` on; by its gateway, as attempt `attempt` (`before_delivery`
+    # 1). A command of an earlier attempt or delivery that arrives after this abort (sent by
+    # a conductor that stood still) is then refused, not run for no one. 0: none.
+    attempt: int = 0
+    before_delivery: int = 0
 
 
 class StoredResponse(Message, frozen=True, kw_only=True):

@@ -114,6 +114,7 @@ class Progress:
     kept: dict[WorkerRole, str] = field(default_factory=dict)
     excluded: set[str] = field(default_factory=set)
     num_attempts: int = 0
+    delivery: int = 0  # the JetStream delivery of the request placed (0: from none)
     # Workers that may hold the request though they are no longer part of its placement,
     # not yet told (each alone) to drop it: see `record`.
     given_up: list[str] = field(default_factory=list)
@@ -180,9 +181,9 @@ def _plan_local(request: GenerateRequest, candidates: Sequence[WorkerHeartbeat],
                 view: ClusterView, progress: Progress) -> Plan:
     num_tokens = num_kv_tokens(request)
     worker = pick_decode(candidates, progress.excluded, view.pending, num_tokens)
-    send = Send("decode", worker, DecodeReservation(
-        request=request, prefill_worker_id=worker.worker_id, is_local_prefill=True),
-        num_tokens=num_tokens)
+    reservation = DecodeReservation(request=request, prefill_worker_id=worker.worker_id,
+                                    is_local_prefill=True, delivery=progress.delivery)
+    send = Send("decode", worker, reservation, num_tokens=num_tokens)
     return Plan("local", worker, worker, None, (send,))
 
 
@@ -203,11 +204,13 @@ def _plan_paired(request: GenerateRequest, view: ClusterView, progress: Progress
     source = _prefix_source(prefill, view, progress, prefix, rules)
     sends = []
     if is_new_prefill:
-        sends.append(Send("prefill", prefill, PrefillTask(request=request, prefix_source=source),
+        task = PrefillTask(request=request, prefix_source=source, delivery=progress.delivery)
+        sends.append(Send("prefill", prefill, task,
                           num_prefill_tokens=uncached_tokens(request, prefill, prefix, source)))
     if is_new_prefill or "decode" not in progress.kept:
-        sends.append(Send("decode", decode, DecodeReservation(
-            request=request, prefill_worker_id=prefill.worker_id), num_tokens=num_tokens))
+        reservation = DecodeReservation(request=request, prefill_worker_id=prefill.worker_id,
+                                        delivery=progress.delivery)
+        sends.append(Send("decode", decode, reservation, num_tokens=num_tokens))
     return Plan("disaggregated", prefill, decode, source, tuple(sends))
 
 

@@ -167,7 +167,7 @@ class RequestIntake:
 class InHand:
     """Tells JetStream every `IN_PROGRESS_EVERY_S` that a message is still being handled
     (it would be delivered again after `ack_wait` otherwise), until `stop()`; and says when
-    it may have been delivered again meanwhile (`is_lapsed`)."""
+    it may have been delivered again meanwhile (`is_lapsed`), and says nothing more then."""
 
     def __init__(self, message: Msg, say: Callable[[Msg], None], delivered_by: float) -> None:
         self._message = message
@@ -187,7 +187,8 @@ class InHand:
         return self._has_lapsed
 
     def _tick(self) -> None:
-        self.is_lapsed()
+        if self.is_lapsed():  # not ours to keep: JetStream's next delivery, not this word
+            return
         self._said_at = time.monotonic()
         self._say(self._message)
         self._timer = self._loop.call_later(IN_PROGRESS_EVERY_S, self._tick)

@@ -139,7 +139,8 @@ class ConductorService(Service):
                                   **_continuation(request, msg)}), \
                     structlog.contextvars.bound_contextvars(request_id=request.request_id):
                 chosen = await self.placer.place(
-                    request, is_current=lambda: not in_hand.is_lapsed())
+                    request, assignment.Progress(delivery=msg.metadata.num_delivered),
+                    is_current=lambda: not in_hand.is_lapsed())
             if in_hand.is_lapsed():  # its commands went out in time, not the gateway's word
                 raise Lapsed
             await self._announce(request, chosen, time.perf_counter() - started)
@@ -150,7 +151,9 @@ class ConductorService(Service):
             if in_hand.is_lapsed():  # its abort, hold or refusal is the next delivery's
                 self._let_go(request)
                 return
-            await self._abort(request.request_id, exc.message)  # any side that accepted
+            # Any side that accepted, and any command still on its way: the next delivery's.
+            await self._abort(request.request_id, exc.message, attempt=request.attempt,
+                              before_delivery=msg.metadata.num_delivered + 1)
             delay_s = holding.retry_delay_s(exc, self.config, self.placer.rules.slo.ttft_s,
                                             age_s=_age_s(request, msg),
                                             num_delivered=msg.metadata.num_delivered)
@@ -211,7 +214,9 @@ class ConductorService(Service):
                       num_delivered=msg.metadata.num_delivered, step=step.value)
         self.metrics.deliveries_again.labels(step.value).inc()
         if step in (Step.PLACE, Step.DROP, Step.MOVE):  # what an earlier placement left
-            await self._abort(request.request_id, f"delivered again: {step.value}")
+            await self._abort(request.request_id, f"delivered again: {step.value}",
+                              attempt=request.attempt,
+                              before_delivery=msg.metadata.num_delivered)
         if step is Step.MOVE:  # naming no worker: never stale
             await self._tell_gateway(request, RequestFailed(
                 request_id=request.request_id, code=ErrorCode.MOVED,
@@ -272,11 +277,15 @@ class ConductorService(Service):
         with contextlib.suppress(nats.errors.Error):
             await self.nc.publish(request.reply_subject, encode(failure))
 
-    async def _abort(self, request_id: str, reason: str, worker_id: str = "") -> None:
-        """Every worker (or only `worker_id`) drops the request and frees its blocks."""
+    async def _abort(self, request_id: str, reason: str, worker_id: str = "", *,
+                     attempt: int = 0, before_delivery: int = 0) -> None:
+        """Every worker (or only `worker_id`) drops the request and frees its blocks; with
+        `before_delivery`, refuses that attempt's commands of earlier deliveries still on
+        their way (`services/superseded.py`)."""
         with contextlib.suppress(nats.errors.Error):
-            await self.nc.publish(self.subjects.abort, encode(
-                AbortRequest(request_id=request_id, reason=reason, worker_id=worker_id)))
+            await self.nc.publish(self.subjects.abort, encode(AbortRequest(
+                request_id=request_id, reason=reason, worker_id=worker_id, attempt=attempt,
+                before_delivery=before_delivery)))
 
     def _worker_views(self) -> list[WorkerDirectory]:
         return [self.workers]

@@ -174,6 +174,8 @@ class DecodeDuty(Duty):
 
     async def _on_reserve(self, message: DecodeReservation) -> DispatchReply:
         request = message.request
+        if (superseded := self.worker.superseded.refusal(request, message.delivery)) is not None:
+            return self.worker.refusal(superseded)
         if (held := self._attempt_held(request.request_id)) is not None \
                 and held < request.attempt:  # the gateway's abort of it was lost
             return self.worker.refusal(f"attempt {held} of the request still runs here")

@@ -276,7 +276,7 @@ class Generator:
                 # What the attempt before left running (a prefill worker still holding its
                 # KV, a decode worker that was only slow) stops before this one is placed: a
                 # worker sees one attempt of a request at a time.
-                await self._abort(request_id, "placed again")
+                await self._abort(request_id, "placed again", attempt=attempt)
                 await self._publish(request_id, parsed, generated, attempt=attempt)
                 continue
             clock.tick(len(delta.token_ids))
@@ -355,11 +355,13 @@ class Generator:
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             raise WorkerUnavailable(f"cannot queue the request: {str(exc) or repr(exc)}") from exc
 
-    async def _abort(self, request_id: str, reason: str = "gateway") -> None:
+    async def _abort(self, request_id: str, reason: str = "gateway", *,
+                     attempt: int = 0) -> None:
+        """Every worker drops the request; with `attempt`, the request is placed again as
+        that attempt, and a late command of an earlier one is refused."""
+        abort = AbortRequest(request_id=request_id, reason=reason, attempt=attempt,
+                             before_delivery=1 if attempt else 0)
         try:
-            await self._ctx.nc.publish(
-                self._ctx.subjects.abort,
-                encode(AbortRequest(request_id=request_id, reason=reason)),
-            )
+            await self._ctx.nc.publish(self._ctx.subjects.abort, encode(abort))
         except nats.errors.Error as exc:
             log.warning("abort.publish_failed", request_id=request_id, error=repr(exc))

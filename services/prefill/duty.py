@@ -100,6 +100,8 @@ class PrefillDuty(Duty):
 
     async def _on_task(self, task: PrefillTask) -> DispatchReply:
         request = task.request
+        if (superseded := self.worker.superseded.refusal(request, task.delivery)) is not None:
+            return self.worker.refusal(superseded)
         if self.is_draining:
             return self.worker.refusal("worker is draining")
         if (running := self._in_flight.get(request.request_id)) is not None:

@@ -108,6 +108,11 @@ def delivered_again(stack: Stack, step: str) -> float | None:
         "halfmoon_request_deliveries_again_total", {"step": step})
 
 
+def intake_of(stack: Stack) -> intake.RequestIntake:
+    assert stack.conductor.intake is not None
+    return stack.conductor.intake
+
+
 def decoded(tokens: Counter[str]) -> dict[str, int]:
     return {worker: count for worker, count in tokens.items() if worker.startswith("decode")}
 
@@ -174,6 +179,40 @@ async def test_a_conductor_that_stood_still_past_the_ack_wait_sends_nothing_more
         lapsed = stack.conductor.metrics.registry.get_sample_value(
             "halfmoon_request_deliveries_lapsed_total")
         assert lapsed == 1 and delivered_again(stack, "place") == 1
+    assert kinds["placed"] == 1 and kinds["kv_committed"] == 1
+    assert list(decoded(tokens).values()) == [NUM_TOKENS - 1]
+
+
+async def test_commands_sent_before_their_conductor_stood_still_are_refused_once_placed_again(
+        nats_url: str) -> None:
+    """The conductor stood still with a delivery's commands not yet sent (in its client's
+    buffer), and they leave only after the request's next delivery was placed, behind the
+    abort that named it. Each is refused where it lands, and one decode worker streams the
+    request (before, a worker took such a command for a new run, or re-pointed the new
+    placement's reservation to the old prefill worker: `bench.chaos --launch processes
+    --scenarios pause-conductor` had two requests time out in one run of eleven)."""
+    stack = two_of_each(nats_url)
+    dispatch, late = stack.conductor.placer.dispatch, []  # None, then the replies
+
+    async def send_late(subject: str, command: Any, headers: dict[str, str]) -> Any:
+        if command.delivery == 1:
+            if not late:
+                late.append(None)
+                time.sleep(intake.ACK_WAIT_S * 1.2)  # noqa: ASYNC251 (the process stands still)
+            await eventually(lambda: delivered_again(stack, "place") == 1
+                             and intake_of(stack).num_in_hand == 1)  # the next delivery placed
+            late.append(reply := await dispatch(subject, command, headers))
+            return reply
+        return await dispatch(subject, command, headers)
+
+    stack.conductor.placer.dispatch = send_late  # type: ignore[method-assign]
+    async with stack, tap(stack) as (tokens, kinds, _):
+        assert await ask(stack) == whole_answer()
+        await eventually(lambda: kinds["finished"] == 1 and len(late) == 3)
+        assert delivered_again(stack, "place") == 1
+    replies = late[1:]
+    assert [reply.is_accepted for reply in replies] == [False, False]
+    assert all("was placed again" in reply.reason for reply in replies), replies
     assert kinds["placed"] == 1 and kinds["kv_committed"] == 1
     assert list(decoded(tokens).values()) == [NUM_TOKENS - 1]
 

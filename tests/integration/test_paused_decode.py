@@ -16,6 +16,7 @@ import pytest
 from services.decode.duty import DecodeDuty
 from services.worker import DecodeService
 from shared.messages import (
+    AbortRequest,
     DecodeReservation,
     DispatchReply,
     GenerateRequest,
@@ -23,7 +24,7 @@ from shared.messages import (
     PrefillTask,
     SamplingParams,
 )
-from shared.nats_client import dispatch
+from shared.nats_client import dispatch, encode
 from tests.integration.test_events import subscriber
 from tests.stack import Stack, eventually
 
@@ -112,4 +113,47 @@ async def test_a_worker_runs_one_attempt_of_a_request_at_a_time(nats_url: str,
         assert not refused.is_accepted and "attempt 0" in refused.reason
         worker.duty.abort("r1")
         assert (await send(1)).is_accepted  # once the earlier one is gone
+        worker.duty.abort("r1")
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_a_worker_refuses_a_command_from_before_its_request_was_placed_again(
+        nats_url: str, role: str) -> None:
+    """An abort that places a request again names where from: a conductor's, the delivery
+    it places (a command of an earlier one, from a conductor that stood still, may still be
+    on its way); a gateway's, the next attempt. A command from before that is refused."""
+    async with Stack(nats_url) as stack:
+        worker = stack.prefills[0] if role == "prefill" else stack.decodes[0]
+        nc = stack.gateway.nc
+
+        async def send(number: int, delivery: int) -> DispatchReply:
+            request = attempt(number)
+            if role == "prefill":
+                subject, command = (worker.subjects.prefill_task(worker.worker_id),
+                                    PrefillTask(request=request, delivery=delivery))
+            else:
+                subject, command = (worker.subjects.decode_reserve(worker.worker_id),
+                                    DecodeReservation(request=request, prefill_worker_id="p1",
+                                                      delivery=delivery))
+            return await dispatch(nc, subject, command, 5)
+
+        async def abort(number: int, before_delivery: int) -> None:
+            await nc.publish(worker.subjects.abort, encode(AbortRequest(
+                request_id="r1", attempt=number, before_delivery=before_delivery)))
+            # Heard once the command just before it is refused.
+            just_before = (number, before_delivery - 1) if before_delivery > 1 \
+                else (number - 1, 1000)
+            await eventually(lambda: worker.superseded.refusal(
+                attempt(just_before[0]), just_before[1]) is not None)
+
+        await abort(0, before_delivery=3)  # a conductor places delivery 3
+        refused = await send(0, delivery=2)
+        assert not refused.is_accepted
+        assert refused.reason == ("delivery 2 of attempt 0 was placed again (from delivery 3 "
+                                  "of attempt 0)")
+        assert (await send(0, delivery=3)).is_accepted
+        await abort(1, before_delivery=1)  # its gateway places attempt 1
+        assert not (await send(0, delivery=4)).is_accepted
+        assert (await send(1, delivery=1)).is_accepted
+        assert (await send(1, delivery=0)).is_accepted  # names none: a decode side replaced
         worker.duty.abort("r1")

@@ -105,6 +105,27 @@ async def test_a_request_held_by_a_stopped_loop_lapses_and_is_delivered_again(
     assert deliveries == [(1, True), (2, False)]
 
 
+async def test_a_lapsed_request_gets_no_more_word_from_the_conductor_that_stood_still(
+        nc: NatsClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past its lapse its conductor says nothing more of it: its "in progress" would also
+    put off the next delivery (the same message), and were that one lost too (the second
+    conductor stopped) the request would wait for as long as the first stayed in hand."""
+    monkeypatch.setattr(intake, "ACK_WAIT_S", 1.0)
+    monkeypatch.setattr(intake, "IN_PROGRESS_EVERY_S", 0.25)
+    subjects = Subjects("intake-lapsed")
+    deliveries: list[int] = []
+
+    async def handle(message: Msg, in_hand: InHand) -> None:
+        deliveries.append(message.metadata.num_delivered)
+        if message.metadata.num_delivered == 1:
+            time.sleep(1.5)  # noqa: ASYNC251 (the loop stands still, as if stopped)
+            await asyncio.sleep(3.0)  # then holds it on, as a placement it finishes would
+        # Later deliveries are dropped unanswered: their conductor stopped for good.
+
+    await one_request_through(nc, subjects, handle, for_s=4.0)
+    assert deliveries[:3] == [1, 2, 3]
+
+
 async def test_a_consumer_an_older_conductor_made_gets_the_short_ack_wait(
         nc: NatsClient) -> None:
     subjects = Subjects("intake-older")

@@ -57,6 +57,16 @@ def test_the_first_attempt_sends_both_sides_at_once() -> None:
     assert progress.is_complete(chosen) and chosen.path == "disaggregated"
 
 
+def test_every_command_names_the_delivery_it_was_placed_from() -> None:
+    """So a worker can refuse one that arrives after the request was placed again."""
+    paired = attempt(view(worker("p1"), worker("d1", "decode")), Progress(delivery=3),
+                     ACCEPT, ACCEPT)
+    colocated = msgspec.structs.replace(worker("d1", "decode"), local_prefill_max_tokens=64)
+    local = attempt(view(colocated), Progress(delivery=2), ACCEPT)
+    assert [send.message.delivery for send in paired.sends] == [3, 3]
+    assert local.path == "local" and local.sends[0].message.delivery == 2
+
+
 def test_a_refusing_decode_worker_is_replaced_and_the_accepted_prefill_kept() -> None:
     cluster = view(worker("p1"), worker("d1", "decode"), worker("d2", "decode"))
     progress = Progress()
