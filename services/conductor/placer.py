@@ -94,14 +94,17 @@ class Placer:
                 break
             if not is_current():
                 raise Lapsed
-            error = await self._send(request, chosen, progress) or error
+            error = await self._send(chosen, progress) or error
+            if not is_current():  # its replies came late: the sides it would abort may now
+                raise Lapsed  # run the next delivery (on the same workers)
+            for worker_id in progress.take_given_up():
+                await self.abort(request.request_id, "placed elsewhere", worker_id)
             if progress.is_complete(chosen):
                 self._count(chosen, prefix, num_candidates=len(view.prefill))
                 return chosen
         raise error
 
-    async def _send(self, request: GenerateRequest, chosen: Plan,
-                    progress: assignment.Progress) -> HalfmoonError | None:
+    async def _send(self, chosen: Plan, progress: assignment.Progress) -> HalfmoonError | None:
         """One attempt's commands, at once; the last refusal's error, if any refused."""
         headers = tracing.inject() or {}  # once for both sides: the same context
         replies = await asyncio.gather(*(
@@ -115,8 +118,6 @@ class Placer:
                 self.pending[worker_id] = assignment.with_sent(self.pending.get(worker_id), send)
             else:
                 error = _refusal_error(worker_id, reply)
-        for worker_id in progress.take_given_up():
-            await self.abort(request.request_id, "placed elsewhere", worker_id)
         return error
 
     def view(self, model: str) -> assignment.ClusterView:

@@ -22,6 +22,7 @@ from engine.fake_engine import fake_completion
 from services.conductor import intake
 from services.conductor.intake import InHand
 from services.gateway.tokenizer import ByteTokenizer
+from shared.errors import WorkerUnavailable
 from shared.messages import GatewayEvent, RequestEvent, RequestPlaced, TokenBatch
 from tests.stack import Stack, eventually
 
@@ -215,6 +216,40 @@ async def test_commands_sent_before_their_conductor_stood_still_are_refused_once
     assert all("was placed again" in reply.reason for reply in replies), replies
     assert kinds["placed"] == 1 and kinds["kv_committed"] == 1
     assert list(decoded(tokens).values()) == [NUM_TOKENS - 1]
+
+
+async def test_a_conductor_that_woke_to_overdue_replies_aborts_nothing(nats_url: str) -> None:
+    """Its commands went out and were accepted, then it stood still: on waking, its replies'
+    timeouts run first, so it takes those sides for silent and gives them up. It aborts
+    neither: the request is another delivery's by then, which runs on the same workers
+    (one prefill and one decode worker). Before, its abort stopped that run, and the client
+    got a 504 once the decode worker's wait for KV ran out (`bench.chaos --launch processes
+    --scenarios pause-conductor`: 1 request in 1 run of 5)."""
+    stack = Stack(nats_url, worker={"fake_token_delay_s": 0.02},
+                  decode_options={"kv_wait_timeout_s": 3.0})
+    dispatch, overdue = stack.conductor.placer.dispatch, []
+
+    def placed_again() -> bool:  # its next delivery, or the continuation that moved it
+        return sum(sample.value for metric in stack.conductor.metrics.placements.collect()
+                   for sample in metric.samples if sample.name.endswith("_total")) >= 1
+
+    async def overdue_replies(subject: str, command: Any, headers: dict[str, str]) -> Any:
+        reply = await dispatch(subject, command, headers)
+        if (command.request.attempt, command.delivery) == (0, 1):
+            if not overdue:
+                time.sleep(intake.ACK_WAIT_S * 1.2)  # noqa: ASYNC251 (the process stands still)
+            overdue.append(reply)
+            await eventually(placed_again)
+            return WorkerUnavailable(f"no reply on {subject} in time")
+        return reply
+
+    stack.conductor.placer.dispatch = overdue_replies  # type: ignore[method-assign]
+    async with stack, tap(stack) as (_, kinds, _):
+        assert await ask(stack) == whole_answer()
+        await eventually(lambda: kinds["finished"] == 1)
+        await stack.wait_blocks_free(timeout_s=5)
+    assert [reply.is_accepted for reply in overdue] == [True, True]
+    assert kinds["failed"] == 0, kinds
 
 
 async def test_a_held_request_has_its_first_token_from_one_prefill_run(nats_url: str) -> None:
