@@ -145,6 +145,11 @@ class PrefillDuty(Duty):
             running.task.cancel()
         self._forget(request_id)
 
+    def _is_mine(self, request_id: str) -> bool:
+        """Whether the running task is the request's run here (not one aborted since)."""
+        running = self._in_flight.get(request_id)
+        return running is not None and running.task is asyncio.current_task()
+
     def _forget(self, request_id: str) -> None:
         self._targets.pop(request_id, None)
         self.engine.release(request_id)
@@ -193,7 +198,7 @@ class PrefillDuty(Duty):
                                                 source)
             await self._prefill_and_hand_off(request)
         except asyncio.CancelledError:
-            if request.request_id in self._in_flight:  # shutdown, not an abort
+            if self._is_mine(request.request_id):  # shutdown, not an abort
                 await self._fail(request, RequestAborted("prefill worker stopped"))
             raise
         except HalfmoonError as exc:
@@ -202,8 +207,11 @@ class PrefillDuty(Duty):
             self.log.error("prefill.failed", request_id=request.request_id, exc_info=exc)
             error = EngineFailure(f"prefill failed: {exc!r}")
         finally:
-            self._in_flight.pop(request.request_id, None)
-            self._forget(request.request_id)
+            # An aborted run (its abort forgot it) ends a loop turn later, when a run placed
+            # again may hold the request's entry, target and engine state here: not its own.
+            if self._is_mine(request.request_id):
+                self._in_flight.pop(request.request_id, None)
+                self._forget(request.request_id)
         if error is not None:
             await self._fail(request, error)
 
@@ -242,6 +250,7 @@ class PrefillDuty(Duty):
             # Done already: free decode's reservation. Leave the in-flight table first so
             # that our own abort, echoed back to us, cannot cancel this task.
             self._in_flight.pop(request.request_id, None)
+            self._forget(request.request_id)
             await self._publish_abort(request.request_id, "finished at prefill")
             return
         await self._hand_off(request, result, stream)

@@ -157,3 +157,21 @@ async def test_a_worker_refuses_a_command_from_before_its_request_was_placed_aga
         assert (await send(1, delivery=1)).is_accepted
         assert (await send(1, delivery=0)).is_accepted  # names none: a decode side replaced
         worker.duty.abort("r1")
+
+
+async def test_a_prefill_run_placed_again_right_after_its_abort_keeps_what_it_holds(
+        nats_url: str) -> None:
+    """The next delivery's abort and its `PrefillTask` reach the worker together. The
+    aborted run ends a loop turn later; it used to clear the request's entry, KV target and
+    engine state on its way out, the new run's by then: that run never handed off, and the
+    decode worker's reservation for it ran out (`bench.chaos --launch processes --scenarios
+    pause-conductor`: a 504 in 2 of 11 runs)."""
+    async with Stack(nats_url, prefill_options={"fake_prefill_delay_s": 0.5}) as stack:
+        duty = stack.prefills[0].duty
+        assert (await duty._on_task(PrefillTask(request=attempt(0), delivery=1))).is_accepted
+        await asyncio.sleep(0.1)  # computing
+        duty.abort("r1")
+        assert (await duty._on_task(PrefillTask(request=attempt(0), delivery=2))).is_accepted
+        await asyncio.sleep(0.1)  # the aborted run has ended
+        assert duty.num_waiting() == 1  # the new one runs on, still waiting for its target
+        duty.abort("r1")
