@@ -37,11 +37,7 @@ from services.conductor.prefix_index import PrefixIndex
 from services.conductor.redelivery import Step
 from shared import tracing
 from shared.config import ConductorConfig
-from shared.errors import (
-    ErrorCode,
-    HalfmoonError,
-    SloViolation,
-)
+from shared.errors import ErrorCode, HalfmoonError, SloViolation
 from shared.heartbeats import WorkerDirectory
 from shared.messages import (
     AbortRequest,

@@ -45,6 +45,7 @@ from services.duty import Duty, Handler
 from services.kv_leases import Lease
 from shared import tracing
 from shared.errors import (
+    ErrorCode,
     HalfmoonError,
     InvalidRequest,
     RequestAborted,
@@ -67,6 +68,7 @@ from shared.messages import (
     TokenLogprob,
     WorkerHeartbeat,
     choice_id,
+    request_of,
 )
 from shared.nats_client import encode
 
@@ -396,7 +398,11 @@ class DecodeDuty(Duty):
                              reason=f"handed back {len(shed)}")
 
     async def _on_resume(self, message: StreamResume) -> None:
-        """A gateway may have lost token batches: send them again (it drops duplicates)."""
+        """A gateway may have lost token batches: send them again (it drops duplicates). A
+        stream this worker does not hold at all is handed back (`RequestMoved`), so the
+        gateway places the rest elsewhere instead of waiting on it to its timeout: its run
+        here was stopped by an abort meant for another placement of it (a conductor that
+        stood still and woke to overdue replies), or it never came."""
         items = [delta for point in message.points
                  if (delta := self._sent.resend(point)) is not None]
         if items:
@@ -404,6 +410,18 @@ class DecodeDuty(Duty):
                                   encode(TokenBatch(worker_id=self.worker_id, items=items)))
             self.log.info("decode.resent", num_requests=len(items),
                           num_tokens=sum(len(d.token_ids) for d in items))
+        for point in message.points:
+            if not self._holds(point.request_id):
+                self.log.warning("request.not_held", request_id=point.request_id)
+                await self.nc.publish(message.reply_subject, encode(RequestFailed(
+                    request_id=point.request_id, code=ErrorCode.MOVED, worker_id=self.worker_id,
+                    message=f"decode worker {self.worker_id} does not hold the request")))
+
+    def _holds(self, stream_id: str) -> bool:
+        """Whether this worker holds a stream (a choice's, or the request's): reserved,
+        prefilling, decoding, or finished lately (its tokens kept to send again)."""
+        return self._sent.has(stream_id) or stream_id in self._active \
+            or self._attempt_held(request_of(stream_id)) is not None
 
     async def _on_prefill_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         self._prefills.observe(heartbeat)

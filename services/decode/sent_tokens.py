@@ -64,6 +64,9 @@ class SentTokens:
         stream = self._streams.get(request_id)
         return 0 if stream is None else len(stream.token_ids)
 
+    def has(self, request_id: str) -> bool:
+        return request_id in self._streams
+
     def drop(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
