@@ -479,7 +479,10 @@ class RequestPlaced(Message, frozen=True, kw_only=True):
     is later than the one it was placed on (`*_started_at_s`, 0: unknown), as when it
     comes back under the same id within the heartbeat timeout. `attempt` is the placed
     request's (`GenerateRequest.attempt`): the placement of an attempt the gateway has
-    moved on from (a late handoff retry, a conductor back from a partition) is ignored."""
+    moved on from (a late handoff retry, a conductor back from a partition) is ignored;
+    so is one of an earlier JetStream `delivery` of the attempt than the placement it
+    follows (a conductor that woke after another had placed the request again). `delivery`
+    0: a decode side placed again after a failed handoff (or an older conductor)."""
 
     request_id: str
     prefill_worker_id: str
@@ -487,6 +490,7 @@ class RequestPlaced(Message, frozen=True, kw_only=True):
     prefill_started_at_s: float = 0.0
     decode_started_at_s: float = 0.0
     attempt: int = 0
+    delivery: int = 0
 
 
 GatewayEvent = TokenBatch | RequestFailed | RequestPlaced

@@ -139,7 +139,8 @@ class ConductorService(Service):
                     is_current=lambda: not in_hand.is_lapsed())
             if in_hand.is_lapsed():  # its commands went out in time, not the gateway's word
                 raise Lapsed
-            await self._announce(request, chosen, time.perf_counter() - started)
+            await self._announce(request, chosen, time.perf_counter() - started,
+                                 delivery=msg.metadata.num_delivered)
         except Lapsed:
             self._let_go(request)
             return
@@ -165,23 +166,25 @@ class ConductorService(Service):
             return
         await msg.ack()
 
-    async def _announce(self, request: GenerateRequest, chosen: Plan,
-                        placement_s: float) -> None:
+    async def _announce(self, request: GenerateRequest, chosen: Plan, placement_s: float, *,
+                        delivery: int) -> None:
         """Tell the request's gateway, and anyone listening, where it runs."""
         prefill_id, decode_id = chosen.prefill.worker_id, chosen.decode.worker_id
         self.metrics.placement_seconds.observe(placement_s)
-        await self._tell_placed(request, chosen)
+        await self._tell_placed(request, chosen, delivery)
         await self.events.request(
             "placed", request.request_id, model=request.model,
             num_prompt_tokens=len(request.prompt_token_ids), prefill_worker_id=prefill_id,
             decode_worker_id=decode_id, placement_s=placement_s, path=chosen.path)
 
-    async def _tell_placed(self, request: GenerateRequest, chosen: Plan) -> None:
+    async def _tell_placed(self, request: GenerateRequest, chosen: Plan,
+                           delivery: int = 0) -> None:
         await self.nc.publish(request.reply_subject, encode(RequestPlaced(
             request_id=request.request_id, prefill_worker_id=chosen.prefill.worker_id,
             decode_worker_id=chosen.decode.worker_id,
             prefill_started_at_s=chosen.prefill.started_at_s,
-            decode_started_at_s=chosen.decode.started_at_s, attempt=request.attempt)))
+            decode_started_at_s=chosen.decode.started_at_s, attempt=request.attempt,
+            delivery=delivery)))
 
     def _let_go(self, request: GenerateRequest) -> None:
         """A delivery that lapsed while this conductor placed it (`InHand.is_lapsed`):

@@ -80,6 +80,14 @@ class RequestStream:
             self.lost_workers.add(error.worker_id)
         self.fail(error)
 
+    def is_stale_placement(self, placed: RequestPlaced) -> bool:
+        """A placement of an attempt it has moved on from, or of an earlier delivery of
+        its attempt than the placement it follows."""
+        current = self.placement
+        return placed.attempt < self.attempt or (
+            current is not None and current.attempt == placed.attempt
+            and 0 < placed.delivery < current.delivery)
+
     def is_stale_failure(self, worker_id: str) -> bool:
         """A failure from a worker the request no longer depends on: one it failed over
         from, or, once placed, one its placement does not name (a side of an earlier
@@ -179,9 +187,10 @@ class StreamTable:
                         stream.fail(error_from_code(code, message, retry_after_s, param))
             case RequestPlaced(request_id=request_id, attempt=attempt):
                 for stream in self._targets(request_id):
-                    if attempt < stream.attempt:  # an attempt it has moved on from
+                    if stream.is_stale_placement(event):
                         log.info("request.stale_placement_ignored", request_id=request_id,
-                                 attempt=attempt, current=stream.attempt)
+                                 attempt=attempt, delivery=event.delivery,
+                                 current=stream.attempt)
                         continue
                     stream.placement = event
                     stream.has_decoded = False

@@ -150,6 +150,23 @@ def test_a_placement_of_an_attempt_moved_on_from_is_ignored() -> None:
     assert stream.is_stale_failure("d1") and not stream.is_stale_failure("d2")
 
 
+def test_a_placement_of_an_earlier_delivery_is_ignored() -> None:
+    """A conductor that woke after another placed the request's next delivery sends its
+    `RequestPlaced` late: the gateway keeps following the later placement. A decode side
+    placed again after a failed handoff (no delivery) replaces it as before."""
+    table = StreamTable()
+    stream = table.open("r")
+    later = RequestPlaced(request_id="r", prefill_worker_id="p2", decode_worker_id="d2",
+                          delivery=2)
+    table.dispatch(later)
+    table.dispatch(RequestPlaced(request_id="r", prefill_worker_id="p1",
+                                 decode_worker_id="d1", delivery=1))
+    assert stream.placement == later
+    replaced = RequestPlaced(request_id="r", prefill_worker_id="p2", decode_worker_id="d3")
+    table.dispatch(replaced)
+    assert stream.placement == replaced
+
+
 async def test_a_conductors_move_is_never_stale() -> None:
     """A conductor moves a request (`redelivery`) with no worker id: each attempt's move
     fails the stream over, and none makes a later failure look stale."""
