@@ -207,6 +207,8 @@ class WorkerService(Service):
         if message.worker_id and message.worker_id != self.worker_id:
             return None  # one side of a re-placed request: another worker's to drop
         self.superseded.note(message)
+        self.log.debug("request.abort", request_id=message.request_id, reason=message.reason,
+                       attempt=message.attempt, before_delivery=message.before_delivery)
         for duty in list(self._duties.values()):
             duty.abort(message.request_id)
         return None

@@ -200,6 +200,9 @@ class DecodeDuty(Duty):
                                       self._readying(request))
             self._reservations[request.request_id] = reservation
         reservation.prefill_worker_id = message.prefill_worker_id
+        self.log.debug("decode.reserved", request_id=request.request_id,
+                       attempt=request.attempt, delivery=message.delivery,
+                       prefill_worker_id=message.prefill_worker_id)
         self.leases.grant("decode_reservation", request.request_id, message.prefill_worker_id,
                           len(reservation.block_ids), self.config.transfer.kv_wait_timeout_s)
         layout, transfer = self.engine.kv_layout(), self.worker.transfer

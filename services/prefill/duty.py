@@ -116,6 +116,8 @@ class PrefillDuty(Duty):
         self._in_flight[request.request_id] = _Running(self.worker.spawn(
             self._run(request, task.prefix_source), f"request.{request.request_id}"
         ), request.attempt)
+        self.log.debug("prefill.task", request_id=request.request_id, attempt=request.attempt,
+                       delivery=task.delivery)
         return self.worker.accept()
 
     async def _on_prefix_fetch(self, fetch: PrefixFetch) -> PrefixFetched:
@@ -126,6 +128,8 @@ class PrefillDuty(Duty):
         return await self.prefix_sharing.serve(fetch)
 
     async def _on_target(self, target: KvTarget) -> DispatchReply | None:
+        self.log.debug("prefill.kv_target", request_id=target.request_id,
+                       decode_worker_id=target.decode_worker_id)
         future = self._target_future(target.request_id)
         if future.done():  # decode was re-placed: the newest target wins
             future = asyncio.get_running_loop().create_future()
