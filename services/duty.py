@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from services.kv_handoff import KvHandoff
+from services.superseded import Mark
 from shared.heartbeats import WorkerDirectory
 from shared.messages import Message, WorkerRole
 
@@ -91,8 +92,10 @@ class Duty(abc.ABC):
         """Nothing of this role is held: no request queued, computing or streaming."""
 
     @abc.abstractmethod
-    def abort(self, request_id: str) -> None:
-        """Drop the request wherever it is and free its blocks."""
+    def abort(self, request_id: str, *, placed_from: Mark | None = None) -> None:
+        """Drop the request wherever it is and free its blocks. `placed_from`: the abort
+        places it again from there, and what already belongs to that placement here (a KV
+        target that came before the abort) is kept."""
 
     def on_tick(self) -> None:
         """Called on every heartbeat: expire stale per-request state."""

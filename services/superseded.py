@@ -8,9 +8,14 @@ after that abort: it would start a second run of the request for no one, or poin
 reservation the new placement made here at the old prefill worker. Likewise a command of
 an attempt the gateway has placed again (a continuation after a lost worker) that comes
 late. So each command names the JetStream delivery it was placed from
-(`PrefillTask.delivery`, `DecodeReservation.delivery`), an abort that places a request
-again names the (attempt, delivery) it is placed from (`AbortRequest.before_delivery`), and
-a worker refuses a command from before that.
+(`PrefillTask.delivery`, `DecodeReservation.delivery`, and the `KvTarget` a reservation
+sends), an abort that places a request again names the (attempt, delivery) it is placed
+from (`AbortRequest.before_delivery`), and a worker refuses a command from before that.
+
+The other way round too: the abort and the new placement's commands come from different
+senders and subscriptions, so a worker may take the new command first. Such an abort does
+not reach a placement at or after its mark (a command replacing an earlier delivery's run
+here stops that run itself).
 """
 
 from __future__ import annotations
@@ -20,22 +25,41 @@ from shared.messages import AbortRequest, GenerateRequest
 # A late command comes within seconds of its abort; the oldest marks are forgotten first.
 MAX_REQUESTS = 10_000
 
+Mark = tuple[int, int]  # (attempt, delivery)
+
 
 class Superseded:
-    """Per request, the (attempt, delivery) it was last placed again from."""
+    """Per request, the (attempt, delivery) it was last placed again from, and the latest
+    one a command taken here was placed from."""
 
     def __init__(self, max_requests: int = MAX_REQUESTS) -> None:
         self._max_requests = max_requests
-        self._since: dict[str, tuple[int, int]] = {}  # insertion-ordered
+        self._since: dict[str, Mark] = {}  # insertion-ordered
+        self._placed: dict[str, Mark] = {}
 
     def note(self, abort: AbortRequest) -> None:
-        if abort.before_delivery <= 0:
-            return  # a plain abort: nothing placed again
-        since = (abort.attempt, abort.before_delivery)
-        earlier = self._since.pop(abort.request_id, since)
-        self._since[abort.request_id] = max(earlier, since)
-        if len(self._since) > self._max_requests:
-            del self._since[next(iter(self._since))]
+        if abort.before_delivery > 0:  # else a plain abort: nothing placed again
+            self._raise(self._since, abort.request_id, (abort.attempt, abort.before_delivery))
+
+    def placed(self, request_id: str, attempt: int, delivery: int) -> None:
+        """A command placed from `delivery` of `attempt` was taken here."""
+        if delivery > 0:
+            self._raise(self._placed, request_id, (attempt, delivery))
+
+    def last_placed(self, request_id: str) -> Mark | None:
+        return self._placed.get(request_id)
+
+    def reaches(self, abort: AbortRequest) -> bool:
+        """Whether the abort reaches what this worker took of the request: a plain one
+        always; one that places the request again, unless what was taken here was placed
+        from its mark or later (the new placement's command came first)."""
+        placed = self._placed.get(abort.request_id)
+        return abort.before_delivery <= 0 or placed is None or placed < placed_from(abort)
+
+    def _raise(self, marks: dict[str, Mark], request_id: str, mark: Mark) -> None:
+        marks[request_id] = max(marks.pop(request_id, mark), mark)
+        if len(marks) > self._max_requests:
+            del marks[next(iter(marks))]
 
     def refusal(self, request: GenerateRequest, delivery: int) -> str | None:
         """Why a command for `request` from `delivery` is refused, or None: it is current
@@ -45,3 +69,15 @@ class Superseded:
             return None
         return (f"delivery {delivery} of attempt {request.attempt} was placed again (from "
                 f"delivery {since[1]} of attempt {since[0]})")
+
+
+def placed_from(abort: AbortRequest) -> Mark:
+    """Where an abort that places its request again places it from."""
+    return abort.attempt, abort.before_delivery
+
+
+def is_replaced(earlier: Mark | None, attempt: int, delivery: int) -> bool:
+    """Whether a command of `delivery` of `attempt` replaces a run taken here from
+    `earlier`: a later delivery of the same attempt (its abort still on its way)."""
+    return earlier is not None and delivery > 0 and earlier[0] == attempt \
+        and 0 < earlier[1] < delivery

@@ -38,7 +38,7 @@ from services.kv_leases import LeaseTable
 from services.model_shelf import config_for_model, models_on_disk
 from services.prefill.duty import PrefillDuty
 from services.prefill.prefix_reuse import PrefixSharing
-from services.superseded import Superseded
+from services.superseded import Superseded, placed_from
 from services.worker_parts import assemble, model_files_dir, register_device_kv
 from shared import tracing
 from shared.config import WorkerConfig
@@ -206,11 +206,15 @@ class WorkerService(Service):
     async def _on_abort(self, message: AbortRequest) -> DispatchReply | None:
         if message.worker_id and message.worker_id != self.worker_id:
             return None  # one side of a re-placed request: another worker's to drop
+        reaches = self.superseded.reaches(message)
         self.superseded.note(message)
         self.log.debug("request.abort", request_id=message.request_id, reason=message.reason,
-                       attempt=message.attempt, before_delivery=message.before_delivery)
-        for duty in list(self._duties.values()):
-            duty.abort(message.request_id)
+                       attempt=message.attempt, before_delivery=message.before_delivery,
+                       reaches=reaches)
+        if reaches:  # else what it places again is here already: its command came first
+            again = placed_from(message) if message.before_delivery > 0 else None
+            for duty in list(self._duties.values()):
+                duty.abort(message.request_id, placed_from=again)
         return None
 
     async def _on_role_change(self, command: RoleChange) -> DispatchReply:

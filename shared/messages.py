@@ -239,7 +239,8 @@ class KvTarget(Message, frozen=True, kw_only=True):
     K or V of one block) repeat it for peers from before `kv_layout`; 0 without a pool.
     `engine_incarnation` is the incarnation of that transfer engine the blocks belong to
     (`TransferEndpoint.incarnation`): a worker restarted since under the same id is not
-    written; empty from peers before it."""
+    written; empty from peers before it. `attempt` and `delivery` are the reservation's
+    (`DecodeReservation.delivery`): the placement the target belongs to."""
 
     request_id: str
     decode_worker_id: str
@@ -248,6 +249,8 @@ class KvTarget(Message, frozen=True, kw_only=True):
     kv_block_bytes: int = 0
     kv_layout: KvPoolLayout | None = None
     engine_incarnation: str = ""
+    attempt: int = 0
+    delivery: int = 0
 
 
 class KvCommitted(Message, frozen=True, kw_only=True):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from opentelemetry import trace
 
@@ -36,8 +36,12 @@ log = get_logger(__name__)
 
 # Sends a command to one worker: its reply, or why none came.
 Dispatch = Callable[[str, Any, dict[str, str]], Awaitable[DispatchReply | HalfmoonError]]
-# Tells one worker to drop a request: (request id, reason, worker id).
-Abort = Callable[[str, str, str], Awaitable[None]]
+class Abort(Protocol):
+    """Tells one worker to drop a request (what it took from `before_delivery` of
+    `attempt` on is not its to drop: see `services/superseded.py`)."""
+
+    def __call__(self, request_id: str, reason: str, worker_id: str = "", *,
+                 attempt: int = 0, before_delivery: int = 0) -> Awaitable[None]: ...
 
 
 class Lapsed(Exception):
@@ -97,8 +101,10 @@ class Placer:
             error = await self._send(chosen, progress) or error
             if not is_current():  # its replies came late: the sides it would abort may now
                 raise Lapsed  # run the next delivery (on the same workers)
-            for worker_id in progress.take_given_up():
-                await self.abort(request.request_id, "placed elsewhere", worker_id)
+            for worker_id in progress.take_given_up():  # what this delivery placed there
+                await self.abort(request.request_id, "placed elsewhere", worker_id,
+                                 attempt=request.attempt,
+                                 before_delivery=progress.delivery + 1 if progress.delivery else 0)
             if progress.is_complete(chosen):
                 self._count(chosen, prefix, num_candidates=len(view.prefill))
                 return chosen

@@ -43,6 +43,7 @@ from services.decode.orphans import OrphanFinder
 from services.decode.sent_tokens import SentTokens
 from services.duty import Duty, Handler
 from services.kv_leases import Lease
+from services.superseded import Mark, is_replaced
 from shared import tracing
 from shared.errors import (
     ErrorCode,
@@ -175,9 +176,12 @@ class DecodeDuty(Duty):
         return len(self._reservations) + len(self._local)
 
     async def _on_reserve(self, message: DecodeReservation) -> DispatchReply:
-        request = message.request
-        if (superseded := self.worker.superseded.refusal(request, message.delivery)) is not None:
+        request, marks = message.request, self.worker.superseded
+        if (superseded := marks.refusal(request, message.delivery)) is not None:
             return self.worker.refusal(superseded)
+        if is_replaced(marks.last_placed(request.request_id), request.attempt, message.delivery) \
+                and request.request_id not in self._reservations:  # a reservation is re-pointed
+            self.abort(request.request_id)  # an earlier delivery's run: its abort is on its way
         if (held := self._attempt_held(request.request_id)) is not None \
                 and held < request.attempt:  # the gateway's abort of it was lost
             return self.worker.refusal(f"attempt {held} of the request still runs here")
@@ -190,6 +194,7 @@ class DecodeDuty(Duty):
             await self._fail(request, exc)
             return self.worker.refusal(exc.message)
         if message.is_local_prefill:
+            marks.placed(request.request_id, request.attempt, message.delivery)
             return self._prefill_here(request)
         if reservation is None:
             num_prompt = len(request.prompt_token_ids)
@@ -200,6 +205,7 @@ class DecodeDuty(Duty):
                                       self._readying(request))
             self._reservations[request.request_id] = reservation
         reservation.prefill_worker_id = message.prefill_worker_id
+        marks.placed(request.request_id, request.attempt, message.delivery)
         self.log.debug("decode.reserved", request_id=request.request_id,
                        attempt=request.attempt, delivery=message.delivery,
                        prefill_worker_id=message.prefill_worker_id)
@@ -211,7 +217,8 @@ class DecodeDuty(Duty):
                           kv_num_blocks=layout.num_blocks if layout else 0,
                           kv_block_bytes=layout.layer_block_bytes if layout else 0,
                           kv_layout=layout,
-                          engine_incarnation=transfer.incarnation if transfer else "")
+                          engine_incarnation=transfer.incarnation if transfer else "",
+                          attempt=request.attempt, delivery=message.delivery)
         await self.nc.publish(self.subjects.kv_target(message.prefill_worker_id), encode(target))
         return self.worker.accept()
 
@@ -435,7 +442,7 @@ class DecodeDuty(Duty):
             self.leases.renew("decode_reservation", request_id, message.prefill_worker_id,
                               self.config.transfer.kv_wait_timeout_s)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, *, placed_from: Mark | None = None) -> None:
         for choice in self._choices.pop(request_id, []):
             self._sent.drop(choice)
             self._active.pop(choice, None)

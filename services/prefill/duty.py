@@ -30,6 +30,7 @@ from opentelemetry import trace
 from engine.protocol import FirstToken, PrefillRequest, PrefillResult
 from services.duty import Duty, Handler
 from services.kv_handoff import HandoffReport, KvStream
+from services.superseded import Mark, is_replaced
 from shared import tracing
 from shared.errors import (
     EngineFailure,
@@ -99,11 +100,14 @@ class PrefillDuty(Duty):
         return len(self._in_flight)
 
     async def _on_task(self, task: PrefillTask) -> DispatchReply:
-        request = task.request
-        if (superseded := self.worker.superseded.refusal(request, task.delivery)) is not None:
+        request, marks = task.request, self.worker.superseded
+        if (superseded := marks.refusal(request, task.delivery)) is not None:
             return self.worker.refusal(superseded)
         if self.is_draining:
             return self.worker.refusal("worker is draining")
+        if is_replaced(marks.last_placed(request.request_id), request.attempt, task.delivery):
+            # An earlier delivery's run, whose abort is on its way: stop it now.
+            self.abort(request.request_id, placed_from=(request.attempt, task.delivery))
         if (running := self._in_flight.get(request.request_id)) is not None:
             if running.attempt >= request.attempt:
                 return self.worker.accept()  # a redelivery of a task we already run
@@ -116,6 +120,7 @@ class PrefillDuty(Duty):
         self._in_flight[request.request_id] = _Running(self.worker.spawn(
             self._run(request, task.prefix_source), f"request.{request.request_id}"
         ), request.attempt)
+        marks.placed(request.request_id, request.attempt, task.delivery)
         self.log.debug("prefill.task", request_id=request.request_id, attempt=request.attempt,
                        delivery=task.delivery)
         return self.worker.accept()
@@ -143,19 +148,23 @@ class PrefillDuty(Duty):
             self._targets[request_id] = (future, time.monotonic())
         return self._targets[request_id][0]
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, *, placed_from: Mark | None = None) -> None:
         running = self._in_flight.pop(request_id, None)
         if running is not None:
             running.task.cancel()
-        self._forget(request_id)
+        self._forget(request_id, keep_from=placed_from)
 
     def _is_mine(self, request_id: str) -> bool:
         """Whether the running task is the request's run here (not one aborted since)."""
         running = self._in_flight.get(request_id)
         return running is not None and running.task is asyncio.current_task()
 
-    def _forget(self, request_id: str) -> None:
-        self._targets.pop(request_id, None)
+    def _forget(self, request_id: str, *, keep_from: Mark | None = None) -> None:
+        """Drop the request's KV target (unless it belongs to a placement from `keep_from`
+        on) and its engine state."""
+        entry = self._targets.get(request_id)
+        if keep_from is None or entry is None or not _is_target_from(entry[0], keep_from):
+            self._targets.pop(request_id, None)
         self.engine.release(request_id)
 
     def on_tick(self) -> None:
@@ -405,6 +414,14 @@ class PrefillDuty(Duty):
         await super().stop()
         for request_id in list(self._targets):  # targets of requests placed elsewhere
             self._forget(request_id)
+
+
+def _is_target_from(future: asyncio.Future[KvTarget], mark: Mark) -> bool:
+    """Whether a KV target came, from a reservation placed from `mark` or later."""
+    if not future.done() or future.cancelled():
+        return False
+    target = future.result()
+    return target.delivery > 0 and (target.attempt, target.delivery) >= mark
 
 
 def _asked_logprob(request: GenerateRequest, result: PrefillResult) -> TokenLogprob | None:

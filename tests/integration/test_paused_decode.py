@@ -21,6 +21,7 @@ from shared.messages import (
     DispatchReply,
     GenerateRequest,
     KvCommitted,
+    KvTarget,
     PrefillTask,
     SamplingParams,
 )
@@ -174,4 +175,55 @@ async def test_a_prefill_run_placed_again_right_after_its_abort_keeps_what_it_ho
         assert (await duty._on_task(PrefillTask(request=attempt(0), delivery=2))).is_accepted
         await asyncio.sleep(0.1)  # the aborted run has ended
         assert duty.num_waiting() == 1  # the new one runs on, still waiting for its target
+        duty.abort("r1")
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_an_abort_that_comes_after_the_placement_it_makes_way_for_leaves_it(
+        nats_url: str, role: str) -> None:
+    """The abort that places a request again and the new placement's command come from
+    different senders (and subscriptions): a worker may take the command first. The
+    command replaces the earlier delivery's run itself, and the abort then passes the new
+    one over (before, it stopped it: its decode worker waited for KV until its reservation
+    ran out, a 504 in `bench.chaos --launch processes --scenarios pause-conductor`, caught
+    in the workers' debug logs)."""
+    async with Stack(nats_url, prefill_options={"fake_prefill_delay_s": 0.5}) as stack:
+        worker = stack.prefills[0] if role == "prefill" else stack.decodes[0]
+        nc = stack.gateway.nc
+
+        async def send(delivery: int) -> DispatchReply:
+            if role == "prefill":
+                subject, command = (worker.subjects.prefill_task(worker.worker_id),
+                                    PrefillTask(request=attempt(0), delivery=delivery))
+            else:
+                subject, command = (worker.subjects.decode_reserve(worker.worker_id),
+                                    DecodeReservation(request=attempt(0), prefill_worker_id="p1",
+                                                      delivery=delivery))
+            return await dispatch(nc, subject, command, 5)
+
+        assert (await send(1)).is_accepted
+        assert (await send(2)).is_accepted  # before the abort that makes way for it
+        await nc.publish(worker.subjects.abort, encode(AbortRequest(
+            request_id="r1", attempt=0, before_delivery=2)))
+        await eventually(lambda: worker.superseded.refusal(attempt(0), 1) is not None)
+        assert worker.duty.num_waiting() == 1  # delivery 2's, still here
+        worker.duty.abort("r1")
+
+
+async def test_a_kv_target_of_the_placement_an_abort_makes_way_for_outlives_the_abort(
+        nats_url: str) -> None:
+    """The new placement's decode worker sent its target before the abort reached the
+    prefill worker (whose task for that placement is still on its way): the abort stops
+    the earlier run and keeps the target the new run will write to."""
+    async with Stack(nats_url, prefill_options={"fake_prefill_delay_s": 0.5}) as stack:
+        duty = stack.prefills[0].duty
+        assert (await duty._on_task(PrefillTask(request=attempt(0), delivery=1))).is_accepted
+        await duty._on_target(KvTarget(request_id="r1", decode_worker_id="d2", block_ids=[1],
+                                       attempt=0, delivery=2))
+        duty.abort("r1", placed_from=(0, 2))
+        assert duty.num_waiting() == 0  # the earlier run stopped
+        target = duty._target_future("r1")
+        assert target.done() and target.result().decode_worker_id == "d2"
+        duty.abort("r1")  # a plain abort drops it
+        assert not duty._target_future("r1").done()
         duty.abort("r1")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.superseded import Superseded
+from services.superseded import Superseded, is_replaced
 from shared.messages import AbortRequest, GenerateRequest, SamplingParams
 
 
@@ -62,3 +62,29 @@ def test_the_oldest_marks_are_forgotten_past_the_bound() -> None:
     assert superseded.refusal(request("r1"), 1) is None
     assert superseded.refusal(request("r2"), 1) is not None
     assert superseded.refusal(request("r3"), 1) is not None
+
+
+def test_an_abort_that_places_again_does_not_reach_what_its_placement_put_here_first() -> None:
+    """The new placement's command was taken before the abort that places it again (they
+    come from different senders): the abort passes it over."""
+    superseded = Superseded()
+    superseded.placed("r1", 0, 2)
+    assert not superseded.reaches(placed_again(before_delivery=2))
+    assert superseded.reaches(placed_again(before_delivery=3))
+    assert superseded.reaches(AbortRequest(request_id="r1", reason="client gone"))
+    assert superseded.reaches(placed_again("r2"))  # nothing taken here
+
+
+def test_a_run_placed_from_no_delivery_is_reached_by_every_abort() -> None:
+    superseded = Superseded()
+    superseded.placed("r1", 0, 0)
+    assert superseded.reaches(placed_again(before_delivery=2))
+
+
+def test_a_later_delivery_of_the_same_attempt_replaces_a_run_taken_here() -> None:
+    assert is_replaced((0, 1), 0, 2)
+    assert not is_replaced((0, 2), 0, 2)  # the same delivery again
+    assert not is_replaced((0, 1), 1, 2)  # another attempt: the attempt rules apply
+    assert not is_replaced((0, 0), 0, 2)  # a run naming no delivery
+    assert not is_replaced((0, 1), 0, 0)
+    assert not is_replaced(None, 0, 2)
