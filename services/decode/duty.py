@@ -411,8 +411,7 @@ class DecodeDuty(Duty):
         """A gateway may have lost token batches: send them again (it drops duplicates). A
         stream this worker does not hold at all is handed back (`RequestMoved`), so the
         gateway places the rest elsewhere instead of waiting on it to its timeout: its run
-        here was stopped by an abort meant for another placement of it (a conductor that
-        stood still and woke to overdue replies), or it never came."""
+        here was stopped (by an abort meant for another placement of it), or never came."""
         items = [delta for point in message.points
                  if (delta := self._sent.resend(point)) is not None]
         if items:
