@@ -122,7 +122,9 @@ class RequestIntake:
                 if time.monotonic() - asked_at > timeout_s + STOOD_STILL_S:
                     await asyncio.sleep(0.01)  # what came meanwhile is read in
                     if subscription.pending_msgs:
-                        stood_pull_at = asked_at
+                        stood_pull_at = stood_pull_at or asked_at
+                else:  # a pull that went by empty: nothing taken in then is left
+                    stood_pull_at = None
                 continue
             except nats.errors.ConnectionClosedError:
                 return

@@ -145,3 +145,35 @@ async def test_a_consumer_an_older_conductor_made_gets_the_short_ack_wait(
         await requests.close()
     assert info.config.ack_wait == intake.ACK_WAIT_S
     assert info.config.filter_subject == subjects.requests
+
+
+async def test_a_request_after_the_loop_stood_still_idle_is_not_taken_for_lapsed(
+        nc: NatsClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop stood still while its pulls waited for nothing (a stopped conductor with no
+    request in hand): a request that comes a while after it woke is current. Before, the
+    pull that stood still stayed on record until the next message, and that message was
+    dated from it: lapsed on arrival, let go, and placed only after the ack wait (a request
+    5 s late on a conductor SIGSTOPped and continued, `halfmoon up` with the torch engine)."""
+    monkeypatch.setattr(intake, "ACK_WAIT_S", 1.0)
+    monkeypatch.setattr(intake, "IN_PROGRESS_EVERY_S", 0.25)
+    subjects = Subjects("intake-idle-stood")
+    seen: list[tuple[int, bool]] = []
+
+    async def handle(message: Msg, in_hand: InHand) -> None:
+        seen.append((message.metadata.num_delivered, in_hand.is_lapsed()))
+        await message.ack()
+
+    tasks = Tasks()
+    requests = RequestIntake(nc.jetstream(), subjects, handle, max_age_s=60)
+    await requests.start(2, tasks.spawn)
+    try:
+        await asyncio.sleep(0.3)  # both pulls waiting
+        time.sleep(1.5)  # noqa: ASYNC251 (the loop stands still, as if stopped)
+        await asyncio.sleep(2.0)  # awake: pulls come and go, empty
+        await nc.jetstream().publish(subjects.requests, b"{}")
+        await asyncio.sleep(1.0)
+    finally:
+        requests.stop()
+        await tasks.cancel()
+        await requests.close()
+    assert seen == [(1, False)]
