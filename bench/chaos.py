@@ -379,7 +379,11 @@ async def inject(cluster: Cluster, scenario: str) -> None:
 async def run_scenario(scenario: str, args: argparse.Namespace, prompts: list[str]
                        ) -> tuple[list[Outcome], Cluster, float]:
     cluster = ProcessCluster(args) if args.launch == "processes" else UpCluster(args)
-    await cluster.start()
+    try:
+        await cluster.start()
+    except BaseException:
+        await cluster.stop_processes()  # what came up before it gave up (a gateway lingered)
+        raise
     fault_at = 0.0
     try:
         load = asyncio.ensure_future(run_load(cluster.urls, prompts, args.clients,
