@@ -39,7 +39,7 @@ class Superseded:
 
     def note(self, abort: AbortRequest) -> None:
         if abort.before_delivery > 0:  # else a plain abort: nothing placed again
-            self._raise(self._since, abort.request_id, (abort.attempt, abort.before_delivery))
+            self._raise(self._since, abort.request_id, placed_from(abort))
 
     def placed(self, request_id: str, attempt: int, delivery: int) -> None:
         """A command placed from `delivery` of `attempt` was taken here."""
@@ -56,11 +56,6 @@ class Superseded:
         placed = self._placed.get(abort.request_id)
         return abort.before_delivery <= 0 or placed is None or placed < placed_from(abort)
 
-    def _raise(self, marks: dict[str, Mark], request_id: str, mark: Mark) -> None:
-        marks[request_id] = max(marks.pop(request_id, mark), mark)
-        if len(marks) > self._max_requests:
-            del marks[next(iter(marks))]
-
     def refusal(self, request: GenerateRequest, delivery: int) -> str | None:
         """Why a command for `request` from `delivery` is refused, or None: it is current
         (or names no delivery: a decode side placed again, an older conductor)."""
@@ -69,6 +64,11 @@ class Superseded:
             return None
         return (f"delivery {delivery} of attempt {request.attempt} was placed again (from "
                 f"delivery {since[1]} of attempt {since[0]})")
+
+    def _raise(self, marks: dict[str, Mark], request_id: str, mark: Mark) -> None:
+        marks[request_id] = max(marks.pop(request_id, mark), mark)
+        if len(marks) > self._max_requests:
+            del marks[next(iter(marks))]
 
 
 def placed_from(abort: AbortRequest) -> Mark:

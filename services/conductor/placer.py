@@ -36,6 +36,8 @@ log = get_logger(__name__)
 
 # Sends a command to one worker: its reply, or why none came.
 Dispatch = Callable[[str, Any, dict[str, str]], Awaitable[DispatchReply | HalfmoonError]]
+
+
 class Abort(Protocol):
     """Tells one worker to drop a request (what it took from `before_delivery` of
     `attempt` on is not its to drop: see `services/superseded.py`)."""
