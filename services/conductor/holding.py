@@ -11,8 +11,15 @@ client (503, or 429). Anything else
 
 from __future__ import annotations
 
+import time
+from typing import TYPE_CHECKING
+
 from shared.config import ConductorConfig
 from shared.errors import HalfmoonError, KvShortage, ModelLoading, NoHealthyWorker
+from shared.messages import GenerateRequest
+
+if TYPE_CHECKING:
+    from nats.aio.msg import Msg
 
 RETRY_S = 0.5  # a held request is delivered again at least this much later
 MAX_DELIVER = 8  # deliveries of one request message before JetStream drops it
@@ -46,3 +53,12 @@ def retry_delay_s(error: HalfmoonError, config: ConductorConfig, ttft_slo_s: flo
     if hold <= 0 or age_s + delay > hold or num_delivered >= MAX_DELIVER - 1:
         return None
     return delay
+
+
+def age_s(request: GenerateRequest, msg: Msg) -> float:
+    """How long the request has been in the cluster, from the later of when its gateway
+    made it (the gateway's clock) and when the stream stored it (the NATS server's): a
+    gateway whose clock runs behind this host's would otherwise age each of its requests by
+    the difference, and past `request_max_age_s` every one was dropped as expired."""
+    stored_at_s = msg.metadata.timestamp.timestamp()
+    return time.time() - max(request.created_at_s, stored_at_s)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import enum
 
+from nats.aio.msg import Msg
+
 from services.conductor import holding
 from shared.errors import WorkerUnavailable
 from shared.logs import get_logger
@@ -86,3 +88,15 @@ async def ask_gateway(nc: NatsClient, request: GenerateRequest) -> StreamStatus 
     except WorkerUnavailable as exc:
         log.info("request.gateway_silent", request_id=request.request_id, error=exc.message)
         return None
+
+
+def span_attributes(request: GenerateRequest, msg: Msg) -> dict[str, int]:
+    """Span attributes of a placement after the first: which attempt of the request (a
+    continuation after a lost worker), and which delivery of it (JetStream's again)."""
+    attributes = {}
+    if request.attempt:
+        attributes["halfmoon.attempt"] = request.attempt
+        attributes["halfmoon.output_offset"] = request.output_offset
+    if msg.metadata.num_delivered > 1:
+        attributes["halfmoon.num_delivered"] = msg.metadata.num_delivered
+    return attributes

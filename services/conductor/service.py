@@ -119,7 +119,7 @@ class ConductorService(Service):
             self.log.warning("request.invalid", error=str(exc))
             await msg.term()
             return
-        if (age_s := _age_s(request, msg)) > self.config.request_max_age_s:
+        if (age_s := holding.age_s(request, msg)) > self.config.request_max_age_s:
             self.log.warning("request.expired", request_id=request.request_id, age_s=age_s)
             await msg.ack()
             return
@@ -132,7 +132,7 @@ class ConductorService(Service):
                               parent=tracing.extract(msg.headers), attributes={
                                   "halfmoon.request_id": request.request_id,
                                   "halfmoon.policy": self.config.policy,
-                                  **_continuation(request, msg)}), \
+                                  **redelivery.span_attributes(request, msg)}), \
                     structlog.contextvars.bound_contextvars(request_id=request.request_id):
                 chosen = await self.placer.place(
                     request, assignment.Progress(delivery=msg.metadata.num_delivered),
@@ -152,7 +152,7 @@ class ConductorService(Service):
             await self._abort(request.request_id, exc.message, attempt=request.attempt,
                               before_delivery=msg.metadata.num_delivered + 1)
             delay_s = holding.retry_delay_s(exc, self.config, self.placer.rules.slo.ttft_s,
-                                            age_s=_age_s(request, msg),
+                                            age_s=holding.age_s(request, msg),
                                             num_delivered=msg.metadata.num_delivered)
             if delay_s is not None:
                 self.log.info("request.held", reason=exc.message)
@@ -302,24 +302,3 @@ class ConductorService(Service):
         if self.prefix_follower is not None:
             with contextlib.suppress(Exception):
                 await self.prefix_follower.stop()
-
-
-def _age_s(request: GenerateRequest, msg: Msg) -> float:
-    """How long the request has been in the cluster, from the later of when its gateway
-    made it (the gateway's clock) and when the stream stored it (the NATS server's): a
-    gateway whose clock runs behind this host's would otherwise age each of its requests by
-    the difference, and past `request_max_age_s` every one was dropped as expired."""
-    stored_at_s = msg.metadata.timestamp.timestamp()
-    return time.time() - max(request.created_at_s, stored_at_s)
-
-
-def _continuation(request: GenerateRequest, msg: Msg) -> dict[str, int]:
-    """Span attributes of a placement after the first: which attempt of the request (a
-    continuation after a lost worker), and which delivery of it (JetStream's again)."""
-    attributes = {}
-    if request.attempt:
-        attributes["halfmoon.attempt"] = request.attempt
-        attributes["halfmoon.output_offset"] = request.output_offset
-    if msg.metadata.num_delivered > 1:
-        attributes["halfmoon.num_delivered"] = msg.metadata.num_delivered
-    return attributes
