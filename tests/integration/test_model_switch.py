@@ -50,8 +50,9 @@ async def cluster(nats_url: str, models_dir: Path
     runner = WorkerRunner(DecodeService(stack.worker_config()))
     async with stack:
         running = asyncio.create_task(runner.run())
+        # Heard from before its start returns: running too, or a command finds it starting.
         await eventually(lambda: len(stack.conductor.workers.healthy("decode", model="alpha"))
-                         == 2, timeout_s=10)
+                         == 2 and runner.service.state is ServiceState.RUNNING, timeout_s=10)
         try:
             yield stack, runner
         finally:
