@@ -46,8 +46,10 @@ class Superseded:
         if delivery > 0:
             self._raise(self._placed, request_id, (attempt, delivery))
 
-    def last_placed(self, request_id: str) -> Mark | None:
-        return self._placed.get(request_id)
+    def replaces(self, request: GenerateRequest, delivery: int) -> bool:
+        """Whether a command for `request` from `delivery` replaces a run taken here from an
+        earlier delivery of its attempt (whose abort is still on its way)."""
+        return is_replaced(self._placed.get(request.request_id), request.attempt, delivery)
 
     def reaches(self, abort: AbortRequest) -> bool:
         """Whether the abort reaches what this worker took of the request: a plain one

@@ -43,7 +43,7 @@ from services.decode.orphans import OrphanFinder
 from services.decode.sent_tokens import SentTokens
 from services.duty import Duty, Handler
 from services.kv_leases import Lease
-from services.superseded import Mark, is_replaced
+from services.superseded import Mark
 from shared import tracing
 from shared.errors import (
     ErrorCode,
@@ -179,7 +179,7 @@ class DecodeDuty(Duty):
         request, marks = message.request, self.worker.superseded
         if (superseded := marks.refusal(request, message.delivery)) is not None:
             return self.worker.refusal(superseded)
-        if is_replaced(marks.last_placed(request.request_id), request.attempt, message.delivery) \
+        if marks.replaces(request, message.delivery) \
                 and request.request_id not in self._reservations:  # a reservation is re-pointed
             self.abort(request.request_id)  # an earlier delivery's run: its abort is on its way
         if (held := self._attempt_held(request.request_id)) is not None \

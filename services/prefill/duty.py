@@ -30,7 +30,7 @@ from opentelemetry import trace
 from engine.protocol import FirstToken, PrefillRequest, PrefillResult
 from services.duty import Duty, Handler
 from services.kv_handoff import HandoffReport, KvStream
-from services.superseded import Mark, is_replaced
+from services.superseded import Mark
 from shared import tracing
 from shared.errors import (
     EngineFailure,
@@ -105,8 +105,7 @@ class PrefillDuty(Duty):
             return self.worker.refusal(superseded)
         if self.is_draining:
             return self.worker.refusal("worker is draining")
-        if is_replaced(marks.last_placed(request.request_id), request.attempt, task.delivery):
-            # An earlier delivery's run, whose abort is on its way: stop it now.
+        if marks.replaces(request, task.delivery):  # stop the earlier delivery's run now
             self.abort(request.request_id, placed_from=(request.attempt, task.delivery))
         if (running := self._in_flight.get(request.request_id)) is not None:
             if running.attempt >= request.attempt:
