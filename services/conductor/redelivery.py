@@ -8,20 +8,25 @@ tokens mixed at the gateway. (A held request, nak'ed on purpose, is delivered ag
 So before placing a delivery after the first, the conductor asks the request's gateway
 (`StreamQuery`), which knows whether a client still waits, which attempt its stream
 follows, whether that placement reached it and how much it has streamed; `next_step`
-decides from the answer (pure, tested without NATS).
+decides from the answer (pure, tested without NATS); `Redeliveries` acts on it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Callable
 
+import nats.errors
 from nats.aio.msg import Msg
 
 from services.conductor import holding
-from shared.errors import WorkerUnavailable
+from services.conductor.placer import Abort, Lapsed
+from shared.errors import ErrorCode, WorkerUnavailable
 from shared.logs import get_logger
-from shared.messages import GenerateRequest, StreamQuery, StreamStatus
-from shared.nats_client import NatsClient, ask_stream_status
+from shared.messages import GenerateRequest, RequestFailed, StreamQuery, StreamStatus
+from shared.metrics import ConductorMetrics
+from shared.nats_client import NatsClient, ask_stream_status, encode
 
 ASK_AGAIN_S = 1.0  # a silent gateway is asked again this much later
 # A gateway answers from memory at once; a fetcher waits this long at most on one gone quiet.
@@ -61,6 +66,48 @@ class HeldHere:
             return False
         del self._ids[request_id]
         return True
+
+
+class Redeliveries:
+    """Settles the deliveries after the first that are not to be placed, and aborts what an
+    earlier placement of those that are may have left."""
+
+    def __init__(self, metrics: ConductorMetrics, abort: Abort) -> None:
+        self.metrics = metrics
+        self.abort = abort
+        self.held = HeldHere()
+
+    async def may_place(self, nc: NatsClient, request: GenerateRequest, msg: Msg,
+                        is_lapsed: Callable[[], bool]) -> bool:
+        """Whether to place this delivery; if not, it is settled here. Raises `Lapsed` when
+        it lapsed while the gateway answered (its abort would reach the next delivery's
+        sides)."""
+        if self.held.take(request.request_id):  # after aborting its sides: none runs
+            self.metrics.deliveries_again.labels("held_here").inc()
+            return True
+        step = Step.PLACE_UNASKED  # a gateway too old to be asked
+        if request.status_subject:
+            status = await ask_gateway(nc, request)
+            step = next_step(status, num_delivered=msg.metadata.num_delivered,
+                             output_offset=request.output_offset)
+            if is_lapsed():
+                raise Lapsed
+        log.info("request.delivered_again", request_id=request.request_id,
+                 num_delivered=msg.metadata.num_delivered, step=step.value)
+        self.metrics.deliveries_again.labels(step.value).inc()
+        if step in (Step.PLACE, Step.DROP, Step.MOVE):  # what an earlier placement left
+            await self.abort(request.request_id, f"delivered again: {step.value}",
+                             attempt=request.attempt, before_delivery=msg.metadata.num_delivered)
+        if step is Step.MOVE:  # naming no worker: never stale
+            with contextlib.suppress(nats.errors.Error):
+                await nc.publish(request.reply_subject, encode(RequestFailed(
+                    request_id=request.request_id, code=ErrorCode.MOVED,
+                    message="placed again after its conductor was lost")))
+        if step is Step.ASK_LATER:
+            await msg.nak(delay=ASK_AGAIN_S)
+        elif step not in (Step.PLACE, Step.PLACE_UNASKED):
+            await msg.ack()
+        return step in (Step.PLACE, Step.PLACE_UNASKED)
 
 
 def next_step(status: StreamStatus | None, *, num_delivered: int, output_offset: int) -> Step:

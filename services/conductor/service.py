@@ -34,10 +34,9 @@ from services.conductor.placer import Lapsed, Placer
 from services.conductor.planning import PlanningLoop
 from services.conductor.prefix_follower import STREAM_CHECK_S, PrefixIndexFollower
 from services.conductor.prefix_index import PrefixIndex
-from services.conductor.redelivery import Step
 from shared import tracing
 from shared.config import ConductorConfig
-from shared.errors import ErrorCode, HalfmoonError, SloViolation
+from shared.errors import HalfmoonError, SloViolation
 from shared.heartbeats import WorkerDirectory
 from shared.messages import (
     AbortRequest,
@@ -67,7 +66,6 @@ class ConductorService(Service):
         self.workers = WorkerDirectory(config.heartbeat_timeout_s,
                                        on_expire=self.prefix_index.forget_worker)
         self.rejections: Counter[str] = Counter()  # by reason (also in the metrics)
-        self._held = redelivery.HeldHere()
         self.intake: RequestIntake | None = None
         self.prefix_follower: PrefixIndexFollower | None = None
         self.planning: PlanningLoop | None = None  # --planner slo
@@ -75,6 +73,7 @@ class ConductorService(Service):
                                         self._dispatch, self.spawn)
         self.placer = Placer(config, self.subjects, self.workers, self.prefix_index,
                              self.model_loader, self.metrics, self._dispatch, self._abort)
+        self.redeliveries = redelivery.Redeliveries(self.metrics, self._abort)
         # Gauges read at scrape time, not kept up to date on every heartbeat.
         for role in ("prefill", "decode"):
             self.metrics.workers.labels(role).set_function(
@@ -123,11 +122,11 @@ class ConductorService(Service):
             self.log.warning("request.expired", request_id=request.request_id, age_s=age_s)
             await msg.ack()
             return
-        if msg.metadata.num_delivered > 1 and \
-                not await self._may_place_again(request, msg, in_hand):
-            return
-        started = time.perf_counter()
         try:
+            if msg.metadata.num_delivered > 1 and not await self.redeliveries.may_place(
+                    self.nc, request, msg, in_hand.is_lapsed):
+                return
+            started = time.perf_counter()
             with tracing.span(__name__, "conductor.schedule",
                               parent=tracing.extract(msg.headers), attributes={
                                   "halfmoon.request_id": request.request_id,
@@ -156,7 +155,7 @@ class ConductorService(Service):
                                             num_delivered=msg.metadata.num_delivered)
             if delay_s is not None:
                 self.log.info("request.held", reason=exc.message)
-                self._held.note(request.request_id)
+                self.redeliveries.held.note(request.request_id)
                 await msg.nak(delay=delay_s)  # JetStream delivers it again then
                 return
             await self._reject(request, exc)
@@ -193,38 +192,6 @@ class ConductorService(Service):
         nak."""
         self.log.warning("request.delivery_lapsed", request_id=request.request_id)
         self.metrics.deliveries_lapsed.inc()
-
-    async def _may_place_again(self, request: GenerateRequest, msg: Msg,
-                               in_hand: InHand) -> bool:
-        """A delivery after the first (`redelivery`): whether to place it; if not, it is
-        settled here (or let go: it lapsed while the gateway answered)."""
-        if self._held.take(request.request_id):  # after aborting its sides: none runs
-            self.metrics.deliveries_again.labels("held_here").inc()
-            return True
-        step = Step.PLACE_UNASKED  # a gateway too old to be asked
-        if request.status_subject:
-            status = await redelivery.ask_gateway(self.nc, request)
-            step = redelivery.next_step(status, num_delivered=msg.metadata.num_delivered,
-                                        output_offset=request.output_offset)
-            if in_hand.is_lapsed():  # its abort would reach the next delivery's sides
-                self._let_go(request)
-                return False
-        self.log.info("request.delivered_again", request_id=request.request_id,
-                      num_delivered=msg.metadata.num_delivered, step=step.value)
-        self.metrics.deliveries_again.labels(step.value).inc()
-        if step in (Step.PLACE, Step.DROP, Step.MOVE):  # what an earlier placement left
-            await self._abort(request.request_id, f"delivered again: {step.value}",
-                              attempt=request.attempt,
-                              before_delivery=msg.metadata.num_delivered)
-        if step is Step.MOVE:  # naming no worker: never stale
-            await self._tell_gateway(request, RequestFailed(
-                request_id=request.request_id, code=ErrorCode.MOVED,
-                message="placed again after its conductor was lost"))
-        if step is Step.ASK_LATER:
-            await msg.nak(delay=redelivery.ASK_AGAIN_S)
-        elif step not in (Step.PLACE, Step.PLACE_UNASKED):
-            await msg.ack()
-        return step in (Step.PLACE, Step.PLACE_UNASKED)
 
     async def _on_replace_decode(self, message: DecodeReplacement) -> DispatchReply:
         """A KV handoff failed after prefill: another decode worker for the same prefill
@@ -268,13 +235,11 @@ class ConductorService(Service):
         if isinstance(error, SloViolation) and self.planning is not None:
             self.planning.slo_rejections.note(request.model, error.role, time.monotonic())
         self.metrics.rejections.labels(reason).inc()
-        await self._tell_gateway(request, RequestFailed(
-            request_id=request.request_id, code=error.code, message=error.message,
-            worker_id=self.instance_id, retry_after_s=error.retry_after_s, param=error.param))
-
-    async def _tell_gateway(self, request: GenerateRequest, failure: RequestFailed) -> None:
         with contextlib.suppress(nats.errors.Error):
-            await self.nc.publish(request.reply_subject, encode(failure))
+            await self.nc.publish(request.reply_subject, encode(RequestFailed(
+                request_id=request.request_id, code=error.code, message=error.message,
+                worker_id=self.instance_id, retry_after_s=error.retry_after_s,
+                param=error.param)))
 
     async def _abort(self, request_id: str, reason: str, worker_id: str = "", *,
                      attempt: int = 0, before_delivery: int = 0) -> None:
