@@ -50,6 +50,15 @@ class Scheduler:
                     return seq
         return None
 
+    def discard(self, seq: Sequence) -> bool:
+        """Take this very sequence out (not another of its request id); whether it was in."""
+        for queue in (self.waiting, self.running):
+            for index, queued in enumerate(queue):
+                if queued is seq:
+                    del queue[index]
+                    return True
+        return False
+
     def schedule(self, now_s: float) -> ScheduledBatch | None:
         if self.waiting and (not self.running or self._is_prefill_due(now_s)):
             return self._prefill_batch()

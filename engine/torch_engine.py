@@ -162,7 +162,9 @@ class TorchEngine:
         self.kv: KvCache | None = None
         self._runner: ModelRunner | None = None
         self._thread: EngineThread | None = None
-        self._prefills: dict[str, asyncio.Future[PrefillResult]] = {}
+        # A prefill's run, by request id: its sequence (a run placed again after an abort
+        # makes a new one) and the future its caller awaits.
+        self._prefills: dict[str, tuple[Sequence, asyncio.Future[PrefillResult]]] = {}
         self._parked: dict[str, Sequence] = {}  # prefilled, KV held until release()
         self._reserved: dict[str, list[int]] = {}
         self._local: set[str] = set()  # colocated requests (generate)
@@ -282,7 +284,7 @@ class TorchEngine:
         if self._thread is not None:
             await self._thread.stop()
             self._thread = None
-        for future in self._prefills.values():
+        for _, future in self._prefills.values():
             if not future.done():
                 future.set_exception(EngineFailure("engine closed"))
         self._prefills.clear()
@@ -301,16 +303,20 @@ class TorchEngine:
         self._check_prompt(request.prompt_token_ids)
         await self.prepare(request.sampling)
         future: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
-        self._prefills[request.request_id] = future
         seq = self._new_sequence(request.request_id, request.prompt_token_ids, request.sampling,
                                  request.output_offset)
         seq.is_prefill_only = True
         seq.on_layer = request.on_layer
+        self._prefills[request.request_id] = (seq, future)
         self._submit(lambda: self._admit(seq))
         try:
             return await future
+        except asyncio.CancelledError:  # its caller gave up on it: stop it, free its blocks
+            self._submit(lambda: self._drop_sequence(seq))
+            raise
         finally:
-            self._prefills.pop(request.request_id, None)
+            if self._prefills.get(request.request_id, (None,))[0] is seq:
+                del self._prefills[request.request_id]  # not a run placed again since
 
     def generate(self, request: PrefillRequest) -> None:
         """Prefill and decode here (colocated): every token, from index 0, comes out of
@@ -408,9 +414,9 @@ class TorchEngine:
         blocks = self._reserved.pop(request_id, None)
         if blocks is not None:
             self.allocator.free(blocks)
-        future = self._prefills.pop(request_id, None)
-        if future is not None and not future.done():
-            future.cancel()
+        run = self._prefills.pop(request_id, None)
+        if run is not None and not run[1].done():
+            run[1].cancel()
         self._submit(lambda: self._drop(request_id))
         return known
 
@@ -533,7 +539,7 @@ class TorchEngine:
             self._attach_grammar(seq)
         except HalfmoonError as exc:
             if seq.is_prefill_only:
-                self._post_prefill_error(seq.request_id, exc)
+                self._post(self._reject_prefill, seq, exc)
             else:
                 self._post(self._outputs.put_nowait,
                            [TokenOutput(seq.request_id, 0, -1, None, error=exc)])
@@ -689,7 +695,7 @@ class TorchEngine:
                 seq.num_cached, time.perf_counter() - seq.compute_started_at, prompt_logprobs,
                 forks=[FirstToken(p.token_id, p.logprob, finish_reason(
                     p.token_id, 1, seq.sampling, self.eos_token_ids)) for p in sampled.forks])
-            self._post(self._resolve_prefill, result)
+            self._post(self._resolve_prefill, seq, result)
             return []
         if reason is not None:
             self.scheduler.remove(seq.request_id)
@@ -746,7 +752,7 @@ class TorchEngine:
             self.scheduler.remove(seq.request_id)
             self.runner.free(seq)
             if seq.is_prefill_only:
-                self._post_prefill_error(seq.request_id, error)
+                self._post(self._reject_prefill, seq, error)
             else:
                 outputs.append(TokenOutput(seq.request_id, seq.num_generated, -1, None,
                                            error=error))
@@ -758,6 +764,15 @@ class TorchEngine:
         if seq is not None:
             self.runner.free(seq)
 
+    def _drop_sequence(self, seq: Sequence) -> None:
+        """Free this run of a request wherever it is, queued or parked; a later run of the
+        same request is not touched."""
+        if self._parked.get(seq.request_id) is seq:
+            del self._parked[seq.request_id]
+        elif not self.scheduler.discard(seq):
+            return
+        self.runner.free(seq)
+
     def _drop(self, request_id: str) -> None:
         seq = self.scheduler.remove(request_id) or self._parked.pop(request_id, None)
         if seq is not None:
@@ -767,25 +782,22 @@ class TorchEngine:
         if self._thread is not None:
             self._thread.post(callback, *args)
 
-    def _post_prefill_error(self, request_id: str, error: HalfmoonError) -> None:
-        self._post(self._reject_prefill, request_id, error)
-
     # Back on the event loop.
-    def _resolve_prefill(self, result: PrefillResult) -> None:
-        future = self._prefills.get(result.request_id)
-        if future is not None and not future.done():
-            future.set_result(result)
-        elif future is None:  # aborted meanwhile
-            self.release(result.request_id)
+    def _resolve_prefill(self, seq: Sequence, result: PrefillResult) -> None:
+        run = self._prefills.get(seq.request_id)
+        if run is not None and run[0] is seq and not run[1].done():
+            run[1].set_result(result)
+        else:  # aborted meanwhile, maybe placed here again since: the result is no one's
+            self._submit(lambda: self._drop_sequence(seq))
 
     def _on_crash(self, exc: BaseException) -> None:
         self._crash = exc
         self._outputs.put_nowait([])
-        for future in self._prefills.values():
+        for _, future in self._prefills.values():
             if not future.done():
                 future.set_exception(EngineFailure(f"engine thread crashed: {exc!r}"))
 
-    def _reject_prefill(self, request_id: str, error: HalfmoonError) -> None:
-        future = self._prefills.get(request_id)
-        if future is not None and not future.done():
-            future.set_exception(error)
+    def _reject_prefill(self, seq: Sequence, error: HalfmoonError) -> None:
+        run = self._prefills.get(seq.request_id)
+        if run is not None and run[0] is seq and not run[1].done():
+            run[1].set_exception(error)

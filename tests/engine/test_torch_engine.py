@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -96,6 +97,43 @@ async def test_abort_mid_decode_frees_every_block(engine: TorchEngine) -> None:
         max_tokens=200, temperature=0.0, ignore_eos=True)))
     await eventually(lambda: engine.stats().num_running == 1)
     assert engine.abort("long")
+    await eventually(lambda: engine.allocator.num_used == 0)
+    check_blocks(engine)
+
+
+async def test_a_prefill_placed_again_while_its_aborted_run_computes_gets_its_own_result(
+        engine: TorchEngine) -> None:
+    """The first run of "p" is cancelled by its caller (an abort) while the engine thread is
+    in its last layer; the request is placed here again before that step ends. The first
+    run's result must not answer the second run, and neither run's blocks may leak."""
+    in_last_layer, go_on = threading.Event(), threading.Event()
+    num_layers = engine.kv_layout().num_layers
+
+    def hold_last_layer(layer: int, block_ids: list[int]) -> None:  # engine thread
+        if layer == num_layers - 1:
+            in_last_layer.set()
+            go_on.wait(10)
+
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    first = asyncio.create_task(engine.prefill(PrefillRequest(
+        "p", PROMPT, params, on_layer=hold_last_layer)))
+    await asyncio.to_thread(in_last_layer.wait, 10)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    layers_of_second: list[int] = []
+
+    def count_layer(layer: int, block_ids: list[int]) -> None:
+        layers_of_second.append(layer)
+
+    second = asyncio.create_task(engine.prefill(PrefillRequest(
+        "p", PROMPT, params, on_layer=count_layer)))
+    await asyncio.sleep(0)  # the second run is registered before the first one's step ends
+    go_on.set()
+    result = await asyncio.wait_for(second, 30)
+    assert layers_of_second == list(range(num_layers))  # computed before it was answered
+    assert engine.allocator.num_used == len(result.block_ids)
+    engine.release("p")
     await eventually(lambda: engine.allocator.num_used == 0)
     check_blocks(engine)
 
