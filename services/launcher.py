@@ -15,6 +15,7 @@ stop in time are killed, and children die with the launcher (PDEATHSIG).
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import secrets
@@ -247,8 +248,8 @@ class Cluster:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
                 body = json.loads(response.read())
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
+        except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):
+            return False  # not up yet; or not a gateway (its port taken): it exits, said above
         models = body.get("models", {})
         return body.get("status") == "ok" and all(
             models.get(name, {}).get("num_prefill_workers", 0) >= self.options.num_prefill

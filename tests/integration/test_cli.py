@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -232,3 +233,32 @@ def test_up_serves_every_model_it_is_given(nats_url: str, tmp_path: Path) -> Non
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
+
+
+def test_up_on_a_port_another_server_holds_says_the_gateway_could_not_start(
+        nats_url: str) -> None:
+    """A gateway port taken by something that is not HTTP (here: bytes back to anything, as a
+    transfer engine's listener answers): `halfmoon up` reports the gateway's exit, not a
+    traceback from its readiness probe."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        squatter.settimeout(0.2)
+        port = squatter.getsockname()[1]
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--nats", nats_url,
+             "--engine", "fake", "--cluster", "cli-squatted"], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + 90
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                connection, _ = squatter.accept()
+            except TimeoutError:
+                continue
+            with connection:
+                connection.sendall(b"\x82\xa4kind\xa8protocol not HTTP\r\n\r\n")
+        output = process.communicate(timeout=30)[0]
+    assert process.returncode != 0
+    assert re.search(r"gateway \(pid \d+\) exited with 1 during start-up", output), output
+    assert "address already in use" in output.lower()
+    assert "BadStatusLine" not in output
