@@ -22,15 +22,20 @@ completions of `--max-tokens` tokens in all; `--fault-at-s` into the load, one f
 `--launch up` (default) starts everything as `halfmoon up --gateways 2` (supervised);
 `--launch processes` starts each service by hand as its own process (2 conductors, 2
 prefill, 2 decode, 2 gateways, no supervisor: a killed process stays dead).
+`--engine torch` (with `--launch up`) runs the built-in model instead of the fake engine,
+and `--long-prompts` sends prompts of 40 to 450 words (about 160 to 1800 tokens of the
+built-in model) instead of short ones, so a fault meets real prefill and KV handoffs.
 
 Columns: requests, completed (200 and exactly the reference text), truncated (200, a prefix
 of it), wrong (200, anything else), errors by HTTP status, missing and duplicated tokens
-(against the reference), KV blocks still used and leases still held once the run is idle
-(leaked), requests placed twice (`twice`: more `placed` events than the gateway placed
-them, from a conductor placing a delivery that was placed already), recovery seconds
-(fault to the first token of a request sent after it), TTFT p99 against the fault-free run.
+(against the reference; bytes of text with the torch engine), KV blocks still used and
+leases still held once the run is idle (leaked), requests placed twice (`twice`: more
+`placed` events than the gateway placed them, from a conductor placing a delivery that was
+placed already), recovery seconds (fault to the first token of a request sent after it),
+TTFT p99 against the fault-free run.
 
     python -m bench.chaos [--scenarios kill-decode,restart-nats] [--requests 48]
+    python -m bench.chaos --engine torch --long-prompts --requests 24
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import secrets
 import signal
 import subprocess
@@ -143,7 +149,7 @@ async def run_load(urls: list[str], prompts: list[str], clients: int, max_tokens
 
 
 class Cluster:
-    """A running halfmoon (2 prefill + 2 decode workers, 2 gateways, fake engine) and a view
+    """A running halfmoon (2 prefill + 2 decode workers, 2 gateways, `--engine`) and a view
     of it from NATS: heartbeats and lease events. Subclasses launch it."""
 
     def __init__(self, args: argparse.Namespace) -> None:
@@ -165,6 +171,8 @@ class Cluster:
 
     @property
     def worker_flags(self) -> list[str]:
+        if self.args.engine == "torch":
+            return ["--engine", "torch", "--log-level", "warning"]
         return ["--engine", "fake", "--fake-token-delay-s", str(self.args.token_delay_s),
                 "--fake-prefill-delay-s", "0.02", "--log-level", "warning"]
 
@@ -403,6 +411,18 @@ def tokens(text: str) -> list[int]:
     return list(text.encode())  # the fake engine's byte tokenizer: one token per byte
 
 
+def make_prompts(args: argparse.Namespace) -> list[str]:
+    if not args.long_prompts:
+        return [f"chaos request {i}: tell me something" for i in range(args.requests)]
+    draw = random.Random(7)  # the same prompts in every scenario
+    return [f"chaos request {i}: " + " ".join(draw.choices(_WORDS, k=draw.randint(40, 450)))
+            for i in range(args.requests)]
+
+
+_WORDS = ("river", "stone", "cloud", "lantern", "harbor", "meadow", "copper", "violet",
+          "winter", "engine", "signal", "garden")
+
+
 def score(scenario: str, outcomes: list[Outcome], reference: dict[str, str],
           cluster: Cluster, fault_at: float) -> Row:
     row = Row(scenario, requests=len(outcomes))
@@ -457,7 +477,7 @@ def print_table(rows: list[Row]) -> None:
 
 
 async def run(args: argparse.Namespace) -> list[Row]:
-    prompts = [f"chaos request {i}: tell me something" for i in range(args.requests)]
+    prompts = make_prompts(args)
     outcomes, cluster, fault_at = await run_scenario("none", args, prompts)
     reference = {o.prompt: o.text for o in outcomes if o.status == 200}
     rows = [score("none", outcomes, reference, cluster, fault_at)]
@@ -482,7 +502,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--settle-s", type=float, default=3.0)
     parser.add_argument("--launch", choices=["up", "processes"], default="up",
                         help="halfmoon up (supervised), or every service started by hand")
+    parser.add_argument("--engine", choices=["fake", "torch"], default="fake",
+                        help="the workers' engine (torch: the built-in model; --launch up)")
+    parser.add_argument("--long-prompts", action="store_true",
+                        help="prompts of 40 to 450 words instead of a few")
     args = parser.parse_args(argv)
+    if args.engine == "torch" and args.launch != "up":
+        parser.error("--engine torch runs with --launch up (its gateways need the model)")
     unknown = set(args.scenarios) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenarios {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
