@@ -411,16 +411,16 @@ def tokens(text: str) -> list[int]:
     return list(text.encode())  # the fake engine's byte tokenizer: one token per byte
 
 
+_WORDS = ("river", "stone", "cloud", "lantern", "harbor", "meadow", "copper", "violet",
+          "winter", "engine", "signal", "garden")
+
+
 def make_prompts(args: argparse.Namespace) -> list[str]:
     if not args.long_prompts:
         return [f"chaos request {i}: tell me something" for i in range(args.requests)]
     draw = random.Random(7)  # the same prompts in every scenario
     return [f"chaos request {i}: " + " ".join(draw.choices(_WORDS, k=draw.randint(40, 450)))
             for i in range(args.requests)]
-
-
-_WORDS = ("river", "stone", "cloud", "lantern", "harbor", "meadow", "copper", "violet",
-          "winter", "engine", "signal", "garden")
 
 
 def score(scenario: str, outcomes: list[Outcome], reference: dict[str, str],
