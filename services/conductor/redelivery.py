@@ -13,11 +13,9 @@ decides from the answer (pure, tested without NATS); `Redeliveries` acts on it.
 
 from __future__ import annotations
 
-import contextlib
 import enum
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
-import nats.errors
 from nats.aio.msg import Msg
 
 from services.conductor import holding
@@ -26,7 +24,7 @@ from shared.errors import ErrorCode, WorkerUnavailable
 from shared.logs import get_logger
 from shared.messages import GenerateRequest, RequestFailed, StreamQuery, StreamStatus
 from shared.metrics import ConductorMetrics
-from shared.nats_client import NatsClient, ask_stream_status, encode
+from shared.nats_client import NatsClient, ask_stream_status
 
 ASK_AGAIN_S = 1.0  # a silent gateway is asked again this much later
 # A gateway answers from memory at once; a fetcher waits this long at most on one gone quiet.
@@ -72,9 +70,12 @@ class Redeliveries:
     """Settles the deliveries after the first that are not to be placed, and aborts what an
     earlier placement of those that are may have left."""
 
-    def __init__(self, metrics: ConductorMetrics, abort: Abort) -> None:
+    def __init__(self, metrics: ConductorMetrics, abort: Abort,
+                 tell_gateway: Callable[[GenerateRequest, RequestFailed], Awaitable[None]]
+                 ) -> None:
         self.metrics = metrics
         self.abort = abort
+        self.tell_gateway = tell_gateway
         self.held = HeldHere()
 
     async def may_place(self, nc: NatsClient, request: GenerateRequest, msg: Msg,
@@ -99,10 +100,9 @@ class Redeliveries:
             await self.abort(request.request_id, f"delivered again: {step.value}",
                              attempt=request.attempt, before_delivery=msg.metadata.num_delivered)
         if step is Step.MOVE:  # naming no worker: never stale
-            with contextlib.suppress(nats.errors.Error):
-                await nc.publish(request.reply_subject, encode(RequestFailed(
-                    request_id=request.request_id, code=ErrorCode.MOVED,
-                    message="placed again after its conductor was lost")))
+            await self.tell_gateway(request, RequestFailed(
+                request_id=request.request_id, code=ErrorCode.MOVED,
+                message="placed again after its conductor was lost"))
         if step is Step.ASK_LATER:
             await msg.nak(delay=ASK_AGAIN_S)
         elif step not in (Step.PLACE, Step.PLACE_UNASKED):

@@ -73,7 +73,8 @@ class ConductorService(Service):
                                         self._dispatch, self.spawn)
         self.placer = Placer(config, self.subjects, self.workers, self.prefix_index,
                              self.model_loader, self.metrics, self._dispatch, self._abort)
-        self.redeliveries = redelivery.Redeliveries(self.metrics, self._abort)
+        self.redeliveries = redelivery.Redeliveries(self.metrics, self._abort,
+                                                    self._tell_gateway)
         # Gauges read at scrape time, not kept up to date on every heartbeat.
         for role in ("prefill", "decode"):
             self.metrics.workers.labels(role).set_function(
@@ -235,11 +236,13 @@ class ConductorService(Service):
         if isinstance(error, SloViolation) and self.planning is not None:
             self.planning.slo_rejections.note(request.model, error.role, time.monotonic())
         self.metrics.rejections.labels(reason).inc()
+        await self._tell_gateway(request, RequestFailed(
+            request_id=request.request_id, code=error.code, message=error.message,
+            worker_id=self.instance_id, retry_after_s=error.retry_after_s, param=error.param))
+
+    async def _tell_gateway(self, request: GenerateRequest, failure: RequestFailed) -> None:
         with contextlib.suppress(nats.errors.Error):
-            await self.nc.publish(request.reply_subject, encode(RequestFailed(
-                request_id=request.request_id, code=error.code, message=error.message,
-                worker_id=self.instance_id, retry_after_s=error.retry_after_s,
-                param=error.param)))
+            await self.nc.publish(request.reply_subject, encode(failure))
 
     async def _abort(self, request_id: str, reason: str, worker_id: str = "", *,
                      attempt: int = 0, before_delivery: int = 0) -> None:
