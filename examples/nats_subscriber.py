@@ -93,7 +93,10 @@ async def watch(url: str, cluster: str, window_s: float, duration_s: float | Non
             print(f"skipped a malformed event on {msg.subject}: {exc!r}", file=sys.stderr)
 
     await nc.subscribe(f"halfmoon.{cluster}.v1.events.request.>", cb=on_event)
-    await nc.flush()  # subscribed at the server before the first report
+    # Subscribed at the server before the first report. Twice: nats-py's flush() sends its
+    # PING ahead of a SUB it still holds, so one PONG does not promise the subscription.
+    await nc.flush()
+    await nc.flush()
     is_terminal = sys.stdout.isatty()
     started = time.monotonic()
     try:

@@ -24,6 +24,7 @@ from services.conductor.intake import InHand
 from services.gateway.tokenizer import ByteTokenizer
 from shared.errors import WorkerUnavailable
 from shared.messages import GatewayEvent, RequestEvent, RequestPlaced, TokenBatch
+from shared.nats_client import subscribed
 from tests.stack import Stack, eventually
 
 pytestmark = pytest.mark.e2e
@@ -82,7 +83,7 @@ async def tap(stack: Stack) -> AsyncIterator[tuple[Counter[str], Counter[str], C
 
     await nc.subscribe(stack.gateway.subjects.gateway(stack.gateway.gateway_id), cb=on_event)
     await nc.subscribe(stack.gateway.subjects.all_request_events, cb=on_lifecycle)
-    await nc.flush()
+    await subscribed(nc)
     try:
         yield tokens, kinds, firsts
     finally:

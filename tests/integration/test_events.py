@@ -14,6 +14,7 @@ import nats
 import pytest
 
 from shared.messages import RequestEvent
+from shared.nats_client import subscribed
 from tests.stack import Stack, eventually
 
 pytestmark = pytest.mark.e2e
@@ -35,7 +36,7 @@ async def subscriber(stack: Stack) -> AsyncIterator[list[RequestEvent]]:
         events.append(decoder.decode(msg.data))
 
     await nc.subscribe(stack.gateway.subjects.all_request_events, cb=on_message)
-    await nc.flush()  # the server has the subscription before any request is sent
+    await subscribed(nc)  # the server has the subscription before any request is sent
     try:
         yield events
     finally:

@@ -23,6 +23,7 @@ from services.conductor.intake import ACK_WAIT_S
 from services.gateway.tokenizer import HfTokenizer
 from shared.config import ConductorConfig
 from shared.messages import DecodeReservation
+from shared.nats_client import subscribed
 from shared.subjects import Subjects
 from tests.integration.test_cli import free_port
 from tests.integration.test_torch_stack import reference_tokens
@@ -97,7 +98,7 @@ async def test_sigkilled_decode_worker_is_replaced_mid_stream(
             reserved.append(worker_id)
 
         await observer.subscribe(subjects.decode_reserve(worker_id), cb=seen)
-    await observer.flush()
+    await subscribed(observer)
     try:
         await asyncio.to_thread(wait_healthy, f"http://127.0.0.1:{port}", 2)
         async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",

@@ -24,7 +24,7 @@ from services.worker import PrefillService
 from shared.block_hash import block_hashes
 from shared.errors import TransferFailed
 from shared.messages import KvTarget, PrefixFetch, RequestEvent, SamplingParams
-from shared.nats_client import fetch_prefix
+from shared.nats_client import fetch_prefix, subscribed
 from tests.stack import Stack, eventually
 
 pytestmark = pytest.mark.e2e
@@ -132,7 +132,7 @@ async def test_kv_quantized_on_the_wire_lands_dequantized_in_decode(
 
     subscription = await stack.gateway.nc.subscribe(
         stack.gateway.subjects.request_event("kv_committed"), cb=on_event)
-    await stack.gateway.nc.flush()
+    await subscribed(stack.gateway.nc)
     tokenizer = HfTokenizer(tiny_dir)
     outputs = await complete_all(stack, tokenizer)
     await eventually(lambda: len(committed) == len(PROMPTS))

@@ -11,6 +11,7 @@ import nats
 import pytest
 
 from shared.messages import KvLeaseEvent
+from shared.nats_client import subscribed
 from tests.stack import Stack, eventually
 
 pytestmark = pytest.mark.e2e
@@ -31,7 +32,7 @@ async def test_a_prompt_queued_longer_than_the_kv_timeout_keeps_its_reservation(
             events.append(decoder.decode(msg.data))
 
         await nc.subscribe(stack.gateway.subjects.all_kv_lease_events, cb=on_event)
-        await nc.flush()
+        await subscribed(nc)
         try:
             status, body = await stack.post("/v1/completions", {
                 "model": MODEL, "prompt": "a long wait", "max_tokens": 4})

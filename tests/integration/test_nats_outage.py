@@ -14,7 +14,7 @@ from nats.aio.msg import Msg
 from engine.fake_engine import fake_completion
 from services.gateway.tokenizer import ByteTokenizer
 from shared.heartbeats import WorkerDirectory
-from shared.nats_client import ServerProbe, connect, read_registry
+from shared.nats_client import ServerProbe, connect, read_registry, subscribed
 from shared.nats_server import EmbeddedNatsServer
 from tests.stack import Stack
 from tests.unit.test_placement import worker
@@ -132,7 +132,7 @@ async def test_the_server_probe_hears_a_stalled_server_again_and_breaks_nothing(
 
         await nc.subscribe("probe.after", cb=receive)
         await nc.publish("probe.after", b"still reading")
-        await asyncio.wait_for(nc.flush(), 2.0)
+        await subscribed(nc, 2)
         assert received == [b"still reading"]
     finally:
         await nc.close()
@@ -198,7 +198,7 @@ async def test_a_stalled_registry_put_holds_up_no_heartbeat(nats_url: str) -> No
 
         subscription = await stack.conductor.nc.subscribe(
             stack.conductor.subjects.heartbeat("decode", decode.worker_id), cb=count)
-        await stack.conductor.nc.flush()
+        await subscribed(stack.conductor.nc)
         await asyncio.sleep(2.0)
         await subscription.unsubscribe()
         assert len(beats) >= 3, beats  # every 0.5 s, not one per stalled put

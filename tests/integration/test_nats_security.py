@@ -21,7 +21,7 @@ from shared.config import NatsAuth
 from shared.errors import ConfigError
 from shared.messages import RoleChange
 from shared.nats_auth import NatsUser, authorization_conf, new_nkey_seed, role_users
-from shared.nats_client import auth_options, connect, dispatch
+from shared.nats_client import auth_options, connect, dispatch, subscribed
 from shared.nats_server import EmbeddedNatsServer
 from shared.subjects import Subjects
 from tests.certs import CertFiles, TestCA
@@ -207,7 +207,7 @@ async def test_a_gateway_cannot_subscribe_to_another_gateways_tokens(
         delivered.append(message.data)
 
     await clients["gateway-1"].subscribe(SUBJECTS.gateway("gateway-0"), cb=on_message)
-    await clients["gateway-1"].flush()
+    await subscribed(clients["gateway-1"])
     await eventually(lambda: any(
         f'permissions violation for subscription to "{SUBJECTS.gateway("gateway-0")}"' in e
         for e in errors))
