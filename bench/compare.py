@@ -36,11 +36,12 @@ from pathlib import Path
 
 from bench import planner_compare
 from bench.client import RequestRecord
-from bench.control_path import free_port, launch
+from bench.control_path import launch
 from bench.results import Slo, Summary, summarize
 from bench.serve import add_workload_flags, benchmark, build_workload
 from bench.utilization import UtilizationProbe, WorkerUtilization
 from bench.workload import BenchRequest
+from shared.nats_server import free_port
 
 SETUPS = ("colocated", "disaggregated")
 ATTAINMENT_TARGET = 0.9

@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ from dataclasses import asdict, dataclass
 import aiohttp
 
 from bench.results import percentile
+from shared.nats_server import free_port
 
 MODEL = "halfmoon-tiny"
 
@@ -94,12 +94,6 @@ async def run_level(url: str, concurrency: int, duration_s: float, max_tokens: i
         ttft_p50_ms=1000 * percentile(ttfts, 0.5), ttft_p99_ms=1000 * percentile(ttfts, 0.99),
         e2e_p50_ms=1000 * percentile(e2es, 0.5),
     )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def launch(*up_args: str, logs: list[str] | None = None, env: dict[str, str] | None = None

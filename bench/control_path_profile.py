@@ -31,7 +31,8 @@ from typing import Any
 import aiohttp
 from oteltap import OtelTapHttpProtobufReceiver, OtelTapHttpProtobufReceiverSettings
 
-from bench.control_path import MODEL, free_port, launch
+from bench.control_path import MODEL, launch
+from shared.nats_server import free_port
 
 HOPS = ("client -> gateway", "gateway -> conductor", "conductor -> prefill", "prefill",
         "prefill -> gateway", "gateway -> client")

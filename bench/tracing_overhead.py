@@ -38,8 +38,9 @@ from pathlib import Path
 
 import rotel
 
-from bench.control_path import LevelResult, free_port, launch, run_level
+from bench.control_path import LevelResult, launch, run_level
 from bench.process_cpu import stack_cpu_s
+from shared.nats_server import free_port
 
 ROTEL_AGENT = Path(rotel.__file__).parent / "rotel-agent"  # the collector's binary
 

@@ -37,10 +37,12 @@ def find_nats_server() -> Path:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now (another process may take it before it is used)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port free on `host` now, for a listener started later, drawn below the kernel's
+    ephemeral range (`free_ports`). Not one bound to port 0 and closed: that is the range
+    every port-0 listener (a worker's transfer engine) and outgoing connection takes from,
+    and one of them took such a port before its listener was up (a benchmark failed to
+    start, "address already in use")."""
+    return free_ports(1, host)
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> int:

@@ -14,15 +14,11 @@ from pathlib import Path
 import openai
 import pytest
 
+from shared.nats_server import free_port
+
 pytestmark = pytest.mark.e2e
 
 MODEL = "halfmoon-tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def children_of(pid: int) -> set[int]:

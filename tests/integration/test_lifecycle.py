@@ -17,6 +17,7 @@ from services.gateway.service import GatewayService
 from services.worker import DecodeService, PrefillService
 from shared.config import ConductorConfig, GatewayConfig, WorkerConfig, load_config
 from shared.errors import ServiceStartFailed
+from shared.nats_server import free_port
 from shared.service import Service, ServiceState
 from tests.stack import Stack, eventually
 
@@ -64,9 +65,7 @@ async def test_start_is_refused_after_stop(nats_url: str, kind: str) -> None:
 
 @pytest.mark.parametrize("kind", sorted(FACTORIES))
 async def test_stop_after_failed_start_leaves_nothing_behind(kind: str) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        dead_url = f"nats://127.0.0.1:{probe.getsockname()[1]}"
+    dead_url = f"nats://127.0.0.1:{free_port()}"
     before = own_tasks()
     service = FACTORIES[kind](dead_url, "life")
     with pytest.raises(ServiceStartFailed, match="cannot reach NATS"):

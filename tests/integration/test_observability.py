@@ -23,9 +23,10 @@ from opentelemetry.trace import StatusCode
 from oteltap import OtelTapHttpProtobufReceiver, OtelTapHttpProtobufReceiverSettings
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.control_path import free_port, launch
+from bench.control_path import launch
 from shared import tracing
 from shared.lean_tracer import LeanTracerProvider
+from shared.nats_server import free_port
 from tests.integration.test_events import subscriber
 from tests.stack import Stack, eventually
 
