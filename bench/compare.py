@@ -148,6 +148,13 @@ def run_one(args: argparse.Namespace, setup: str, load: float,
     return replace(run, setup=setup, load=load)
 
 
+def in_turns(setups: Sequence[str], repeat: int) -> list[str]:
+    """Each setup `repeat` times, in turns: first to last, then last to first, so that drift
+    over the whole run falls on every setup alike."""
+    return [setup for turn in range(repeat)
+            for setup in (setups if turn % 2 == 0 else setups[::-1])]
+
+
 def run_row(run: Run) -> str:
     s = run.summary
     return (f"{run.setup:>13} {run.load:5.2f} {s.num_ok:5d} {s.num_rejected + s.num_errors:4d} "
@@ -244,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--splits", default=None,
                         help="with --planner: the static splits' prefill counts, e.g. 2,4,6 "
                              "(default: every one, 1 .. workers - 1)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="with --planner: run every setup this many times, in turns, "
+                             "and compare mean goodputs")
     parser.add_argument("--models", default=None,
                         help="sim: serve these profiles (comma-separated), the workers split "
                              "evenly between them (give each phase its model: --phase "
@@ -270,9 +280,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     requests = build_workload(args)
     slo = Slo(args.slo_ttft_ms, args.slo_itl_ms)
     setups = planner_compare.planner_setups(args) if args.planner else args.setups.split(",")
+    if args.repeat < 1 or (args.repeat > 1 and not args.planner):
+        raise SystemExit("--repeat: how many runs of each setup (1 or more), with --planner")
     runs = []
     for load in (float(x) for x in args.loads.split(",")):
-        for setup in setups:
+        for setup in in_turns(setups, args.repeat):
             runs.append(run_one(args, setup, load, requests, slo))
             print(f"{RUN_HEADER}\n{run_row(runs[-1])}", file=sys.stderr, flush=True)
     print(RUN_HEADER)

@@ -1,5 +1,5 @@
 """`halfmoon bench compare --planner`: the planner against every static split, same workers,
-same seeded load, in one run.
+same seeded load, in one run (`--repeat N`: N runs of each).
 
     halfmoon bench compare --engine sim --workers 8 --prefill 4 --planner --time-scale 20 \\
         --rate 40 --phase 2048:32:200 --phase 256:512:200 --range-ratio 0.5 \\
@@ -12,8 +12,12 @@ time), so admission is alike and only the planner differs. The planner's hold, c
 calm before homecoming are given in the device's time (`--planner-hold-s`,
 `--planner-cooldown-s`, `--planner-home-after-s`) and stretched by the time scale, as every
 other time is. Prints each setup's goodput and the planner's against the best static split
-and colocated; with `--out`, `planner.json`, the split over time (`planner_split.png`) and
-the latency CDFs of the planner against the best static split.
+and colocated. With `--repeat N` every setup runs N times, in turns (first to last, then last
+to first), and setups compare by their mean goodput: the best static split is then the one
+best on average, not the luckiest of several single runs (a maximum of noisy figures is
+biased upwards, against the planner). With `--out`: `planner.json`, the split over time
+(`planner_split.png`) and the latency CDFs of the planner against the best static split (of
+each setup's first run).
 """
 
 from __future__ import annotations
@@ -75,26 +79,45 @@ def goodput_table(runs: list[Run]) -> str:
                      f"{run.num_migrated:6d}")
     for load in sorted({r.load for r in runs}):
         planner, best, colocated = _contenders(runs, load)
-        if planner is None or best is None:
+        if not planner or not best:
             continue
-        goodput = planner.summary.goodput_requests_per_s
-        lines.append(f"load {load:g}: planner goodput {goodput:.2f} req/s = "
-                     f"{goodput / max(1e-9, best.summary.goodput_requests_per_s):.2f}x the "
-                     f"best static split ({best.setup}: "
-                     f"{best.summary.goodput_requests_per_s:.2f})"
-                     + (f", {goodput / max(1e-9, colocated.summary.goodput_requests_per_s):.2f}x"
-                        f" colocated ({colocated.summary.goodput_requests_per_s:.2f})"
-                        if colocated is not None else ""))
+        goodput = mean_goodput(planner)
+        line = (f"load {load:g}: planner goodput {_goodputs(planner)} req/s = "
+                f"{goodput / max(1e-9, mean_goodput(best)):.2f}x the best static split "
+                f"({best[0].setup}: {_goodputs(best)})")
+        if colocated:
+            line += (f", {goodput / max(1e-9, mean_goodput(colocated)):.2f}x colocated "
+                     f"({_goodputs(colocated)})")
+        if len(planner) == len(best) > 1:
+            line += "; run by run: " + ", ".join(
+                f"{mean_goodput([p]) / max(1e-9, mean_goodput([b])):.2f}x"
+                for p, b in zip(planner, best, strict=True))
+        lines.append(line)
     return "\n".join(lines)
 
 
-def _contenders(runs: list[Run], load: float) -> tuple[Run | None, Run | None, Run | None]:
-    """The planner's run at `load`, the best static split's, colocated's."""
-    at_load = [r for r in runs if r.load == load]
-    static = [r for r in at_load if "+" in r.setup]
-    best = max(static, key=lambda r: r.summary.goodput_requests_per_s, default=None)
-    return (next((r for r in at_load if r.setup == PLANNER), None), best,
-            next((r for r in at_load if r.setup == "colocated"), None))
+def mean_goodput(runs: list[Run]) -> float:
+    return sum(r.summary.goodput_requests_per_s for r in runs) / len(runs)
+
+
+def _goodputs(runs: list[Run]) -> str:
+    """One run's goodput, or the mean of several and each."""
+    if len(runs) == 1:
+        return f"{mean_goodput(runs):.2f}"
+    return (f"{mean_goodput(runs):.2f}, the mean of "
+            + " ".join(f"{r.summary.goodput_requests_per_s:.2f}" for r in runs))
+
+
+def _contenders(runs: list[Run], load: float) -> tuple[list[Run], list[Run], list[Run]]:
+    """At `load`: the planner's runs, those of the static split best on average (with
+    `--repeat`, not the one luckiest run), colocated's; each setup's in the order run."""
+    by_setup: dict[str, list[Run]] = {}
+    for run in runs:
+        if run.load == load:
+            by_setup.setdefault(run.setup, []).append(run)
+    static = [setup_runs for setup, setup_runs in by_setup.items() if "+" in setup]
+    return (by_setup.get(PLANNER, []), max(static, key=mean_goodput, default=[]),
+            by_setup.get("colocated", []))
 
 
 def split_over_time(run: Run) -> list[tuple[float, int]]:
@@ -145,20 +168,27 @@ def write_outputs(out: Path, runs: list[Run], args: argparse.Namespace,
     from bench import plots
 
     out.mkdir(parents=True, exist_ok=True)
+    seen: Counter[tuple[str, float]] = Counter()
+    repeats = {}  # each run's place among its setup's runs at its load (0 for the first)
+    for run in runs:
+        repeats[id(run)] = seen[run.setup, run.load]
+        seen[run.setup, run.load] += 1
     written = [out / "planner.json"]
     written[0].write_text(json.dumps({
         "settings": {k: str(v) for k, v in vars(args).items()},
         "num_requests": len(requests),
-        "runs": [{"setup": r.setup, "load": r.load, "summary": r.summary.to_dict(),
+        "runs": [{"setup": r.setup, "load": r.load, "repeat": repeats[id(r)],
+                  "summary": r.summary.to_dict(),
                   "mean_utilization": r.mean_utilization,
                   "utilization": [asdict(w) for w in r.utilization],
                   "num_migrated": r.num_migrated,
                   "split_over_time": split_over_time(r),
                   "models_over_time": models_over_time(r)} for r in runs]}, indent=1))
     for load in sorted({r.load for r in runs}):
-        planner, best, _ = _contenders(runs, load)
-        if planner is None:
+        planner_runs, best_runs, _ = _contenders(runs, load)
+        if not planner_runs:
             continue
+        planner = planner_runs[0]  # the plots show each setup's first run
         written.append(plots.split_over_time(
             split_over_time(planner), args.workers, out / f"planner_split_load{load:g}.png",
             phase_starts=phase_starts(args, load), title=f"planner, load {load:g}"))
@@ -167,7 +197,8 @@ def write_outputs(out: Path, runs: list[Run], args: argparse.Namespace,
                 models_over_time(planner), args.workers,
                 out / f"planner_models_load{load:g}.png",
                 phase_starts=phase_starts(args, load), title=f"planner, load {load:g}"))
-        if best is not None:
+        if best_runs:
+            best = best_runs[0]
             written.append(plots.latency_cdfs(
                 [(PLANNER, planner.records), (best.setup, best.records)],
                 out / f"planner_latency_cdf_load{load:g}.png", title=f"load {load:g}"))

@@ -44,8 +44,8 @@ async def test_compare_with_the_planner_runs_every_setup_and_plots_the_split(
     out = capsys.readouterr().out
     assert "planner goodput" in out and "the best static split (2+1" in out
     runs = json.loads((tmp_path / "planner.json").read_text())["runs"]
-    assert [(r["setup"], r["summary"]["num_ok"]) for r in runs] == [
-        ("colocated", 20), ("2+1", 20), ("planner", 20)]
+    assert [(r["setup"], r["repeat"], r["summary"]["num_ok"]) for r in runs] == [
+        ("colocated", 0, 20), ("2+1", 0, 20), ("planner", 0, 20)]
     assert [r["num_migrated"] for r in runs[:-1]] == [0, 0]  # no stream moved, none lost
     planner = runs[-1]
     assert planner["split_over_time"][-1][1] >= 1  # prefill workers at the end, at least one

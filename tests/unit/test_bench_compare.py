@@ -3,7 +3,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from bench.client import RequestRecord
-from bench.compare import Run, at_load, in_device_time, ratio_table, reference_load
+from bench.compare import Run, at_load, in_device_time, in_turns, ratio_table, reference_load
+from bench.planner_compare import goodput_table
 from bench.results import Slo, summarize
 from bench.utilization import WorkerUtilization
 from bench.workload import BenchRequest
@@ -69,3 +70,21 @@ def test_the_planners_timelines_count_workers_per_role_and_model_to_the_runs_end
     assert split_over_time(planner) == [(0.0, 1), (2.0, 2), (10.0, 2)]
     assert models_over_time(planner) == [(0.0, {"a": 1, "b": 1}), (3.0, {"a": 2}),
                                          (10.0, {"a": 2})]
+
+
+def test_with_repeats_the_planner_is_compared_with_the_split_best_on_average() -> None:
+    # Goodput is num_ok / 10 s. 6+2 has the one best run (1.0) but 7+1 the best mean.
+    goodputs = {"colocated": [5, 5], "6+2": [10, 5], "7+1": [8, 9], "planner": [10, 7]}
+    runs = [run(setup, 3, 0.1, 0.01, 0.5, num_ok=ok)
+            for repeat in range(2) for setup, oks in goodputs.items() for ok in [oks[repeat]]]
+    (summary,) = [row for row in goodput_table(runs).splitlines() if row.startswith("load 3")]
+    assert summary == ("load 3: planner goodput 0.85, the mean of 1.00 0.70 req/s = 1.00x the "
+                       "best static split (7+1: 0.85, the mean of 0.80 0.90), 1.70x colocated "
+                       "(0.50, the mean of 0.50 0.50); run by run: 1.25x, 0.78x")
+
+
+def test_repeated_setups_run_in_turns_back_and_forth() -> None:
+    assert in_turns(["colocated", "7+1", "planner"], 3) == [
+        "colocated", "7+1", "planner", "planner", "7+1", "colocated",
+        "colocated", "7+1", "planner"]
+    assert in_turns(["a", "b"], 1) == ["a", "b"]
