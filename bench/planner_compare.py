@@ -169,7 +169,7 @@ def write_outputs(out: Path, runs: list[Run], args: argparse.Namespace,
 
     out.mkdir(parents=True, exist_ok=True)
     seen: Counter[tuple[str, float]] = Counter()
-    repeats = {}  # each run's place among its setup's runs at its load (0 for the first)
+    repeats: dict[int, int] = {}  # a run's place among its setup's runs at its load
     for run in runs:
         repeats[id(run)] = seen[run.setup, run.load]
         seen[run.setup, run.load] += 1
