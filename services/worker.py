@@ -348,7 +348,12 @@ class WorkerService(Service):
         """Publish the heartbeat and keep it as this worker's registry entry, from which a
         new conductor or gateway builds its view before the next heartbeat arrives."""
         payload = encode(self.heartbeat())
-        await self.nc.publish(self.subjects.heartbeat(self.role, self.worker_id), payload)
+        # Also on the subject of a role it is leaving, while it finishes the work it took
+        # there: a decode worker holding KV for this worker's queued prefills hears prefill
+        # heartbeats only, and took a worker moved to decode for lost four intervals later,
+        # dropping those reservations (the requests were placed and prefilled again).
+        for role in dict.fromkeys([self.role, *self._duties]):
+            await self.nc.publish(self.subjects.heartbeat(role, self.worker_id), payload)
         if self._registry is not None and self._registry_put is None:
             # Beside the heartbeat, never before the next one: while the bucket's leader
             # moves (a NATS node lost) a put waits seconds, and heartbeats held up behind it

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats
+import nats.aio.msg
 import openai
 import pytest
 
@@ -25,12 +27,13 @@ from shared.messages import (
     DispatchReply,
     GenerateRequest,
     KvTarget,
+    RequestEvent,
     RoleChange,
     SamplingParams,
     WorkerHeartbeat,
     WorkerRole,
 )
-from shared.nats_client import dispatch, encode
+from shared.nats_client import dispatch, encode, subscribed
 from tests.stack import Stack, eventually
 
 pytestmark = pytest.mark.e2e
@@ -117,6 +120,36 @@ async def test_the_new_role_takes_work_at_once_while_the_old_role_finishes(
         text = await long
         assert text == TOKENIZER.decode(fake_completion(TOKENIZER.encode("a long one"), None, 60))
         await eventually(lambda: decode_duty not in decode.duties, timeout_s=5)  # retired
+
+
+async def test_a_worker_moved_from_prefill_finishes_its_prefill_for_the_decode_worker_waiting(
+        nats_url: str) -> None:
+    """Its prefill outlasts four heartbeat intervals after the move. The decode worker that
+    holds the request's KV reservation keeps it: the moved worker heartbeats as prefill too
+    while its prefill work lasts. So the request is placed and prefilled once."""
+    stack = Stack(nats_url, worker={"fake_prefill_s_per_token": 0.05})  # 40 tokens: 2 s
+    async with stack, openai.AsyncOpenAI(base_url=stack.base_url, api_key="x",
+                                         max_retries=0) as sdk:
+        prefill, prompt = stack.prefills[0], "x" * 40
+        events = await nats.connect(stack.nats_url)
+        kinds: list[str] = []
+
+        async def on_event(msg: nats.aio.msg.Msg) -> None:
+            kinds.append(msgspec.json.decode(msg.data, type=RequestEvent).kind)
+
+        await events.subscribe(stack.gateway.subjects.all_request_events, cb=on_event)
+        await subscribed(events)
+        (prefills_heard,) = stack.decodes[0].duty.worker_views()
+        await eventually(lambda: prefills_heard.is_alive(prefill.worker_id))
+        try:
+            request = asyncio.create_task(stream_one(sdk, prompt, 4))
+            await eventually(lambda: not prefill.duty.is_idle(), timeout_s=5)
+            assert (await change_role(stack, prefill, "decode")).is_accepted
+            text = await request
+        finally:
+            await events.close()
+    assert text == TOKENIZER.decode(fake_completion(TOKENIZER.encode(prompt), None, 4))
+    assert kinds.count("placed") == 1 and "migrated" not in kinds, kinds
 
 
 async def test_role_changes_sent_together_apply_in_order(nats_url: str) -> None:
