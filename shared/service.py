@@ -262,7 +262,10 @@ class Service(abc.ABC):
                 reply = self.refusal(f"internal error: {exc!r}")
             if msg.reply and reply is not None:
                 with contextlib.suppress(Exception):
-                    await msg.respond(encode(reply))
+                    # Not `msg.respond`: it sends the request's headers back with the reply
+                    # (its trace context, which no requester reads), a header block built
+                    # and parsed again on every traced command.
+                    await self.nc.publish(msg.reply, encode(reply))
 
         return await self.nc.subscribe(subject, queue=queue, cb=callback)
 

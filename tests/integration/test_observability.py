@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
+import nats
 import pytest
 import rotel
 from opentelemetry.sdk.trace import ReadableSpan
@@ -26,6 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.control_path import launch
 from shared import tracing
 from shared.lean_tracer import LeanTracerProvider
+from shared.messages import StreamQuery, StreamStatus
+from shared.nats_client import encode
 from shared.nats_server import free_port
 from tests.integration.test_events import subscriber
 from tests.stack import Stack, eventually
@@ -173,6 +177,25 @@ async def test_with_tracing_off_no_span_is_made_and_no_header_sent(stack: Stack)
     status, _ = await stack.post("/v1/completions", {"model": MODEL, "prompt": "hi",
                                                      "max_tokens": 2})
     assert status == 200
+
+
+async def test_a_traced_commands_reply_comes_back_without_its_headers(
+        spans: InMemorySpanExporter, stack: Stack) -> None:
+    """`msg.respond` would send the command's headers (its trace context) back with the
+    reply: a header block built and parsed again on every traced hop, read by no one."""
+    nc = await nats.connect(stack.nats_url)
+    try:
+        with tracing.span(__name__, "test.command"):
+            headers = tracing.inject()
+        assert headers is not None and "traceparent" in headers
+        reply = await nc.request(stack.gateway.subjects.gateway_status(stack.gateway.gateway_id),
+                                 encode(StreamQuery(request_id="cmpl-none", attempt=0)),
+                                 timeout=5, headers=headers)
+    finally:
+        await nc.close()
+    assert reply.headers is None
+    status = msgspec.json.decode(reply.data, type=StreamStatus)
+    assert not status.is_open
 
 
 async def scrape(url: str) -> dict[str, float]:
