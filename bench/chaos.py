@@ -61,6 +61,7 @@ import nats
 
 from bench.control_path import MODEL
 from shared.messages import KvLeaseEvent, RequestEvent, WorkerHeartbeat
+from shared.nats_client import subscribed
 from shared.nats_server import EmbeddedNatsServer, free_ports
 from shared.subjects import Subjects
 
@@ -229,6 +230,7 @@ class Cluster:
         await self._nc.subscribe(subjects.all_heartbeats, cb=on_heartbeat)
         await self._nc.subscribe(subjects.all_request_events, cb=on_request_event)
         await self._nc.subscribe(subjects.all_kv_lease_events, cb=on_lease)
+        await subscribed(self._nc)  # a lease granted from now on is counted
 
     def placed_twice(self) -> int:
         """Requests placed more often than the gateway placed them (a conductor placing a

@@ -17,6 +17,7 @@ import msgspec
 import nats
 
 from shared.messages import WorkerHeartbeat
+from shared.nats_client import subscribed
 from shared.subjects import Subjects
 
 
@@ -48,6 +49,7 @@ class UtilizationProbe:
         self._nc = await nats.connect(self.nats_url)
         await self._nc.subscribe(self.subjects.all_heartbeats, cb=self._on_heartbeat)
         await self._nc.subscribe(self.subjects.request_event("migrated"), cb=self._on_migrated)
+        await subscribed(self._nc)
 
     async def close(self) -> None:
         if self._nc is not None:
