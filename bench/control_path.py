@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 import aiohttp
 
 from bench.results import percentile
+from shared.child_process import die_with_parent
 from shared.nats_server import free_port
 
 MODEL = "halfmoon-tiny"
@@ -100,12 +101,14 @@ def launch(*up_args: str, logs: list[str] | None = None, env: dict[str, str] | N
            ) -> tuple[subprocess.Popen[str], str]:
     """`halfmoon up` with these flags (and `env`: e.g. `HALFMOON_<FLAG>` settings for every
     service) on a free port, once it is up; its services' log lines are collected into
-    `logs` when given."""
+    `logs` when given. It ends with this process, however that ends (a benchmark killed
+    mid-run leaves no stack behind)."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--port", str(port), *up_args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE if logs is not None else None,
         text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        preexec_fn=die_with_parent,
     )
     assert process.stdout is not None
     if logs is not None:

@@ -10,7 +10,9 @@ import signal
 def die_with_parent() -> None:
     """In the child, before exec: get SIGTERM if the parent dies (Linux; elsewhere nothing).
     Children started in sessions of their own are out of reach of the terminal's signals, so
-    this is what ends them when the parent is killed."""
+    this is what ends them when the parent is killed. Linux sends it when the *thread* that
+    started the child ends: start a child from a thread that outlives it (the main thread, or
+    an executor's, which lives as long as its event loop)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         pr_set_pdeathsig = 1
