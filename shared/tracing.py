@@ -1,10 +1,10 @@
 """OpenTelemetry tracing: process set-up, context over NATS and the transfer engine, spans.
 
 One trace per request: the gateway's span is the root; its context rides in the headers of
-every NATS message about the request (W3C `traceparent`, through OpenTelemetry's global
-propagator, never hand-built; trace context alone unless `OTEL_PROPAGATORS` says more) and
-in the transfer engine's notification that ends a KV handoff, so each service's spans join
-it.
+the NATS messages that hand the request on (into the request stream, each command to a
+worker, the KV commit; W3C `traceparent`, through OpenTelemetry's global propagator, never
+hand-built; trace context alone unless `OTEL_PROPAGATORS` says more), never in a reply, so
+each service's spans join it. A header block is most of what tracing costs a request.
 
 Set-up, once per process (`configure_tracing`), from the service config, which falls back to
 the standard `OTEL_*` variables:
