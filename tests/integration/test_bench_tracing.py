@@ -1,5 +1,5 @@
-"""The tracing benchmark runs end to end, small: both stacks (fresh per window, or live),
-the collector, the summary."""
+"""The tracing benchmarks run end to end, small: both stacks (fresh per window, or live),
+the collector, the summary; and the one-process cost of each part of tracing."""
 
 from __future__ import annotations
 
@@ -32,3 +32,17 @@ def test_tracing_overhead_prints_both_modes_and_their_ratio(flags: list[str],
            if line.split() and line.split()[0] in ("gateway", "decode", "all")}
     assert set(cpu) == {"gateway", "decode", "all"}  # CPU per request, each mode and delta
     assert float(cpu["all"][0]) > float(cpu["gateway"][0]) > 0
+
+
+@pytest.mark.parametrize("variant", ["on", "drop", "ratio0", "header", "noheader"])
+def test_tracing_cost_prints_each_windows_cpu_and_the_difference(variant: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.tracing_cost", "--variant", variant, "--rounds", "2",
+         "--requests", "10", "--concurrency", "2", "--max-tokens", "4"],
+        capture_output=True, text=True, timeout=110, check=True)
+    windows = {line.split()[0]: [float(v) for v in line.split(":")[1].split()]
+               for line in done.stdout.splitlines() if "by window:" in line}
+    assert set(windows) == {"off", variant}
+    assert all(len(values) == 2 and min(values) > 0 for values in windows.values())
+    assert re.search(rf"^{variant} - off: [+-]\d+ us per request on \d+ \(\d\.\d{{3}}x\)",
+                     done.stdout, re.MULTILINE)
