@@ -38,7 +38,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased, TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from bench.control_path import MODEL
+from bench.control_path import one_request
 from shared import span_encoding, tracing
 from shared.lean_tracer import LeanTracerProvider
 from shared.logs import configure_logging
@@ -83,23 +83,14 @@ def take_headers_apart(variant: str) -> None:
         tracing.extract = lambda headers: None
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, i: int, max_tokens: int
-                      ) -> None:
-    body = {"model": MODEL, "prompt": f"benchmark prompt {i}", "max_tokens": max_tokens,
-            "stream": True}
-    async with session.post(f"{url}/completions", json=body) as response:
-        response.raise_for_status()
-        async for _ in response.content:
-            pass
-
-
 async def window(session: aiohttp.ClientSession, url: str, args: argparse.Namespace) -> float:
-    """CPU microseconds per request over one window."""
+    """CPU microseconds per request over one window (the clients' own included, the same
+    in every mode: `bench.control_path`'s streamed requests)."""
     numbers = iter(range(args.requests))
 
     async def client() -> None:
         for i in numbers:
-            await one_request(session, url, i, args.max_tokens)
+            await one_request(session, url, args.max_tokens, i)
 
     started = time.process_time()
     await asyncio.gather(*(client() for _ in range(args.concurrency)))
@@ -115,7 +106,7 @@ async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
     per_request: dict[str, list[float]] = {"off": [], args.variant: []}
     try:
         async with Stack(server.url) as stack, aiohttp.ClientSession() as session:
-            await window(session, stack.base_url, args)  # warm-up
+            await window(session, stack.gateway.url, args)  # warm-up
             for round_ in range(args.rounds):
                 order = ("off", args.variant) if round_ % 2 == 0 else (args.variant, "off")
                 for mode in order:
@@ -123,7 +114,7 @@ async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
                         tracing.uninstall()
                     else:
                         tracing.install(provider)
-                    per_request[mode].append(await window(session, stack.base_url, args))
+                    per_request[mode].append(await window(session, stack.gateway.url, args))
                     provider.force_flush()
     finally:
         tracing.uninstall()
