@@ -20,8 +20,12 @@ Workers move from the role with room to the more pressed role when that stayed s
 load spread over more workers); above the low mark, while it would still be the more pressed
 of the two after the move (balancing: the move cannot flip back). Either way only as far as
 the giving role stays below `high` with the workers fewer (else the move would only move the
-problem). `high` is a share of the SLO below 1: the planner acts before admission starts
-rejecting. Sizing a move at once, rather than a worker a cooldown apart, and balancing below
+problem). Balancing weighs compute: decode's step time and batch, not its KV pool (a pool
+60 % full slows nothing; on the Mooncake trace a lone decode worker of long contexts so full
+took a worker from a prefill role that needed it, and gave it back seconds later). Over the
+high mark, a filling pool counts in full.
+`high` is a share of the SLO below 1: the planner acts before admission starts rejecting.
+Sizing a move at once, rather than a worker a cooldown apart, and balancing below
 the high mark matter for a load that changes faster than the cooldown: on the Mooncake trace
 the planner that moved one worker only over the high mark reached its split after most of
 the bursts that needed it, and at 2x the trace's rate sometimes never moved.
@@ -74,6 +78,7 @@ class Split:
     decode: list[WorkerHeartbeat]
     prefill_pressure: float
     decode_pressure: float
+    decode_compute_pressure: float = 0.0  # its step's and batch's shares, not its pool's
 
 
 @dataclass(frozen=True)
@@ -105,11 +110,14 @@ def prefill_pressure(worker: WorkerHeartbeat, rules: PlannerRules) -> float:
 
 
 def decode_pressure(worker: WorkerHeartbeat, rules: PlannerRules) -> float:
+    return max(decode_compute_pressure(worker, rules), kv_used_share(worker))
+
+
+def decode_compute_pressure(worker: WorkerHeartbeat, rules: PlannerRules) -> float:
     step = worker.decode_step_s / rules.tbt_slo_s if rules.tbt_slo_s else 0.0
     # Running sequences only: a decode worker's waiting requests are reservations whose
-    # prefill is queued (a prefill backlog, not decode load; their KV counts below).
-    occupancy = worker.num_running / max(1, worker.max_batch_size)
-    return max(step, kv_used_share(worker), occupancy)
+    # prefill is queued (a prefill backlog, not decode load; their KV counts in the pool).
+    return max(step, worker.num_running / max(1, worker.max_batch_size))
 
 
 def kv_used_share(worker: WorkerHeartbeat) -> float:
@@ -146,12 +154,15 @@ def splits(workers: list[WorkerHeartbeat], rules: PlannerRules,
     for model in sorted(by_model):
         prefill = [w for w in by_model[model] if w.role == "prefill"]
         decode = [w for w in by_model[model] if w.role == "decode"]
+        decode_floor = 1.0 if (model, "decode") in rejected else 0.0
         found.append(Split(
             model, prefill, decode,
             prefill_pressure=max(_mean([prefill_pressure(w, rules) for w in prefill]),
                                  1.0 if (model, "prefill") in rejected else 0.0),
             decode_pressure=max(_mean([decode_pressure(w, rules) for w in decode]),
-                                1.0 if (model, "decode") in rejected else 0.0)))
+                                decode_floor),
+            decode_compute_pressure=max(
+                _mean([decode_compute_pressure(w, rules) for w in decode]), decode_floor)))
     return found
 
 
@@ -188,7 +199,9 @@ class Planner:
         n_p, n_d = len(split.prefill), len(split.decode)
         if not n_p or not n_d:
             return []  # a role without workers: nothing to balance against
-        to_prefill = self._spared(p, n_p, d, n_d) if p >= d else 0
+        # Prefill's pressure is all compute; decode's balances without its pool.
+        d_compute = split.decode_compute_pressure
+        to_prefill = self._spared(p, p, n_p, d, d_compute, n_d)
         if self._held(split.model, "prefill pressed", to_prefill > 0, now_s):
             # Borrowed prefill workers first, then those holding least: they drain soonest
             # (reservations wait for their prefill).
@@ -198,7 +211,7 @@ class Planner:
             return [Move(w.worker_id, "decode", "prefill",
                          f"prefill pressure {p:.2f} of its SLO, decode {d:.2f}", split)
                     for w in movers]
-        to_decode = self._spared(d, n_d, p, n_p) if d > p else 0
+        to_decode = self._spared(d, d_compute, n_d, p, p, n_p) if not to_prefill else 0
         if self._held(split.model, "decode pressed", to_decode > 0, now_s):
             movers = sorted(split.prefill, key=lambda w: (w.home_role != "decode",
                                                           w.num_waiting_tokens,
@@ -211,25 +224,27 @@ class Planner:
             return [move] if (move := _homecoming(split, rules)) else []
         return []
 
-    def _spared(self, pressure: float, num_workers: int, giving_pressure: float,
-                num_giving: int) -> int:
-        """Workers to move to a role at `pressure` over `num_workers` from one at
-        `giving_pressure` over `num_giving`: over the high mark, enough to bring it to the
-        middle of the marks; above the low mark, while it would still be the more pressed
-        of the two after the move. As many as the giving role spares while it keeps a
-        worker and stays below the high mark."""
+    def _spared(self, pressure: float, compute: float, num_workers: int,
+                giving_pressure: float, giving_compute: float, num_giving: int) -> int:
+        """Workers to move to a role at `pressure` (`compute`: its compute part) over
+        `num_workers` from one at `giving_pressure` (`giving_compute`) over `num_giving`:
+        over the high mark, enough to bring it to the middle of the marks; with its compute
+        above the low mark, while that would still be the higher of the two after the move.
+        As many as the giving role spares while it keeps a worker and stays below the high
+        mark."""
         rules = self.rules
         if pressure <= rules.low:
             return 0
         middle = (rules.high + rules.low) / 2
         count = 0
         while num_giving - count > 1:
-            giving_after = giving_pressure * num_giving / (num_giving - count - 1)
+            fewer = num_giving / (num_giving - count - 1)
+            more = num_workers / (num_workers + count + 1)
             still_over = pressure > rules.high \
                 and pressure * num_workers / (num_workers + count) > middle
-            still_more_pressed = pressure * num_workers / (num_workers + count + 1) \
-                > giving_after
-            if giving_after >= rules.high or not (still_over or still_more_pressed):
+            still_more_pressed = compute > rules.low \
+                and compute * more > giving_compute * fewer
+            if giving_pressure * fewer >= rules.high or not (still_over or still_more_pressed):
                 break
             count += 1
         return count

@@ -93,9 +93,10 @@ def test_a_full_kv_pool_moves_the_least_queued_prefill_worker_to_decode() -> Non
 
 def test_a_move_takes_as_many_workers_as_the_pressed_role_needs_and_the_giver_spares() -> None:
     # Prefill at 1.5 of its SLO over 2 workers wants 4 more to reach the marks' middle
-    # (0.55); decode, its pools a quarter full over 4 workers, spares 2 (0.25 * 4 / 2 = 0.5)
-    # and not 3 (0.25 * 4 / 1 = 1.0, over the 0.8 mark).
-    decode = [worker(f"d{i}", "decode", num_running=i, used_blocks=25) for i in range(4)]
+    # (0.55); decode, its pools a quarter full and its steps a quarter of its SLO over 4
+    # workers, spares 2 (0.25 * 4 / 2 = 0.5) and not 3 (0.25 * 4 / 1 = 1.0, over 0.8).
+    decode = [worker(f"d{i}", "decode", num_running=i, used_blocks=25, decode_step_s=0.025)
+              for i in range(4)]
     workers = [worker("p1", "prefill", queued_tokens=1500),
                worker("p2", "prefill", queued_tokens=1500), *decode]
     moves = decide_over(Planner(RULES), workers, 3)
@@ -104,6 +105,24 @@ def test_a_move_takes_as_many_workers_as_the_pressed_role_needs_and_the_giver_sp
     workers = [worker("p1", "prefill", queued_tokens=810),
                worker("p2", "prefill", queued_tokens=810), *decode]
     assert len(decide_over(Planner(RULES), workers, 3)) == 1
+
+
+def test_below_the_high_mark_a_filling_pool_alone_moves_no_worker() -> None:
+    # Seven prefill workers at 0.22 of their SLO, one decode worker whose pool is 59 % full
+    # and whose steps take 0.2 of theirs (a lone decode worker of long contexts): balancing
+    # weighs compute, and decode's is under the low mark. Before, the 0.59 took a prefill
+    # worker (0.59 / 2 against 0.22 * 7 / 6), and the planner gave it back seconds later.
+    prefill = [worker(f"p{i}", "prefill", queued_tokens=220) for i in range(7)]
+    workers = [*prefill, worker("d", "decode", used_blocks=59)]
+    assert decide_over(Planner(RULES), workers, 3) == []
+    # Its batch 60 % full is compute: a worker moves.
+    workers = [*prefill, worker("d", "decode", used_blocks=59, num_running=38)]
+    (move,) = decide_over(Planner(RULES), workers, 3)
+    assert move.to_role == "decode"
+    # So are its steps at 0.6 of their SLO.
+    workers = [*prefill, worker("d", "decode", used_blocks=59, decode_step_s=0.06)]
+    (move,) = decide_over(Planner(RULES), workers, 3)
+    assert move.to_role == "decode"
 
 
 def test_below_the_high_mark_workers_move_while_the_role_stays_the_more_pressed() -> None:
