@@ -206,7 +206,7 @@ class _LayerStream:
             for _ in range(self._layout.num_layers):
                 pending.append(await self._layers.get())
                 if self._is_layerwise or len(pending) == self._layout.num_layers:
-                    if self._span is None and tracing.is_enabled():
+                    if self._span is None and tracing.is_traced():
                         self._span = tracing.tracer(__name__).start_span("kv.transfer")
                     await self._write(pending, target, remote)
                     pending = []

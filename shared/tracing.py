@@ -5,6 +5,11 @@ the NATS messages that hand the request on (into the request stream, each comman
 worker, the KV commit; W3C `traceparent`, through OpenTelemetry's global propagator, never
 hand-built; trace context alone unless `OTEL_PROPAGATORS` says more), never in a reply, so
 each service's spans join it. A header block is most of what tracing costs a request.
+Only a sampled request carries context (`inject`), and past the gateway a request's spans
+are made only under a sampled context that arrived with it (`continued_span`, `is_traced`),
+never as roots of their own: at a sampling ratio below 1 the requests not sampled cost no
+header block and no span anywhere, and leave no stray fragments of traces. (A peer from
+before this rule sends flags 00 instead: the same decision, at the old cost.)
 
 Set-up, once per process (`configure_tracing`), from the service config, which falls back to
 the standard `OTEL_*` variables:
@@ -127,9 +132,25 @@ class _CurrentSpan:
             self._span.end()
 
 
+def is_traced(ctx: otel_context.Context | None = None) -> bool:
+    """Whether `ctx`'s span (else the current one) belongs to a sampled trace."""
+    return _provider is not None and \
+        trace.get_current_span(ctx).get_span_context().trace_flags.sampled
+
+
+def continued_span(scope: str, name: str, parent: otel_context.Context | None = None,
+                   **kwargs: Any) -> contextlib.AbstractContextManager[Any]:
+    """`span`, for a request handed on by another service: made only under a sampled
+    trace (`parent`'s, else the current one), never a root; else a no-op."""
+    if not is_traced(parent):
+        return _NO_SPAN
+    return _CurrentSpan(tracer(scope).start_span(name, context=parent, **kwargs))
+
+
 def inject() -> dict[str, str] | None:
-    """Headers carrying the current trace context; None when tracing is off."""
-    if _provider is None:
+    """Headers carrying the current trace context; None when tracing is off or the
+    current trace is not sampled (the receivers then make no span for it)."""
+    if not is_traced():
         return None
     carrier: dict[str, str] = {}
     propagate.inject(carrier)

@@ -128,11 +128,11 @@ class ConductorService(Service):
                     self.nc, request, msg, in_hand.is_lapsed):
                 return
             started = time.perf_counter()
-            with tracing.span(__name__, "conductor.schedule",
-                              parent=tracing.extract(msg.headers), attributes={
-                                  "halfmoon.request_id": request.request_id,
-                                  "halfmoon.policy": self.config.policy,
-                                  **redelivery.span_attributes(request, msg)}), \
+            with tracing.continued_span(__name__, "conductor.schedule",
+                                        parent=tracing.extract(msg.headers), attributes={
+                                            "halfmoon.request_id": request.request_id,
+                                            "halfmoon.policy": self.config.policy,
+                                            **redelivery.span_attributes(request, msg)}), \
                     structlog.contextvars.bound_contextvars(request_id=request.request_id):
                 chosen = await self.placer.place(
                     request, assignment.Progress(delivery=msg.metadata.num_delivered),

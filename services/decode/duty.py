@@ -100,7 +100,7 @@ class DecodeSpans:
         self._open: dict[str, tuple[Span, bool]] = {}  # request id -> (span, first step seen)
 
     def start(self, request_id: str, worker_id: str, lease: Lease | None = None) -> None:
-        if not tracing.is_enabled():
+        if not tracing.is_traced():
             return
         stream = tracing.tracer(__name__).start_span("decode.stream", attributes={
             "halfmoon.request_id": request_id, "halfmoon.worker": worker_id})

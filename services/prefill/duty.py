@@ -196,7 +196,7 @@ class PrefillDuty(Duty):
                     KvLeaseRenewal(prefill_worker_id=self.worker_id, request_ids=request_ids)))
 
     async def _run(self, request: GenerateRequest, source: PrefixSource | None) -> None:
-        with tracing.span(__name__, "prefill.request", attributes={
+        with tracing.continued_span(__name__, "prefill.request", attributes={
                 "halfmoon.request_id": request.request_id, "halfmoon.worker": self.worker_id,
                 "halfmoon.prompt_tokens": len(request.prompt_token_ids)}), \
                 structlog.contextvars.bound_contextvars(request_id=request.request_id):
@@ -238,7 +238,7 @@ class PrefillDuty(Duty):
         started = time.perf_counter()
         layers: list[tuple[int, float]] = []  # (layer, when it completed), when tracing
         on_layer = stream.on_layer
-        if tracing.is_enabled():
+        if tracing.is_traced():
             def on_layer(layer: int, block_ids: list[int]) -> None:  # engine thread
                 layers.append((layer, time.perf_counter()))
                 if stream.on_layer is not None:
@@ -361,7 +361,7 @@ class PrefillDuty(Duty):
         self.metrics.queue_time.observe(done - started - compute_s)
         self.metrics.prefill_seconds.observe(done - started)
         self.metrics.observe_prompt(len(request.prompt_token_ids), result.num_cached_tokens)
-        if not tracing.is_enabled():
+        if not tracing.is_traced():
             return
         span = trace.get_current_span()
         span.set_attributes({

@@ -60,7 +60,7 @@ class PrefixSharing:
                     ) -> int:
         """Fetch the prompt's cached blocks this worker lacks from `source` into its own
         prefix cache; return how many blocks arrived (0 when the fetch failed)."""
-        with tracing.span(__name__, "prefix.fetch", attributes={
+        with tracing.continued_span(__name__, "prefix.fetch", attributes={
                 "halfmoon.holder": source.worker_id}) as span:
             num_blocks, outcome = await self._fetch(request_id, prompt_token_ids, source)
             self.metrics.prefix_fetches.labels(outcome).inc()

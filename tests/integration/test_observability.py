@@ -21,6 +21,7 @@ import rotel
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import Decision, ParentBased, Sampler, SamplingResult
 from opentelemetry.trace import StatusCode
 from oteltap import OtelTapHttpProtobufReceiver, OtelTapHttpProtobufReceiverSettings
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,7 +30,7 @@ from bench.control_path import launch
 from shared import tracing
 from shared.lean_tracer import LeanTracerProvider
 from shared.messages import StreamQuery, StreamStatus
-from shared.nats_client import encode
+from shared.nats_client import encode, subscribed
 from shared.nats_server import free_port
 from tests.integration.test_events import subscriber
 from tests.stack import Stack, eventually
@@ -177,6 +178,48 @@ async def test_with_tracing_off_no_span_is_made_and_no_header_sent(stack: Stack)
     status, _ = await stack.post("/v1/completions", {"model": MODEL, "prompt": "hi",
                                                      "max_tokens": 2})
     assert status == 200
+
+
+class DeclineTheGateway(Sampler):
+    """Samples every root but the gateway's: a request the gateway did not sample would
+    show any span made for it elsewhere, as a root of its own."""
+
+    def should_sample(self, parent_context: Any, trace_id: int, name: str, kind: Any = None,
+                      attributes: Any = None, links: Any = None,
+                      trace_state: Any = None) -> SamplingResult:
+        return SamplingResult(Decision.DROP if name == "gateway.request"
+                              else Decision.RECORD_AND_SAMPLE)
+
+    def get_description(self) -> str:
+        return "DeclineTheGateway"
+
+
+async def test_a_request_not_sampled_carries_no_context_and_leaves_no_span(
+        stack: Stack) -> None:
+    exporter = InMemorySpanExporter()
+    provider = LeanTracerProvider(sampler=ParentBased(DeclineTheGateway()))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    nc = await nats.connect(stack.nats_url)
+    carried: list[str] = []
+
+    async def on_message(msg: nats.aio.msg.Msg) -> None:
+        if msg.headers and "traceparent" in msg.headers:
+            carried.append(msg.subject)
+
+    await nc.subscribe(">", cb=on_message)
+    await subscribed(nc)
+    tracing.install(provider)
+    try:
+        status, body = await stack.post("/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                            "max_tokens": 3})
+        assert status == 200, body
+        await nc.flush()
+        await asyncio.sleep(0.2)  # a span of its own would have ended with the stream
+    finally:
+        tracing.uninstall()
+        await nc.close()
+    assert carried == []  # no header block on the stream, the command or the KV commit
+    assert exporter.get_finished_spans() == ()  # and no service started a trace of its own
 
 
 async def test_a_traced_commands_reply_comes_back_without_its_headers(
