@@ -4,7 +4,7 @@ One trace per request: the gateway's span is the root; its context rides in the 
 the NATS messages that hand the request on (into the request stream, each command to a
 worker, the KV commit; W3C `traceparent`, through OpenTelemetry's global propagator, never
 hand-built; trace context alone unless `OTEL_PROPAGATORS` says more), never in a reply, so
-each service's spans join it. A header block is most of what tracing costs a request.
+each service's spans join it. The header blocks are a part of what tracing costs a request.
 Only a sampled request carries context (`inject`), and past the gateway a request's spans
 are made only under a sampled context that arrived with it (`continued_span`, `is_traced`),
 never as roots of their own: at a sampling ratio below 1 the requests not sampled cost no
