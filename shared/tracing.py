@@ -142,9 +142,7 @@ def continued_span(scope: str, name: str, parent: otel_context.Context | None = 
                    **kwargs: Any) -> contextlib.AbstractContextManager[Any]:
     """`span`, for a request handed on by another service: made only under a sampled
     trace (`parent`'s, else the current one), never a root; else a no-op."""
-    if not is_traced(parent):
-        return _NO_SPAN
-    return _CurrentSpan(tracer(scope).start_span(name, context=parent, **kwargs))
+    return span(scope, name, parent, **kwargs) if is_traced(parent) else _NO_SPAN
 
 
 def inject() -> dict[str, str] | None:

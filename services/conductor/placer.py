@@ -151,7 +151,7 @@ class Placer:
         """Metrics, and the decision with its inputs on the schedule span."""
         self.metrics.placements.labels(self.config.policy, chosen.path,
                                        "true" if chosen.source else "false").inc()
-        if tracing.is_enabled():
+        if tracing.is_traced():
             trace.get_current_span().set_attributes(
                 assignment.describe(chosen, prefix, num_candidates))
 
