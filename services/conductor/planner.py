@@ -78,7 +78,7 @@ class Split:
     decode: list[WorkerHeartbeat]
     prefill_pressure: float
     decode_pressure: float
-    decode_compute_pressure: float = 0.0  # its step's and batch's shares, not its pool's
+    decode_compute_pressure: float  # its step's and batch's shares, not its pool's
 
 
 @dataclass(frozen=True)

@@ -217,6 +217,7 @@ async def test_a_request_not_sampled_carries_no_context_and_leaves_no_span(
         await asyncio.sleep(0.2)  # a span of its own would have ended with the stream
     finally:
         tracing.uninstall()
+        provider.shutdown()
         await nc.close()
     assert carried == []  # no header block on the stream, the command or the KV commit
     assert exporter.get_finished_spans() == ()  # and no service started a trace of its own
