@@ -4,11 +4,13 @@ A random-weight Llama (default: hidden 1024, 16 layers, vocab 32000, about 250 M
 in bfloat16 on the CPU. Prints prefill tokens/s at each prompt length, decode tokens/s at each
 batch size (prompt 128, `--decode-tokens` new tokens), each with transformers' figure and the
 ratio, and decode at batch 1 as a fraction of the memory-bandwidth limit (weight bytes per
-step over measured copy bandwidth). The "before" column is the same engine with the
-`--before` attention backend (default `reference`: the per-sequence loop the engine ran
-before one batched call per layer), measured in the same run.
+step over measured copy bandwidth, the weights counted in the dtype the engine holds them
+in). The "before" column is the same engine with the `--before` attention backend (default
+`reference`: the per-sequence loop the engine ran before one batched call per layer) and
+`--before-weights`, measured in the same run.
 
     python -m bench.engine_throughput --prompts 512,2048 --batches 1,8,32
+    python -m bench.engine_throughput --before torch --before-weights plain  # CPU weights
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 
 from engine.attention import BACKENDS
+from engine.linear import policy_for
 from engine.protocol import PrefillRequest
 from engine.torch_engine import EngineOptions, TorchEngine
 from shared.messages import SamplingParams
@@ -123,18 +126,21 @@ async def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         hf = make_model(Path(tmp), args)
         params = sum(p.numel() for p in hf.parameters())
-        engines = {}
-        for backend in (args.attention_backend, args.before):
-            engines[backend] = TorchEngine(EngineOptions(
+        engines = []
+        for backend, weights in ((args.attention_backend, args.cpu_weights),
+                                 (args.before, args.before_weights or args.cpu_weights)):
+            engines.append(TorchEngine(EngineOptions(
                 model_dir=Path(tmp), dtype=args.torch_dtype, attention_backend=backend,
-                num_blocks=args.num_blocks, block_size=16, max_batch_size=64,
-                max_batch_tokens=4096, max_wait_s=0.0, is_prefix_caching=False))
-            await engines[backend].start()
-        ours, before = engines[args.attention_backend], engines[args.before]
+                cpu_weights=weights, num_blocks=args.num_blocks, block_size=16,
+                max_batch_size=64, max_batch_tokens=4096, max_wait_s=0.0,
+                is_prefix_caching=False)))
+            await engines[-1].start()
+        ours, before = engines
         try:
             print(f"model: {params / 1e6:.0f} M parameters, {args.dtype}, "
                   f"{torch.get_num_threads()} threads; attention {args.attention_backend}, "
-                  f"before {args.before}")
+                  f"CPU weights {args.cpu_weights}; before: attention {args.before}, CPU "
+                  f"weights {args.before_weights or args.cpu_weights}")
             for engine in (ours, before):
                 await ours_prefill(engine, 64, 999)  # warm-up
             hf_prefill(hf, 64, 999)
@@ -149,7 +155,7 @@ async def run(args: argparse.Namespace) -> None:
                              await ours_decode(before, batch, args.decode_tokens, i),
                              hf_decode(hf, batch, args.decode_tokens, i)))
         finally:
-            for engine in engines.values():
+            for engine in engines:
                 await engine.close()
     print(f"{'workload':<18} {'halfmoon tok/s':>15} {'before tok/s':>13} "
           f"{'transformers tok/s':>19} {'vs transformers':>16} {'vs before':>10}")
@@ -157,7 +163,9 @@ async def run(args: argparse.Namespace) -> None:
         print(f"{name:<18} {now:>15.1f} {then:>13.1f} {theirs:>19.1f} "
               f"{now / theirs:>15.2f}x {now / then:>9.2f}x")
     bandwidth = copy_bandwidth_gbs()
-    weight_bytes = params * torch.tensor([], dtype=args.torch_dtype).element_size()
+    policy = policy_for(torch.device("cpu"), args.torch_dtype, args.cpu_weights)
+    held = policy.packed_dtype if policy is not None and policy.packed_dtype else args.torch_dtype
+    weight_bytes = params * torch.tensor([], dtype=held).element_size()
     limit = bandwidth * 1e9 / weight_bytes
     batch1 = next((now for name, now, _, _ in rows if name == "decode batch 1"), None)
     print(f"memory bandwidth (copy, read + write) {bandwidth:.1f} GB/s; weights "
@@ -179,6 +187,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--attention-backend", choices=BACKENDS[1:], default="torch")
     parser.add_argument("--before", choices=BACKENDS[1:], default="reference")
+    parser.add_argument("--cpu-weights", choices=["packed", "plain"], default="packed")
+    parser.add_argument("--before-weights", choices=["packed", "plain"], default=None,
+                        help="the before engine's CPU weights (default: --cpu-weights)")
     args = parser.parse_args()
     args.torch_dtype = getattr(torch, args.dtype)
     asyncio.run(run(args))

@@ -32,7 +32,7 @@ import torch
 
 from engine.attention import AttentionMetadata, SequenceSlice, TorchAttention
 from engine.kv_cache import KvCache
-from engine.linear import linear, policy_for
+from engine.linear import Linear, policy_for
 from engine.model_config import ModelConfig
 from engine.protocol import DecodeRequest, PrefillRequest
 from engine.sim_cost import Accelerator, SimProfile
@@ -67,19 +67,26 @@ def measure_matmul_curve(config: ModelConfig, rows: tuple[int, ...] = (1, 4, 16,
     shapes = [(q_out, config.hidden_size), (config.hidden_size, config.num_heads * config.head_dim),
               (2 * config.intermediate_size, config.hidden_size),
               (config.hidden_size, config.intermediate_size)]
-    weights = [torch.randn(out, inp) for _ in range(config.num_layers) for out, inp in shapes]
     policy = policy_for(torch.device("cpu"), torch.float32)
+    weights = []
+    for _ in range(config.num_layers):
+        for out, inp in shapes:
+            layer = Linear(inp, out, bias=False)
+            layer.weight.data.normal_()
+            layer.set_policy(policy)  # prepacked where the engine prepacks
+            weights.append(layer)
     curve = []
     for num_rows in rows:
-        inputs = {w.shape[1]: torch.randn(num_rows, w.shape[1]) for w in weights}
+        inputs = {w.in_features: torch.randn(num_rows, w.in_features) for w in weights}
 
         def layers(inputs: dict[int, torch.Tensor] = inputs) -> None:
-            for w in weights:
-                linear(inputs[w.shape[1]], w, None, policy)
+            with torch.inference_mode():
+                for w in weights:
+                    w(inputs[w.in_features])
 
         layers()
         seconds = min(_timed(layers) for _ in range(3))
-        flops = sum(2 * num_rows * w.numel() for w in weights)
+        flops = sum(2 * num_rows * w.in_features * w.out_features for w in weights)
         curve.append((num_rows, flops / seconds))
     return tuple(curve)
 

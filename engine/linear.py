@@ -8,12 +8,19 @@ Measured facts about CPU GEMMs, which the engine works around on CPU only (CUDA 
   plain row-major weight (a 2-core Sapphire Rapids VM, 1024 -> 5632: 378 -> 259 us at 1
   token, 470 -> 284 at 32, 2405 -> 1851 at 512), with bit-identical outputs. The weight is
   prepacked when the model is loaded and the plain copy freed (no second copy in memory).
-* Without bf16 units (a 2-core AMD EPYC, AVX2, MKL) bf16 GEMMs run several times slower than
-  fp32 (17 vs 101 GFLOP/s at 512 x 1024 x 2816). When a step carries many tokens (prefill,
-  big decode batches) the weight is upcast on the fly, 1024 output columns at a time (each
-  slice is multiplied while it is still in cache), in fp32; the result is cast back, so
-  storage, KV and outputs stay bf16. Below 16 tokens the upcast costs more than it saves and
-  the bf16 kernel runs.
+* Without bf16 units (a 2-core AMD EPYC, AVX2) bf16 GEMMs run several times slower than
+  fp32 (17 vs 101 GFLOP/s at 512 x 1024 x 2816), and MKL's fp32 GEMM is slow at few rows
+  (it repacks the weight on every call). oneDNN's fp32 kernel on a weight prepacked once
+  runs at the memory system's speed there: the linear layers of one 1024-wide Llama layer
+  plus its vocabulary head took 11.3 ms at 8 rows against 35.9 (MKL fp32) and 42.8 (bf16),
+  28.1 at 32 rows against 49.7, 6.3 at 1 row against 6.2 (bf16); from 512 rows up MKL's
+  fp32 won by 0-15 %. So both fp32 and bf16 weights are held as fp32 in oneDNN's layout
+  there (`--cpu-weights packed`, the default; `plain` keeps them as loaded): a bf16 model's
+  linear weights take twice the memory and its GEMMs run in fp32 (inputs upcast, outputs
+  cast back: storage, KV and outputs stay bf16).
+* Where that prepacking is not available (a torch build without oneDNN), a bf16 weight is
+  upcast on the fly when a step carries many tokens, 1024 output columns at a time (each
+  slice is multiplied while it is still in cache); below 16 tokens the bf16 kernel runs.
 * Wide outputs (fused gate/up, the vocabulary head) with several rows run 1.1-1.5x faster as
   1024-column slices of the weight than as one GEMM (no copies: slices are views).
 """
@@ -35,7 +42,9 @@ CHUNK_COLUMNS = 1024
 class CpuGemmPolicy:
     upcast_min_tokens: int | None  # None: never upcast
     chunk_columns: int
-    is_prepacked: bool = False  # bf16 weights in oneDNN's layout (CPUs with bf16 units)
+    # The dtype weights are held in, in oneDNN's layout (None: plain row-major): bf16 on CPUs
+    # with bf16 units, fp32 (for fp32 and bf16 models alike) on CPUs without.
+    packed_dtype: torch.dtype | None = None
 
 
 @functools.cache
@@ -44,13 +53,23 @@ def cpu_has_native_bf16() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
-def policy_for(device: torch.device, dtype: torch.dtype) -> CpuGemmPolicy | None:
+def policy_for(device: torch.device, dtype: torch.dtype, weights: str = "packed"
+               ) -> CpuGemmPolicy | None:
+    """How a model of `dtype` runs its linear layers on `device`. `weights` "packed" holds
+    them as measured fastest for decode (above); "plain" keeps them as loaded: half the memory
+    of a bf16 model held as fp32, faster at one row (decode at batch 1, memory-bound) and at
+    many (MKL beat oneDNN by 0-15 % from 512 rows up: long prefills)."""
     if device.type != "cpu":
         return None
     is_bf16 = dtype == torch.bfloat16
     is_slow_bf16 = is_bf16 and not cpu_has_native_bf16()
-    return CpuGemmPolicy(UPCAST_MIN_TOKENS if is_slow_bf16 else None, CHUNK_COLUMNS,
-                         is_prepacked=is_bf16 and not is_slow_bf16 and prepacking_works())
+    packed = None
+    if weights == "packed" and cpu_has_native_bf16():  # fp32 plain: packed, it lost at 1 row
+        packed = torch.bfloat16 if is_bf16 and prepacking_works(torch.bfloat16) else None
+    elif weights == "packed" and prepacking_works(torch.float32):
+        packed = torch.float32
+    upcast = UPCAST_MIN_TOKENS if is_slow_bf16 and packed is None else None
+    return CpuGemmPolicy(upcast, CHUNK_COLUMNS, packed)
 
 
 # How many rows oneDNN's layout is chosen for; the packed weight serves any number of rows.
@@ -58,14 +77,16 @@ _PACK_FOR_ROWS = 32
 
 
 @functools.cache
-def prepacking_works() -> bool:
-    """Whether this torch build reorders and runs prepacked bf16 weights (private oneDNN ops,
-    as torch.compile's CPU backend uses them), checked once against `F.linear`."""
+def prepacking_works(dtype: torch.dtype) -> bool:
+    """Whether this torch build and CPU reorder and run prepacked `dtype` weights (private
+    oneDNN ops, as torch.compile's CPU backend uses them), checked once against `F.linear`
+    (fp32 within rounding: oneDNN sums in another order)."""
     try:
-        weight = torch.randn(64, 32).to(torch.bfloat16)
-        x = torch.randn(3, 32).to(torch.bfloat16)
+        weight = torch.randn(64, 32).to(dtype)
+        x = torch.randn(3, 32).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_FOR_ROWS)
-        return bool(torch.equal(_packed_linear(x, packed, None), F.linear(x, weight)))
+        return torch.allclose(_packed_linear(x, packed, None), F.linear(x, weight),
+                              rtol=1e-5, atol=1e-5)
     except (AttributeError, RuntimeError):
         return False
 
@@ -97,17 +118,22 @@ class Linear(nn.Linear):
 
     policy: CpuGemmPolicy | None = None
     packed: torch.Tensor | None = None  # the weight in oneDNN's layout; then `weight` is empty
+    packed_bias: torch.Tensor | None = None  # the bias in the packed weight's dtype
 
     def set_policy(self, policy: CpuGemmPolicy | None) -> None:
         """Follow `policy`; a prepacking one reorders the (loaded) weight once, for good."""
         self.policy = policy
-        if policy is not None and policy.is_prepacked and self.packed is None:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
-                                                                 _PACK_FOR_ROWS)
+        dtype = None if policy is None else policy.packed_dtype
+        if dtype is not None and self.packed is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(
+                self.weight.detach().to(dtype), _PACK_FOR_ROWS)
             self.weight.data = self.weight.data.new_empty(0)  # one copy of the weights
+            if self.bias is not None:
+                self.packed_bias = self.bias.detach().to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return _packed_linear(x, self.packed, self.bias)
+            out = _packed_linear(x.to(self.packed.dtype), self.packed, self.packed_bias)
+            return out.to(x.dtype)
         return linear(x, self.weight, self.bias, self.policy)
 

@@ -65,6 +65,7 @@ class EngineOptions:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     attention_backend: str = "auto"  # engine.attention.BACKENDS
+    cpu_weights: str = "packed"  # engine.linear.policy_for
     num_blocks: int = 1024  # unless a memory budget below sizes the pool (engine.kv_budget)
     kv_cache_memory_gb: float = 0.0
     gpu_memory_utilization: float = 0.0
@@ -276,7 +277,8 @@ class TorchEngine:
             model = CausalLM(self.config)
         model = model.to_empty(device=self.device).to(self.options.dtype)
         load_weights(model, self.options.model_dir, self.options.dtype)
-        model.set_gemm_policy(policy_for(self.device, self.options.dtype))
+        model.set_gemm_policy(policy_for(self.device, self.options.dtype,
+                                         self.options.cpu_weights))
         model.init_runtime(self.max_model_len, self.device, self.options.attention_backend)
         return model.eval()
 

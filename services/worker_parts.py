@@ -143,7 +143,8 @@ def _torch_engine(settings: EngineSettings) -> Engine:
                  else ensure_builtin_model(default_model_dir()))
     return TorchEngine(EngineOptions(
         model_dir=model_dir, dtype=getattr(torch, settings.dtype), device=settings.device,
-        attention_backend=settings.attention_backend, num_blocks=settings.num_blocks,
+        attention_backend=settings.attention_backend,
+        cpu_weights=settings.cpu_weights, num_blocks=settings.num_blocks,
         kv_cache_memory_gb=settings.kv_cache_memory_gb,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         block_size=settings.block_size,
