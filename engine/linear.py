@@ -15,10 +15,11 @@ Measured facts about CPU GEMMs, which the engine works around on CPU only (CUDA 
   plus its vocabulary head took 11.3 ms at 8 rows against 35.9 (MKL fp32) and 42.8 (bf16),
   28.1 at 32 rows against 49.7, 6.3 at 1 row against 6.2 (bf16); from 512 rows up MKL's
   fp32 won by 0-15 %. So both fp32 and bf16 weights are held as fp32 in oneDNN's layout
-  there (`--cpu-weights packed`, the default; `plain` keeps them as loaded): a bf16 model's
+  there (`--cpu-weights packed`; `plain` keeps them as loaded; `auto`, the default, is plain
+  on prefill workers): a bf16 model's
   linear weights take twice the memory and its GEMMs run in fp32 (inputs upcast, outputs
   cast back: storage, KV and outputs stay bf16).
-* Where that prepacking is not available (a torch build without oneDNN), a bf16 weight is
+* With plain weights (or a torch build without oneDNN's prepacking), a bf16 weight is
   upcast on the fly when a step carries many tokens, 1024 output columns at a time (each
   slice is multiplied while it is still in cache); below 16 tokens the bf16 kernel runs.
 * Wide outputs (fused gate/up, the vocabulary head) with several rows run 1.1-1.5x faster as
@@ -70,6 +71,15 @@ def policy_for(device: torch.device, dtype: torch.dtype, weights: str = "packed"
         packed = torch.float32
     upcast = UPCAST_MIN_TOKENS if is_slow_bf16 and packed is None else None
     return CpuGemmPolicy(upcast, CHUNK_COLUMNS, packed)
+
+
+def cpu_weights_for(setting: str, role: str) -> str:
+    """`--cpu-weights auto` for a worker starting in `role`: plain on a prefill worker of a
+    CPU without bf16 units (its steps are long prompts, where MKL's fp32 beat oneDNN's),
+    packed elsewhere. (A worker keeps its weights when its role changes.)"""
+    if setting != "auto":
+        return setting
+    return "plain" if role == "prefill" and not cpu_has_native_bf16() else "packed"
 
 
 # How many rows oneDNN's layout is chosen for; the packed weight serves any number of rows.
