@@ -19,6 +19,8 @@ Measured facts about CPU GEMMs, which the engine works around on CPU only (CUDA 
   on prefill workers): a bf16 model's
   linear weights take twice the memory and its GEMMs run in fp32 (inputs upcast, outputs
   cast back: storage, KV and outputs stay bf16).
+* Small weights (under 2^20 values) stay plain: oneDNN's fixed cost per call outweighs its
+  gain there (the built-in model's decode step took twice as long prepacked).
 * With plain weights (or a torch build without oneDNN's prepacking), a bf16 weight is
   upcast on the fly when a step carries many tokens, 1024 output columns at a time (each
   slice is multiplied while it is still in cache); below 16 tokens the bf16 kernel runs.
@@ -37,6 +39,9 @@ from torch import nn
 
 UPCAST_MIN_TOKENS = 16  # measured break-even: below it the bf16 kernel wins
 CHUNK_COLUMNS = 1024
+# oneDNN's call costs ~30 us more than MKL's: at 1 row a 512 x 512 weight ran 46 against
+# 28 us prepacked, 1024 x 1024 90 against 105 (8 rows: 62 / 86 and 166 / 400).
+PACK_MIN_ELEMENTS = 2**20
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class CpuGemmPolicy:
     # The dtype weights are held in, in oneDNN's layout (None: plain row-major): bf16 on CPUs
     # with bf16 units, fp32 (for fp32 and bf16 models alike) on CPUs without.
     packed_dtype: torch.dtype | None = None
+    pack_min_elements: int = PACK_MIN_ELEMENTS  # smaller weights stay plain
 
 
 @functools.cache
@@ -69,7 +75,7 @@ def policy_for(device: torch.device, dtype: torch.dtype, weights: str = "packed"
         packed = torch.bfloat16 if is_bf16 and prepacking_works(torch.bfloat16) else None
     elif weights == "packed" and prepacking_works(torch.float32):
         packed = torch.float32
-    upcast = UPCAST_MIN_TOKENS if is_slow_bf16 and packed is None else None
+    upcast = UPCAST_MIN_TOKENS if is_slow_bf16 else None  # for weights left plain
     return CpuGemmPolicy(upcast, CHUNK_COLUMNS, packed)
 
 
@@ -131,10 +137,12 @@ class Linear(nn.Linear):
     packed_bias: torch.Tensor | None = None  # the bias in the packed weight's dtype
 
     def set_policy(self, policy: CpuGemmPolicy | None) -> None:
-        """Follow `policy`; a prepacking one reorders the (loaded) weight once, for good."""
+        """Follow `policy`; a prepacking one reorders the (loaded) weight once, for good,
+        unless it is too small to gain."""
         self.policy = policy
         dtype = None if policy is None else policy.packed_dtype
-        if dtype is not None and self.packed is None:
+        is_large = policy is not None and self.weight.numel() >= policy.pack_min_elements
+        if dtype is not None and is_large and self.packed is None:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(
                 self.weight.detach().to(dtype), _PACK_FOR_ROWS)
             self.weight.data = self.weight.data.new_empty(0)  # one copy of the weights

@@ -29,23 +29,23 @@ def make_checkpoint(path: Path, family: str, **overrides: Any) -> Path:
 
     shape = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                 eos_token_id=299, bos_token_id=1)
+                 eos_token_id=299, bos_token_id=1) | overrides
     torch.manual_seed(1234)
     if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**shape, rope_scaling=LLAMA3_ROPE, **overrides))
+        model = LlamaForCausalLM(LlamaConfig(**shape, rope_scaling=LLAMA3_ROPE))
     elif family == "llama2-linear":
         model = LlamaForCausalLM(LlamaConfig(
-            **shape, rope_scaling={"rope_type": "linear", "factor": 2.0}, **overrides))
+            **shape, rope_scaling={"rope_type": "linear", "factor": 2.0}))
     elif family == "mistral":
-        model = MistralForCausalLM(MistralConfig(**shape, sliding_window=256, **overrides))
+        model = MistralForCausalLM(MistralConfig(**shape, sliding_window=256))
     elif family == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=24, **overrides))
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=24))
     elif family == "qwen3_moe":  # layer 1 dense, layers 0 and 2 routed: 6 experts, top 2
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
             **shape, head_dim=16, num_experts=6, num_experts_per_tok=2,
-            moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1], **overrides))
+            moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1]))
     else:
-        model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True, **overrides))
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
     with torch.no_grad():  # scale weights up so that logits are peaked and greedy is stable
         for name, param in model.named_parameters():
             if "norm" not in name:

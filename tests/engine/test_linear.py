@@ -16,6 +16,7 @@ from engine.linear import (
     policy_for,
     prepacking_works,
 )
+from tests.engine.hf_models import make_checkpoint
 from tests.engine.test_against_transformers import GREEDY, PROMPTS, generate, start_engine
 
 
@@ -31,7 +32,7 @@ def test_a_prepacked_bf16_linear_equals_the_plain_one_and_keeps_one_copy(
     torch.manual_seed(num_rows)
     layer = Linear(64, 96, bias=True).to(torch.bfloat16)
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
-    layer.set_policy(CpuGemmPolicy(None, 1024, torch.bfloat16))
+    layer.set_policy(CpuGemmPolicy(None, 1024, torch.bfloat16, pack_min_elements=0))
     x = torch.randn(num_rows, 64).to(torch.bfloat16)
     assert torch.equal(layer(x), F.linear(x, weight, bias))
     assert layer.weight.numel() == 0  # the plain weight is freed, not kept beside the packed
@@ -45,7 +46,7 @@ def test_weights_prepacked_in_fp32_give_the_fp32_product_in_the_model_dtype(
     torch.manual_seed(num_rows)
     layer = Linear(64, 96, bias=True).to(dtype)
     weight, bias = layer.weight.detach().float(), layer.bias.detach().float()
-    layer.set_policy(CpuGemmPolicy(None, 1024, torch.float32))
+    layer.set_policy(CpuGemmPolicy(None, 1024, torch.float32, pack_min_elements=0))
     x = torch.randn(num_rows, 64).to(dtype)
     out = layer(x)
     assert out.dtype == dtype
@@ -64,11 +65,19 @@ def test_each_cpu_holds_its_weights_as_measured_fastest_there() -> None:
         assert bf16.packed_dtype == (torch.bfloat16 if prepacking_works(torch.bfloat16)
                                      else None)
         assert fp32.packed_dtype is None
-    elif prepacking_works(torch.float32):  # fp32 in oneDNN's layout for both
-        assert bf16 == fp32 == CpuGemmPolicy(None, 1024, torch.float32)
-    else:  # bf16 upcast on the fly for many rows
+    else:  # fp32 in oneDNN's layout for both where it works; bf16 left plain upcast
+        assert bf16.packed_dtype == fp32.packed_dtype == (
+            torch.float32 if prepacking_works(torch.float32) else None)
         assert bf16.upcast_min_tokens is not None and fp32.upcast_min_tokens is None
     assert policy_for(torch.device("meta"), torch.float32) is None
+
+
+def test_a_weight_too_small_to_gain_stays_plain() -> None:
+    small, large = Linear(512, 512, bias=False), Linear(1024, 1024, bias=False)
+    for layer in (small, large):
+        layer.set_policy(CpuGemmPolicy(None, 1024, torch.float32))
+    assert small.packed is None and small.weight.numel() == 512 * 512
+    assert (large.packed is not None) == prepacking_works(torch.float32)
 
 
 def test_plain_weights_stay_as_loaded() -> None:
@@ -89,18 +98,28 @@ def test_auto_keeps_plain_weights_only_for_prefill_on_a_cpu_without_bf16_units()
     assert cpu_weights_for("packed", "prefill") == "packed"
 
 
+@pytest.fixture(scope="module")
+def wide_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One layer wide enough that its weights are prepacked (PACK_MIN_ELEMENTS)."""
+    return make_checkpoint(tmp_path_factory.mktemp("wide"), "llama", hidden_size=1024,
+                           intermediate_size=1024, num_hidden_layers=1,
+                           num_attention_heads=16, num_key_value_heads=8)
+
+
 @pytest.mark.parametrize("weights", ["packed", "plain"])
 async def test_a_bf16_engine_holds_its_weights_as_configured_and_serves(
-        llama_dir: Path, weights: str) -> None:
-    engine = await start_engine(llama_dir, dtype=torch.bfloat16, cpu_weights=weights)
+        wide_llama_dir: Path, weights: str) -> None:
+    engine = await start_engine(wide_llama_dir, dtype=torch.bfloat16, cpu_weights=weights)
     try:
         policy = policy_for(torch.device("cpu"), torch.bfloat16, weights)
         assert policy is not None
-        qkv = engine._runner.model.model.layers[0].self_attn.qkv_proj  # type: ignore[union-attr]
+        model = engine._runner.model  # type: ignore[union-attr]
+        o_proj = model.model.layers[0].self_attn.o_proj  # 1024 x 1024: large enough
         if policy.packed_dtype is None:
-            assert qkv.packed is None and qkv.weight.dtype == torch.bfloat16
+            assert o_proj.packed is None and o_proj.weight.dtype == torch.bfloat16
         else:
-            assert qkv.packed is not None and qkv.packed.dtype == policy.packed_dtype
+            assert o_proj.packed is not None and o_proj.packed.dtype == policy.packed_dtype
+        assert model.lm_head.packed is None  # 300 x 1024: too small to gain
         [tokens] = await generate(engine, [PROMPTS[1]])
         assert len(tokens) == GREEDY.max_tokens
     finally:
