@@ -15,10 +15,10 @@ Measured facts about CPU GEMMs, which the engine works around on CPU only (CUDA 
   plus its vocabulary head took 11.3 ms at 8 rows against 35.9 (MKL fp32) and 42.8 (bf16),
   28.1 at 32 rows against 49.7, 6.3 at 1 row against 6.2 (bf16); from 512 rows up MKL's
   fp32 won by 0-15 %. So both fp32 and bf16 weights are held as fp32 in oneDNN's layout
-  there (`--cpu-weights packed`; `plain` keeps them as loaded; `auto`, the default, is plain
-  on prefill workers): a bf16 model's
-  linear weights take twice the memory and its GEMMs run in fp32 (inputs upcast, outputs
-  cast back: storage, KV and outputs stay bf16).
+  there (`--cpu-weights packed`, the default; `plain` keeps them as loaded, e.g. for a worker
+  that only prefills long prompts): a bf16 model's linear weights take twice the memory and
+  its GEMMs run in fp32 (inputs upcast, outputs cast back: storage, KV and outputs stay
+  bf16).
 * Small weights (under 2^20 values) stay plain: oneDNN's fixed cost per call outweighs its
   gain there (the built-in model's decode step took twice as long prepacked).
 * With plain weights (or a torch build without oneDNN's prepacking), a bf16 weight is
@@ -77,15 +77,6 @@ def policy_for(device: torch.device, dtype: torch.dtype, weights: str = "packed"
         packed = torch.float32
     upcast = UPCAST_MIN_TOKENS if is_slow_bf16 else None  # for weights left plain
     return CpuGemmPolicy(upcast, CHUNK_COLUMNS, packed)
-
-
-def cpu_weights_for(setting: str, role: str) -> str:
-    """`--cpu-weights auto` for a worker starting in `role`: plain on a prefill worker of a
-    CPU without bf16 units (its steps are long prompts, where MKL's fp32 beat oneDNN's),
-    packed elsewhere. (A worker keeps its weights when its role changes.)"""
-    if setting != "auto":
-        return setting
-    return "plain" if role == "prefill" and not cpu_has_native_bf16() else "packed"
 
 
 # How many rows oneDNN's layout is chosen for; the packed weight serves any number of rows.

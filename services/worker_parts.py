@@ -110,7 +110,7 @@ def build_engine(config: WorkerConfig) -> Engine:
         case "sim":
             return _sim_engine(config)
         case "torch":
-            return _torch_engine(settings, config.role)
+            return _torch_engine(settings)
     raise ConfigError(f"unknown engine {settings.kind!r}")
 
 
@@ -133,11 +133,10 @@ def _sim_engine(config: WorkerConfig) -> Engine:
         load_bytes_per_s=sim.load_bytes_per_s))
 
 
-def _torch_engine(settings: EngineSettings, role: str) -> Engine:
+def _torch_engine(settings: EngineSettings) -> Engine:
     import torch
 
     from engine.builtin_model import ensure_builtin_model
-    from engine.linear import cpu_weights_for
     from engine.torch_engine import EngineOptions, TorchEngine
 
     model_dir = (resolve_model_dir(settings.model_path) if settings.model_path
@@ -145,7 +144,7 @@ def _torch_engine(settings: EngineSettings, role: str) -> Engine:
     return TorchEngine(EngineOptions(
         model_dir=model_dir, dtype=getattr(torch, settings.dtype), device=settings.device,
         attention_backend=settings.attention_backend,
-        cpu_weights=cpu_weights_for(settings.cpu_weights, role), num_blocks=settings.num_blocks,
+        cpu_weights=settings.cpu_weights, num_blocks=settings.num_blocks,
         kv_cache_memory_gb=settings.kv_cache_memory_gb,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         block_size=settings.block_size,

@@ -158,10 +158,9 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     attention_backend: Literal["auto", "torch", "flex", "flashinfer", "reference"] = "auto"
     # Linear weights on a CPU (engine/linear.py): packed holds them as measured fastest for
     # decode (on a CPU without bf16 units: fp32 in oneDNN's layout, twice a bf16 model's
-    # weight memory); plain keeps them as loaded (faster for long prefills there, and at
-    # batch 1 for a bf16 model); auto: plain on a worker that starts as prefill on such a
-    # CPU, packed elsewhere.
-    cpu_weights: Literal["auto", "packed", "plain"] = "auto"
+    # weight memory); plain keeps them as loaded (there: prompts of 2048 tokens prefill
+    # ~10 % faster, a bf16 model decodes ~10-20 % faster at batch 1, ~2x slower at 8).
+    cpu_weights: Literal["packed", "plain"] = "packed"
     max_model_len: int = 2048
     num_blocks: int = 4096
     # The pool sized from memory instead (engine/kv_budget.py): GiB for KV on any device;

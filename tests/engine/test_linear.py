@@ -12,7 +12,6 @@ from engine.linear import (
     CpuGemmPolicy,
     Linear,
     cpu_has_native_bf16,
-    cpu_weights_for,
     policy_for,
     prepacking_works,
 )
@@ -88,14 +87,6 @@ def test_plain_weights_stay_as_loaded() -> None:
     bf16 = policy_for(cpu, torch.bfloat16, "plain")
     assert bf16 is not None  # bf16 kernels are slow there: many rows upcast on the fly
     assert (bf16.upcast_min_tokens is None) == cpu_has_native_bf16()
-
-
-def test_auto_keeps_plain_weights_only_for_prefill_on_a_cpu_without_bf16_units() -> None:
-    assert cpu_weights_for("auto", "decode") == "packed"
-    assert cpu_weights_for("auto", "prefill") == ("packed" if cpu_has_native_bf16()
-                                                  else "plain")
-    assert cpu_weights_for("plain", "decode") == "plain"
-    assert cpu_weights_for("packed", "prefill") == "packed"
 
 
 @pytest.fixture(scope="module")
