@@ -15,8 +15,14 @@ from engine.linear import (
     policy_for,
     prepacking_works,
 )
-from tests.engine.hf_models import make_checkpoint
-from tests.engine.test_against_transformers import GREEDY, PROMPTS, generate, start_engine
+from tests.engine.hf_models import hf_model, make_checkpoint
+from tests.engine.test_against_transformers import (
+    GREEDY,
+    PROMPTS,
+    generate,
+    hf_greedy,
+    start_engine,
+)
 
 
 def _prepacking(dtype: torch.dtype) -> pytest.MarkDecorator:
@@ -113,5 +119,19 @@ async def test_a_bf16_engine_holds_its_weights_as_configured_and_serves(
         assert model.lm_head.packed is None  # 300 x 1024: too small to gain
         [tokens] = await generate(engine, [PROMPTS[1]])
         assert len(tokens) == GREEDY.max_tokens
+    finally:
+        await engine.close()
+
+
+@_prepacking(torch.float32)
+async def test_prepacked_fp32_weights_give_transformers_greedy_tokens(
+        wide_llama_dir: Path) -> None:
+    hf = hf_model(wide_llama_dir)
+    engine = await start_engine(wide_llama_dir, cpu_weights="packed")
+    try:
+        model = engine._runner.model  # type: ignore[union-attr]
+        assert model.model.layers[0].mlp.down_proj.packed is not None
+        prompts = PROMPTS[:3]
+        assert await generate(engine, prompts) == [hf_greedy(hf, p, 32) for p in prompts]
     finally:
         await engine.close()
