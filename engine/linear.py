@@ -63,9 +63,9 @@ def cpu_has_native_bf16() -> bool:
 def policy_for(device: torch.device, dtype: torch.dtype, weights: str = "packed"
                ) -> CpuGemmPolicy | None:
     """How a model of `dtype` runs its linear layers on `device`. `weights` "packed" holds
-    them as measured fastest for decode (above); "plain" keeps them as loaded: half the memory
-    of a bf16 model held as fp32, faster at one row (decode at batch 1, memory-bound) and at
-    many (MKL beat oneDNN by 0-15 % from 512 rows up: long prefills)."""
+    them as measured fastest for decode (above); "plain" keeps them as loaded: faster at many
+    rows (MKL beat oneDNN by 0-15 % from 512 up: long prefills), and for a bf16 model half
+    the memory and faster at one row (decode at batch 1 is memory-bound)."""
     if device.type != "cpu":
         return None
     is_bf16 = dtype == torch.bfloat16
