@@ -131,14 +131,15 @@ class Linear(nn.Linear):
         """Follow `policy`; a prepacking one reorders the (loaded) weight once, for good,
         unless it is too small to gain."""
         self.policy = policy
-        dtype = None if policy is None else policy.packed_dtype
-        is_large = policy is not None and self.weight.numel() >= policy.pack_min_elements
-        if dtype is not None and is_large and self.packed is None:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(
-                self.weight.detach().to(dtype), _PACK_FOR_ROWS)
-            self.weight.data = self.weight.data.new_empty(0)  # one copy of the weights
-            if self.bias is not None:
-                self.packed_bias = self.bias.detach().to(dtype)
+        if policy is None or policy.packed_dtype is None or self.packed is not None \
+                or self.weight.numel() < policy.pack_min_elements:
+            return
+        dtype = policy.packed_dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().to(dtype),
+                                                             _PACK_FOR_ROWS)
+        self.weight.data = self.weight.data.new_empty(0)  # one copy of the weights
+        if self.bias is not None:
+            self.packed_bias = self.bias.detach().to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
