@@ -248,7 +248,8 @@ class Generator:
         span = trace.get_current_span()
         detokenizer = ctx.tokenizer_of(parsed.model).detokenizer(
             skip_special_tokens=parsed.skip_special_tokens)
-        matcher = StopStringMatcher(parsed.stop)
+        matcher = StopStringMatcher(parsed.stop,
+                                    include_stop=parsed.include_stop_str_in_output)
         generated = progress.generated
         pending = _Pending(parsed)
         attempt = 0

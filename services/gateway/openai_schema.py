@@ -79,6 +79,7 @@ class _GenerationParams(GuidedParams, kw_only=True, forbid_unknown_fields=True):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     response_format: ResponseFormat | None = None  # on completions too, as vLLM
     # vLLM's structured-output extensions come from GuidedParams (guided.py).
     # Metadata only: accepted, no effect on generation.
@@ -181,6 +182,7 @@ class ParsedRequest:
     echo: str | None = None  # the prompt text to put before the output, when `echo`
     is_prompt_only: bool = False  # `max_tokens: 0` with `echo`: the prompt, no output
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # the matched stop string ends the text
     tools: ToolUse | None = None  # calls to find in the output (chat with tools)
 
 
@@ -467,6 +469,7 @@ def validate(
         echo=echo_text if output.echo else None,
         is_prompt_only=is_prompt_only,
         skip_special_tokens=request.skip_special_tokens is not False,
+        include_stop_str_in_output=bool(request.include_stop_str_in_output),
         tools=output.tools,
     )
 

@@ -101,14 +101,16 @@ async def test_seed_changes_the_output(client: openai.AsyncOpenAI) -> None:
     assert a.choices[0].text != b.choices[0].text
 
 
-@pytest.mark.parametrize("is_stream", [False, True])
+@pytest.mark.parametrize(("is_stream", "is_included"), [(False, False), (True, False),
+                                                        (False, True), (True, True)])
 async def test_stop_string_cuts_the_output_and_frees_the_request(
-    stack: Stack, client: openai.AsyncOpenAI, is_stream: bool,
+    stack: Stack, client: openai.AsyncOpenAI, is_stream: bool, is_included: bool,
 ) -> None:
     full = expected_text("stop me", 9, 64)
     stop = full[10:12]
     response = await client.completions.create(
         model=MODEL, prompt="stop me", max_tokens=64, seed=9, stop=[stop], stream=is_stream,
+        extra_body={"include_stop_str_in_output": is_included},
     )
     if is_stream:
         chunks = [c async for c in response]  # type: ignore[union-attr]
@@ -116,7 +118,7 @@ async def test_stop_string_cuts_the_output_and_frees_the_request(
         finish = chunks[-1].choices[0].finish_reason
     else:
         text, finish = response.choices[0].text, response.choices[0].finish_reason  # type: ignore[union-attr]
-    assert text == full[: full.index(stop)]
+    assert text == full[: full.index(stop) + (len(stop) if is_included else 0)]
     assert finish == "stop"
     await stack.wait_blocks_free()
 

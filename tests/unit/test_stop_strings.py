@@ -31,3 +31,14 @@ def test_no_stop_strings_passes_text_through() -> None:
 
 def test_held_text_is_released_at_the_end() -> None:
     assert feed(StopStringMatcher(["xyz"]), ["abx"]) == "abx"
+
+
+def test_an_included_stop_string_ends_the_output() -> None:
+    matcher = StopStringMatcher(["END"], include_stop=True)
+    assert feed(matcher, ["hello E", "N", "D and more"]) == "hello END"
+    assert matcher.is_stopped
+
+
+def test_of_stop_strings_matching_at_one_place_the_first_listed_is_included() -> None:
+    assert feed(StopStringMatcher(["a", "ab"], include_stop=True), ["xab"]) == "xa"
+    assert feed(StopStringMatcher(["ab", "a"], include_stop=True), ["xab"]) == "xab"
