@@ -7,7 +7,9 @@ ratio, and decode at batch 1 as a fraction of the memory-bandwidth limit (weight
 step over measured copy bandwidth, the weights counted in the dtype the engine holds them
 in). The "before" column is the same engine with the `--before` attention backend (default
 `reference`: the per-sequence loop the engine ran before one batched call per layer) and
-`--before-weights`, measured in the same run.
+`--before-weights`, measured in the same run. `--rounds N` measures every workload N times,
+the three taking turns going first, and prints medians: on a shared machine one sample each
+leaves the ratios to the machine's drift (10-20 % between consecutive runs here).
 
     python -m bench.engine_throughput --prompts 512,2048 --batches 1,8,32
     python -m bench.engine_throughput --before torch --before-weights plain  # CPU weights
@@ -17,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +126,39 @@ def hf_decode(model: Any, batch: int, new_tokens: int, salt: int) -> float:
     return batch * (new_tokens - 1) / (time.perf_counter() - clock.first_token_at)
 
 
+async def measure_rows(args: argparse.Namespace, ours: TorchEngine, before: TorchEngine,
+                       hf: Any) -> list[tuple[str, float, float, float]]:
+    """(workload, ours, before, transformers) tokens/s per workload: each the median of
+    `args.rounds` rounds, in which the three take turns going first (the machine's speed
+    drifts within a run; one sample each leaves a ratio to that drift)."""
+    async def on_loop(measure: Callable[..., float], *call: Any) -> float:
+        return measure(*call)  # transformers runs on the loop's thread, as ours are driven
+
+    def prefill(length: int, salt: int) -> list[Awaitable[float]]:
+        return [ours_prefill(ours, length, salt), ours_prefill(before, length, salt),
+                on_loop(hf_prefill, hf, length, salt)]
+
+    def decode(batch: int, salt: int) -> list[Awaitable[float]]:
+        n = args.decode_tokens
+        return [ours_decode(ours, batch, n, salt), ours_decode(before, batch, n, salt),
+                on_loop(hf_decode, hf, batch, n, salt)]
+
+    workloads: list[tuple[str, Callable[[int, int], list[Awaitable[float]]], int]] = [
+        (f"prefill {length} tok", prefill, length) for length in args.prompts]
+    workloads += [(f"decode batch {batch}", decode, batch) for batch in args.batches]
+    rows = []
+    for i, (name, measures, size) in enumerate(workloads):
+        samples: list[list[float]] = [[], [], []]
+        for round_ in range(args.rounds):
+            pending = measures(size, i + 100 * round_)
+            for k in range(3):
+                which = (round_ + k) % 3
+                samples[which].append(await pending[which])
+        now, then, theirs = (statistics.median(s) for s in samples)
+        rows.append((name, now, then, theirs))
+    return rows
+
+
 async def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         hf = make_model(Path(tmp), args)
@@ -144,19 +181,13 @@ async def run(args: argparse.Namespace) -> None:
             for engine in (ours, before):
                 await ours_prefill(engine, 64, 999)  # warm-up
             hf_prefill(hf, 64, 999)
-            rows = []
-            for i, length in enumerate(args.prompts):
-                rows.append((f"prefill {length} tok", await ours_prefill(ours, length, i),
-                             await ours_prefill(before, length, i),
-                             hf_prefill(hf, length, i)))
-            for i, batch in enumerate(args.batches):
-                rows.append((f"decode batch {batch}",
-                             await ours_decode(ours, batch, args.decode_tokens, i),
-                             await ours_decode(before, batch, args.decode_tokens, i),
-                             hf_decode(hf, batch, args.decode_tokens, i)))
+            rows = await measure_rows(args, ours, before, hf)
         finally:
             for engine in engines:
                 await engine.close()
+    if args.rounds > 1:
+        print(f"each figure the median of {args.rounds} rounds (the three measured in a "
+              "rotating order)")
     print(f"{'workload':<18} {'halfmoon tok/s':>15} {'before tok/s':>13} "
           f"{'transformers tok/s':>19} {'vs transformers':>16} {'vs before':>10}")
     for name, now, then, theirs in rows:
@@ -174,13 +205,15 @@ async def run(args: argparse.Namespace) -> None:
         print(f"decode batch 1 reaches {batch1 / limit:.0%} of the memory-bandwidth limit")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     parser.add_argument("--prompts", type=ints, default=[512, 2048])
     parser.add_argument("--batches", type=ints, default=[1, 8, 32])
     parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure each workload this many times, reporting medians")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=1024)
@@ -190,7 +223,7 @@ def main() -> None:
     parser.add_argument("--cpu-weights", choices=["packed", "plain"], default="packed")
     parser.add_argument("--before-weights", choices=["packed", "plain"], default=None,
                         help="the before engine's CPU weights (default: --cpu-weights)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.torch_dtype = getattr(torch, args.dtype)
     asyncio.run(run(args))
 
