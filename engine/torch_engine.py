@@ -11,7 +11,6 @@ allocator is guarded by a lock that is never held across a model step.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 import threading
 import time
@@ -23,6 +22,7 @@ import msgspec
 import torch
 
 from engine.block_allocator import BlockAllocator
+from engine.block_growth import BlockGrowth
 from engine.bridge import EngineThread
 from engine.decode_graphs import DecodeGraphs, cuda_capture, eager_capture
 from engine.grammar import Grammars
@@ -42,12 +42,11 @@ from engine.protocol import (
     TokenOutput,
 )
 from engine.sampler import Pick, base_seed
-from engine.scheduler import ScheduledBatch, Scheduler
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stopping import finish_reason
 from engine.weights import load_weights
 from shared.errors import (
-    CapacityExhausted,
     ConfigError,
     EngineFailure,
     HalfmoonError,
@@ -162,6 +161,7 @@ class TorchEngine:
                                    max_wait_s=options.max_wait_s)
         self.kv: KvCache | None = None
         self._runner: ModelRunner | None = None
+        self._growth: BlockGrowth | None = None
         self._thread: EngineThread | None = None
         # A prefill's run, by request id: its sequence (a run placed again after an abort
         # makes a new one) and the future its caller awaits.
@@ -176,8 +176,6 @@ class TorchEngine:
         self._decode_step_s = 0.0
         self._busy_s = 0.0
         self._num_prompt_computed = 0
-        self._num_preemptions = 0
-        self._admissions = itertools.count()
         self._prefill_cost = PrefillCostFit()
         self._kv_buffer: memoryview | None = None
 
@@ -209,6 +207,9 @@ class TorchEngine:
                                    is_prefix_caching=self.options.is_prefix_caching,
                                    eos_token_ids=self.eos_token_ids)
         self._runner.graphs = self._decode_graphs(model, self.kv)
+        self._growth = BlockGrowth(self._runner, self.scheduler, self.allocator,
+                                   max_model_len=self.max_model_len,
+                                   is_up_front=self.options.kv_reservation == "up-front")
         if self._runner.graphs is not None:  # before anything else runs on the device
             await asyncio.to_thread(self._runner.graphs.capture_all)
         self._thread = EngineThread(asyncio.get_running_loop(), self._step, self._on_crash,
@@ -340,7 +341,7 @@ class TorchEngine:
     def reserve(self, request_id: str, num_tokens: int, *, num_choices: int = 1,
                 num_prompt_tokens: int = 0) -> list[int]:
         """The prompt's blocks and a block of headroom per choice, not `num_tokens`: the
-        rest is taken as the choices grow (`_secure_blocks`)."""
+        rest is taken as the choices grow (`BlockGrowth`)."""
         per_choice, own = self._choice_blocks(num_prompt_tokens, num_tokens)
         blocks = self.allocator.allocate(per_choice + (num_choices - 1) * own)
         self._reserved[request_id] = blocks
@@ -457,7 +458,8 @@ class TorchEngine:
             decode_step_s=self._decode_step_s,
             prefill_overhead_s=overhead, prefill_s_per_token=per_token, busy_s=self._busy_s,
             num_prompt_tokens_computed=self._num_prompt_computed,
-            num_preemptions=self._num_preemptions, max_model_len=self.max_model_len,
+            num_preemptions=self._growth.num_preemptions if self._growth is not None else 0,
+            max_model_len=self.max_model_len,
         )
 
     @property
@@ -465,6 +467,12 @@ class TorchEngine:
         if self._runner is None:
             raise EngineFailure("engine is not started")
         return self._runner
+
+    @property
+    def growth(self) -> BlockGrowth:
+        if self._growth is None:
+            raise EngineFailure("engine is not started")
+        return self._growth
 
     # Helpers on the event-loop side.
     def _check_prompt(self, prompt: list[int]) -> None:
@@ -507,7 +515,7 @@ class TorchEngine:
         for index, seq in enumerate(sequences[1:]):
             self._fork(first, seq, own_blocks[index * per_fork:(index + 1) * per_fork])
         for choice, seq in enumerate(sequences):
-            seq.admitted = next(self._admissions)
+            self.growth.mark_admitted(seq)
             if choice in finished:
                 self.runner.free(seq)
                 continue
@@ -535,7 +543,7 @@ class TorchEngine:
         fork.block_ids = [*shared, *own_blocks]
 
     def _admit(self, seq: Sequence) -> None:
-        """Queue a new prompt; it takes blocks when its steps run (`_secure_blocks`). None
+        """Queue a new prompt; it takes blocks when its steps run (`BlockGrowth`). None
         outgrows the pool alone: the context is capped at it (`_fit_to_pool`)."""
         try:
             self._attach_grammar(seq)
@@ -553,9 +561,9 @@ class TorchEngine:
         until blocks are freed: a release, an abort or a join wakes the thread)."""
         batch = self.scheduler.schedule(time.monotonic())
         if batch is not None and batch.is_prefill:
-            batch = self._secure_blocks(batch) or self.scheduler.decode_batch()
+            batch = self.growth.secure(batch) or self.scheduler.decode_batch()
         if batch is not None and not batch.is_prefill:
-            batch = self._secure_blocks(batch)
+            batch = self.growth.secure(batch)
         if batch is None:
             return False
         started = time.perf_counter()
@@ -573,95 +581,6 @@ class TorchEngine:
         if outputs:
             self._post(self._outputs.put_nowait, outputs)
         return True
-
-    def _secure_blocks(self, batch: ScheduledBatch) -> ScheduledBatch | None:
-        """Blocks for every token the batch computes, taken as sequences grow. A prompt that
-        finds none waits, and the prompts behind it too (first come, first served); a
-        running sequence that finds none takes them from the most recently admitted running
-        sequence, preempted by recompute (possibly itself)."""
-        sequences, counts = [], []
-        for seq, count in zip(batch.sequences, batch.num_new_tokens, strict=True):
-            if batch.is_prefill != (seq in self.scheduler.waiting):
-                continue  # preempted by an earlier sequence of this batch
-            count = self._grow(seq, count, is_prefill=batch.is_prefill, secured=sequences)
-            if count:
-                sequences.append(seq)
-                counts.append(count)
-            elif batch.is_prefill:
-                break
-        if not sequences:
-            return None
-        return ScheduledBatch(sequences, counts, batch.is_prefill)
-
-    def _grow(self, seq: Sequence, count: int, *, is_prefill: bool,
-              secured: list[Sequence]) -> int:
-        """How many of its next `count` tokens `seq` now holds blocks for (all or none). A
-        sequence without blocks first takes its cached prefix (`admit`), which may leave
-        fewer to compute. A prompt takes blocks from others only when nothing runs (from
-        waiting prompts admitted after it: a chunked prompt may hold some)."""
-        is_first = seq.admitted < 0
-        if is_first:
-            self.runner.admit(seq)
-            seq.admitted = next(self._admissions)
-            count = min(count, seq.num_uncomputed)
-        needed = seq.num_computed + count
-        if is_first and self.options.kv_reservation == "up-front" and not seq.is_prefill_only:
-            needed = max(needed, min(self.max_model_len,
-                                     seq.num_prompt_tokens + seq.sampling.max_tokens))
-        while True:
-            try:
-                if is_first and is_prefill and not self._leaves_room_to_grow(seq, needed):
-                    raise CapacityExhausted("no room left for the running sequences to grow")
-                self.runner.ensure_blocks(seq, needed)
-                return count
-            except CapacityExhausted:
-                victim = self._victim(seq, is_prefill, secured)
-                if victim is None:
-                    if is_prefill and seq.num_computed == seq.num_cached:
-                        self.runner.preempt(seq)  # holds nothing while it waits
-                    return 0
-                self._preempt(victim)
-                if victim is seq:
-                    return 0
-
-    def _leaves_room_to_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether admitting `seq` leaves a free block for each running sequence (which
-        would otherwise soon preempt the newcomer again)."""
-        missing = -(-num_tokens // self.options.block_size) - len(seq.block_ids)
-        return self.allocator.num_available - missing >= len(self.scheduler.running)
-
-    def _victim(self, seq: Sequence, is_prefill: bool, secured: list[Sequence]
-                ) -> Sequence | None:
-        """Whose blocks `seq` may take: the most recently admitted running sequence not
-        already given its blocks for this step (for a prompt, only when nothing runs: then
-        a waiting prompt admitted after it)."""
-        if is_prefill:
-            if self.scheduler.running:
-                return None
-            candidates = [s for s in self.scheduler.waiting
-                          if s.block_ids and s.admitted > seq.admitted]
-        else:
-            candidates = [s for s in self.scheduler.running if s.block_ids]
-        return max((s for s in candidates if s not in secured), key=lambda s: s.admitted,
-                   default=None)
-
-    def _allocate(self, count: int, keep: Sequence) -> list[int]:
-        """`count` blocks, preempting running sequences (most recently admitted first, never
-        `keep`) while the pool is short; `CapacityExhausted` when none is left to take."""
-        while True:
-            try:
-                return self.allocator.allocate(count)
-            except CapacityExhausted:
-                victim = self._victim(keep, is_prefill=False, secured=[keep])
-                if victim is None:
-                    raise
-                self._preempt(victim)
-
-    def _preempt(self, seq: Sequence) -> None:
-        self.runner.preempt(seq)
-        if seq in self.scheduler.running:
-            self.scheduler.preempt(seq)
-            self._num_preemptions += 1
 
     def _measure(self, is_prefill: bool, num_tokens: int, elapsed_s: float) -> None:
         """Moving averages the conductor's cost model reads from heartbeats."""
@@ -729,12 +648,12 @@ class TorchEngine:
             fork.seed = None if seq.seed is None else seq.seed + choice
             fork.output_start, fork.num_cached = seq.output_start, seq.num_cached
             try:
-                own = self._allocate(num_own, keep=seq)
+                own = self.growth.allocate(num_own, keep=seq)
             except HalfmoonError as exc:
                 outputs.append(TokenOutput(fork.request_id, 0, -1, None, error=exc))
                 continue
             self._fork(seq, fork, own)
-            fork.admitted = next(self._admissions)
+            self.growth.mark_admitted(fork)
             fork.num_computed = num_prompt
             fork.token_ids.append(pick.token_id)
             fork.num_generated = 1
