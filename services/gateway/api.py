@@ -36,6 +36,8 @@ from services.gateway.responses import (
     Choice,
     CompletionFormat,
     ResponseFormat,
+    TokenIdText,
+    TokenText,
     total_usage,
 )
 from services.gateway.responses_route import ResponsesRoutes
@@ -219,8 +221,9 @@ class _Routes:
         parsed = await worked_on(raw, lambda: self.backend.parse_completion(body, model))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         return await _respond(request, self.backend.generator, request_id, parsed,
-                              CompletionFormat(request_id, model.name, model.token_text,
-                                               parsed[0].sampling.logprobs is not None))
+                              CompletionFormat(request_id, model.name, _token_text(body, model),
+                                               parsed[0].sampling.logprobs is not None,
+                                               bool(body.return_token_ids)))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         self.backend.check_accepting()
@@ -230,8 +233,9 @@ class _Routes:
         parsed = await worked_on(raw, lambda: self.backend.parse_chat(body, model))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         return await _respond(request, self.backend.generator, request_id, parsed,
-                              ChatFormat(request_id, model.name, model.token_text,
-                                         parsed[0].sampling.logprobs is not None))
+                              ChatFormat(request_id, model.name, _token_text(body, model),
+                                         parsed[0].sampling.logprobs is not None,
+                                         bool(body.return_token_ids)))
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         return json_response({"object": "list", "data": self.backend.model_list()})
@@ -249,12 +253,21 @@ class _Routes:
         return json_response(body, 200 if body["status"] == "ok" else 503)
 
 
+def _token_text(body: CompletionRequest | ChatCompletionRequest, model: ServedModel
+                ) -> TokenText:
+    """How logprobs name tokens: by their text, or as `token_id:N` when asked."""
+    if body.return_tokens_as_token_ids:
+        return TokenIdText(model.token_text.tokenizer)
+    return model.token_text
+
+
 async def _respond(
     request: web.Request, generator: Generator, request_id: str, parsed: list[ParsedRequest],
     fmt: ResponseFormat,
 ) -> web.StreamResponse:
     # n choices per prompt; usage counts each prompt once (it is computed once).
-    choices = [Choice(p.choice_index + j, 0 if j else len(p.prompt_token_ids), tools=p.tools)
+    choices = [Choice(p.choice_index + j, 0 if j else len(p.prompt_token_ids),
+                      p.prompt_token_ids, tools=p.tools)
                for p in parsed for j in range(p.sampling.n)]
     async with contextlib.aclosing(_choice_chunks(generator, request_id, parsed)) as chunks:
         if not parsed[0].is_stream:

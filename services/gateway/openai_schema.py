@@ -80,6 +80,8 @@ class _GenerationParams(GuidedParams, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    return_token_ids: bool | None = None  # the prompt's and the output's ids beside the text
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens `token_id:N`
     response_format: ResponseFormat | None = None  # on completions too, as vLLM
     # vLLM's structured-output extensions come from GuidedParams (guided.py).
     # Metadata only: accepted, no effect on generation.

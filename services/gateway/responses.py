@@ -22,7 +22,8 @@ from shared.messages import FinishReason, TokenLogprob
 @dataclass
 class Choice:
     index: int
-    num_prompt_tokens: int
+    num_prompt_tokens: int  # counted in usage: 0 for a prompt's choices after its first
+    prompt_token_ids: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = field(default_factory=list)
@@ -30,6 +31,7 @@ class Choice:
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
     text_offset: int = 0  # characters of this choice's text before the next chunk
+    num_chunks: int = 0
     has_started: bool = False
     tools: ToolUse | None = None  # chat with tools: calls to find in the text
     call_stream: CallStream | None = None
@@ -41,6 +43,7 @@ class Choice:
     def add(self, chunk: TextChunk, *, keeps_output: bool = True) -> None:
         """Count the chunk; keep its text and tokens too for a whole body (`keeps_output`),
         which a stream, already sent, does not need."""
+        self.num_chunks += 1
         if keeps_output:
             self.texts.append(chunk.text)
             self.token_ids += chunk.token_ids
@@ -89,14 +92,36 @@ class TokenText:
         return {"token": self.text(token_id), "logprob": logprob, "bytes": self.bytes(token_id)}
 
 
+class TokenIdText(TokenText):
+    """Tokens named `token_id:N` in logprobs (vLLM's `return_tokens_as_token_ids`): exact
+    where a token's text is not (one byte of a multi-byte character, two ids that decode
+    alike); `bytes` stay the token's own."""
+
+    def text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
+def token_ids_fields(is_wanted: bool, token_ids: list[int],
+                     prompt_token_ids: list[int] | None = None) -> dict[str, Any]:
+    """vLLM's `return_token_ids` fields of a choice: its output ids (of the chunk, when
+    streamed) and the prompt's (when given: a body, a choice's first chunk)."""
+    if not is_wanted:
+        return {}
+    fields: dict[str, Any] = {} if prompt_token_ids is None \
+        else {"prompt_token_ids": prompt_token_ids}
+    return {**fields, "token_ids": token_ids}
+
+
 class CompletionFormat:
     """Bodies of `/v1/completions`; logprobs as `tokens`, `token_logprobs`, `top_logprobs`
-    (token -> logprob, the chosen token included), `text_offset`."""
+    (token -> logprob, the chosen token included), `text_offset`; with `wants_token_ids`,
+    each choice's `prompt_token_ids` and `token_ids`."""
 
     def __init__(self, request_id: str, model: str, tokens: TokenText,
-                 wants_logprobs: bool) -> None:
+                 wants_logprobs: bool, wants_token_ids: bool = False) -> None:
         self.request_id, self.model, self.created = request_id, model, int(time.time())
         self.tokens, self.wants_logprobs = tokens, wants_logprobs
+        self.wants_token_ids = wants_token_ids
 
     def _envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
@@ -108,10 +133,15 @@ class CompletionFormat:
     def chunk(self, choice: Choice, chunk: TextChunk) -> dict[str, Any] | None:
         """The chunk to send, or None when it would say nothing (its text held back)."""
         logprobs = self._logprobs(choice, chunk.token_ids, chunk.logprobs)
-        if not chunk.text and logprobs is None and chunk.finish_reason is None:
+        is_first = choice.num_chunks == 1
+        if not chunk.text and logprobs is None and chunk.finish_reason is None \
+                and not (self.wants_token_ids and (chunk.token_ids or is_first)):
             return None
+        ids = token_ids_fields(self.wants_token_ids, chunk.token_ids,
+                               choice.prompt_token_ids if is_first else None)
         return self._envelope([{"index": choice.index, "text": chunk.text,
-                                "logprobs": logprobs, "finish_reason": chunk.finish_reason}])
+                                "logprobs": logprobs, "finish_reason": chunk.finish_reason,
+                                **ids}])
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return self._envelope([], usage=usage_body)
@@ -120,7 +150,9 @@ class CompletionFormat:
         return self._envelope([
             {"index": c.index, "text": c.text,
              "logprobs": self._logprobs(c, c.token_ids, c.logprobs),
-             "finish_reason": c.finish_reason} for c in choices
+             "finish_reason": c.finish_reason,
+             **token_ids_fields(self.wants_token_ids, c.token_ids, c.prompt_token_ids)}
+            for c in choices
         ], usage=total_usage(choices))
 
     def _logprobs(self, choice: Choice, token_ids: list[int],
@@ -146,21 +178,24 @@ class CompletionFormat:
 
 class ChatFormat:
     """Bodies of `/v1/chat/completions`; logprobs as `content[]` of `token`, `logprob`,
-    `bytes`, `top_logprobs`."""
+    `bytes`, `top_logprobs`; with `wants_token_ids`, the response's `prompt_token_ids` (in
+    a stream, on each choice's opening chunk) and each choice's `token_ids`."""
 
     def __init__(self, request_id: str, model: str, tokens: TokenText,
-                 wants_logprobs: bool) -> None:
+                 wants_logprobs: bool, wants_token_ids: bool = False) -> None:
         self.request_id, self.model, self.created = request_id, model, int(time.time())
         self.tokens, self.wants_logprobs = tokens, wants_logprobs
+        self.wants_token_ids = wants_token_ids
 
     def _chunk_envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.request_id, "object": "chat.completion.chunk",
                 "created": self.created, "model": self.model, "choices": choices, **extra}
 
     def opening(self, choice: Choice) -> dict[str, Any] | None:
+        prompt = {"prompt_token_ids": choice.prompt_token_ids} if self.wants_token_ids else {}
         return self._chunk_envelope([{"index": choice.index,
                                       "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}])
+                                      "logprobs": None, "finish_reason": None}], **prompt)
 
     def chunk(self, choice: Choice, chunk: TextChunk) -> dict[str, Any] | None:
         """The chunk to send, or None when it would say nothing (text that may be a call
@@ -177,19 +212,24 @@ class ChatFormat:
         if calls:
             delta["tool_calls"] = calls
         logprobs = self._logprobs(chunk.token_ids, chunk.logprobs)
-        if not delta and logprobs is None and finish is None:
+        if not delta and logprobs is None and finish is None \
+                and not (self.wants_token_ids and chunk.token_ids):
             return None
         return self._chunk_envelope([{"index": choice.index, "delta": delta,
-                                      "logprobs": logprobs, "finish_reason": finish}])
+                                      "logprobs": logprobs, "finish_reason": finish,
+                                      **token_ids_fields(self.wants_token_ids,
+                                                         chunk.token_ids)}])
 
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return self._chunk_envelope([], usage=usage_body)
 
     def body(self, choices: list[Choice]) -> dict[str, Any]:
+        prompt = {"prompt_token_ids": choices[0].prompt_token_ids} \
+            if self.wants_token_ids else {}
         return {"id": self.request_id, "object": "chat.completion", "created": self.created,
                 "model": self.model,
                 "choices": [self._choice_body(c) for c in choices],
-                "usage": total_usage(choices)}
+                "usage": total_usage(choices), **prompt}
 
     def _choice_body(self, choice: Choice) -> dict[str, Any]:
         content: str | None = choice.text
@@ -206,7 +246,8 @@ class ChatFormat:
             message["tool_calls"] = [call.body() for call in calls]
         return {"index": choice.index, "message": message,
                 "logprobs": self._logprobs(choice.token_ids, choice.logprobs),
-                "finish_reason": "tool_calls" if calls and finish != "length" else finish}
+                "finish_reason": "tool_calls" if calls and finish != "length" else finish,
+                **token_ids_fields(self.wants_token_ids, choice.token_ids)}
 
     def _logprobs(self, token_ids: list[int], entries: list[TokenLogprob] | None
                   ) -> dict[str, Any] | None:
