@@ -82,6 +82,7 @@ class _GenerationParams(GuidedParams, kw_only=True, forbid_unknown_fields=True):
     include_stop_str_in_output: bool | None = None
     return_token_ids: bool | None = None  # the prompt's and the output's ids beside the text
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens `token_id:N`
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: fit)
     response_format: ResponseFormat | None = None  # on completions too, as vLLM
     # vLLM's structured-output extensions come from GuidedParams (guided.py).
     # Metadata only: accepted, no effect on generation.
@@ -435,7 +436,8 @@ def validate(
     echo_text: str | None = None,
     choice_index: int = 0,
 ) -> ParsedRequest:
-    """Check every limit and build the sampling parameters of one prompt."""
+    """Check every limit and build the sampling parameters of one prompt (its tokens left
+    truncated first when `truncate_prompt_tokens` asks)."""
     if request.model != limits.model:
         raise ModelNotFound(f"The model `{request.model}` does not exist", param="model")
     if not 1 <= (1 if request.n is None else request.n) <= MAX_CHOICES:
@@ -443,8 +445,10 @@ def validate(
     if request.stream_options is not None and not request.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true",
                              param="stream_options")  # as OpenAI and vLLM answer
-    _check_prompt(prompt_token_ids, limits)
     max_tokens = _max_tokens(request)
+    prompt_token_ids = _truncated(prompt_token_ids, request.truncate_prompt_tokens,
+                                  limits.max_model_len - max(1, max_tokens or 1))
+    _check_prompt(prompt_token_ids, limits)
     is_prompt_only = max_tokens == 0 and output.echo
     room = limits.max_model_len - len(prompt_token_ids)
     if max_tokens is not None and max_tokens <= 0 and not is_prompt_only:
@@ -483,6 +487,20 @@ def _max_tokens(request: _GenerationParams) -> int | None:
         raise InvalidRequest("max_tokens and max_completion_tokens differ; send one",
                              param="max_completion_tokens")
     return newer if newer is not None else older
+
+
+def _truncated(prompt_token_ids: list[int], keep: int | None, room: int) -> list[int]:
+    """The prompt's last `keep` tokens (vLLM's `truncate_prompt_tokens`); -1 keeps what
+    leaves `room` for the output asked for (vLLM keeps the whole context, which then
+    leaves none)."""
+    if keep is None:
+        return prompt_token_ids
+    if keep == -1:
+        keep = room
+    if keep < 1:
+        raise InvalidRequest("truncate_prompt_tokens must be -1 or at least 1",
+                             param="truncate_prompt_tokens")
+    return prompt_token_ids[-keep:]
 
 
 def _check_prompt(prompt_token_ids: list[int], limits: Limits) -> None:

@@ -253,8 +253,9 @@ class GatewayService(Service):
             one = validate(request, token_ids, model.limits, output=output,
                            default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, echo_text=text,
                            choice_index=index * (request.n or 1))
-            if output.echo and text is None:  # token ids, now checked: echoed as their text
-                one = dataclasses.replace(one, echo=tokenizer.decode(token_ids))
+            if output.echo and (text is None or one.prompt_token_ids != token_ids):
+                # token ids, now checked, or a truncated prompt: echoed as their text
+                one = dataclasses.replace(one, echo=tokenizer.decode(one.prompt_token_ids))
             parsed.append(one)
         return parsed
 

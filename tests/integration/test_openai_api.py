@@ -242,3 +242,32 @@ async def test_responses_carry_the_clients_x_request_id_or_a_new_one(stack: Stac
         assert len(ids) == 3 and all(i.startswith("req-") for i in ids)
         async with session.get(f"{url}/health") as response:
             assert "x-request-id" not in response.headers  # the OpenAI API's routes only
+
+
+async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
+        client: openai.AsyncOpenAI) -> None:
+    prompt = "a prompt much longer than what is kept of it"
+    ids = TOKENIZER.encode(prompt)
+    kept = ids[-5:]
+    cut = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, seed=4,
+                                          echo=True,
+                                          extra_body={"truncate_prompt_tokens": 5})
+    assert cut.usage is not None and cut.usage.prompt_tokens == 5
+    assert cut.choices[0].text == TOKENIZER.decode(kept) + expected_text(kept, 4, 6)
+    whole = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, seed=4,
+                                            extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(ids)
+    models = await client.models.list()
+    context = models.model_dump()["data"][0]["max_model_len"]
+    fitted = await client.completions.create(  # -1: cut to what leaves room for the output
+        model=MODEL, prompt="x" * (context + 50), max_tokens=10,
+        extra_body={"truncate_prompt_tokens": -1})
+    assert fitted.usage is not None and fitted.usage.prompt_tokens == context - 10
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=2,
+        extra_body={"truncate_prompt_tokens": 7})
+    assert chat.usage is not None and chat.usage.prompt_tokens == 7
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                        extra_body={"truncate_prompt_tokens": 0})
+    assert refused.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]
