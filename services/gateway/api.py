@@ -316,10 +316,9 @@ async def _stream_events(
         # With `continuous_usage_stats`, every chunk says the usage so far.
         extra = ({"usage": total_usage(choices) if parsed.usage_on_every_chunk else None}
                  if include_usage else {})
-        if not choice.has_started:
-            choice.has_started = True
-            if (opening := fmt.opening(choice)) is not None:
-                await _send(response, {**opening, **extra})
+        # A choice's first chunk comes after its opening (chat's role chunk).
+        if choice.num_chunks == 1 and (opening := fmt.opening(choice)) is not None:
+            await _send(response, {**opening, **extra})
         if (body := fmt.chunk(choice, chunk)) is not None:
             await _send(response, {**body, **extra})
 

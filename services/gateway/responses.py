@@ -31,8 +31,7 @@ class Choice:
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
     text_offset: int = 0  # characters of this choice's text before the next chunk
-    num_chunks: int = 0
-    has_started: bool = False
+    num_chunks: int = 0  # added so far (a stream opens each choice at its first)
     tools: ToolUse | None = None  # chat with tools: calls to find in the text
     call_stream: CallStream | None = None
 
