@@ -38,6 +38,7 @@ from services.gateway.responses import (
     ResponseFormat,
     TokenIdText,
     TokenText,
+    best_choices,
     total_usage,
 )
 from services.gateway.responses_route import ResponsesRoutes
@@ -222,7 +223,7 @@ class _Routes:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         return await _respond(request, self.backend.generator, request_id, parsed,
                               CompletionFormat(request_id, model.name, _token_text(body, model),
-                                               parsed[0].sampling.logprobs is not None,
+                                               body.logprobs is not None,
                                                bool(body.return_token_ids)))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -273,7 +274,7 @@ async def _respond(
         if not parsed[0].is_stream:
             async for index, chunk in chunks:
                 choices[index].add(chunk)
-            return json_response(fmt.body(choices))
+            return json_response(fmt.body(best_choices(choices, parsed), usage_of=choices))
         # Wait for the first chunk before sending headers, so that a rejection (429/503)
         # still reaches a streaming client as an HTTP status.
         first = await anext(chunks)

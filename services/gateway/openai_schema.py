@@ -187,6 +187,9 @@ class ParsedRequest:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # the matched stop string ends the text
     tools: ToolUse | None = None  # calls to find in the output (chat with tools)
+    # `best_of`: of the `sampling.n` candidates, the number to return: those of highest
+    # cumulative logprob. None: every choice is returned.
+    num_returned: int | None = None
 
 
 T = TypeVar("T")
@@ -366,6 +369,11 @@ class Output:
     grammar: GrammarSpec | None = None  # what the output must match
     grammar_param: str = "response_format"  # the field that asked for it
     tools: ToolUse | None = None
+    num_candidates: int | None = None  # `best_of`, when it asks for more than n
+
+    def choices_per_prompt(self, n: int | None) -> int:
+        """Choices generated per prompt: `best_of`'s candidates, else n."""
+        return self.num_candidates or n or 1
 
 
 def output_constraint(request: _GenerationParams) -> tuple[GrammarSpec | None, str]:
@@ -402,11 +410,25 @@ def response_grammar(response_format: ResponseFormat | None) -> GrammarSpec | No
 def completion_output(request: CompletionRequest) -> Output:
     if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
         raise InvalidRequest(f"logprobs must lie in [0, {MAX_LOGPROBS}]", param="logprobs")
-    if request.best_of not in (None, 1):
-        raise UnsupportedParameter("best_of is not supported", param="best_of")
     grammar, param = output_constraint(request)
     return Output(logprobs=request.logprobs, echo=bool(request.echo), grammar=grammar,
-                  grammar_param=param)
+                  grammar_param=param, num_candidates=_num_candidates(request))
+
+
+def _num_candidates(request: CompletionRequest) -> int | None:
+    """`best_of` when it asks for more candidates than n (None: n choices, each returned).
+    As OpenAI's: at least n, and not streamed then (which candidates are best is known
+    only at the end)."""
+    best_of, n = request.best_of, request.n or 1
+    if best_of is None or best_of == n:
+        return None
+    if not 1 <= best_of <= MAX_CHOICES:
+        raise InvalidRequest(f"best_of must lie in [1, {MAX_CHOICES}]", param="best_of")
+    if best_of < n:
+        raise InvalidRequest("best_of must be at least n", param="best_of")
+    if request.stream:
+        raise InvalidRequest("best_of greater than n cannot be streamed", param="best_of")
+    return best_of
 
 
 def chat_output(request: ChatCompletionRequest, tools: ToolUse | None = None) -> Output:
@@ -477,6 +499,7 @@ def validate(
         skip_special_tokens=request.skip_special_tokens is not False,
         include_stop_str_in_output=bool(request.include_stop_str_in_output),
         tools=output.tools,
+        num_returned=(request.n or 1) if output.num_candidates else None,
     )
 
 
@@ -546,14 +569,16 @@ def _sampling(request: _GenerationParams, max_tokens: int, limits: Limits,
     if any(not 0 <= t < limits.vocab_size for t in stop_token_ids):
         raise InvalidRequest(f"stop_token_ids must lie in [0, {limits.vocab_size})",
                              param="stop_token_ids")
+    # best_of ranks its candidates by their tokens' logprobs, asked for or not.
+    logprobs = 0 if output.logprobs is None and output.num_candidates else output.logprobs
     return SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         seed=request.seed, stop_token_ids=stop_token_ids, ignore_eos=bool(request.ignore_eos),
         presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
         logit_bias=_logit_bias(request.logit_bias, limits), min_p=min_p,
-        min_tokens=min_tokens, logprobs=output.logprobs,
+        min_tokens=min_tokens, logprobs=logprobs,
         prompt_logprobs=output.logprobs if output.echo else None, grammar=output.grammar,
-        n=request.n or 1,
+        n=output.choices_per_prompt(request.n),
     )
 
 

@@ -6,6 +6,7 @@ and its running text offset (for completions' `text_offset`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from typing import Any
 
 from services.gateway.call_arguments import CallStream, cut_calls
 from services.gateway.generation import TextChunk
-from services.gateway.openai_schema import usage
+from services.gateway.openai_schema import ParsedRequest, usage
 from services.gateway.tokenizer import Tokenizer
 from services.gateway.tool_calls import ToolCall, ToolUse
 from shared.messages import FinishReason, TokenLogprob
@@ -57,6 +58,30 @@ class Choice:
     @property
     def text(self) -> str:
         return "".join(self.texts)
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """The sum of its tokens' logprobs (with `echo` the prompt's too, the same for every
+        choice of a prompt); 0 without logprobs."""
+        return sum(e.logprob or 0.0 for e in self.logprobs or ())
+
+
+def best_choices(choices: list[Choice], parsed: list[ParsedRequest]) -> list[Choice]:
+    """The choices to return: with `best_of`, each prompt's `num_returned` candidates of
+    highest cumulative logprob (ties in candidate order), numbered on from 0 per prompt;
+    else all of them."""
+    if parsed[0].num_returned is None:
+        return choices
+    kept = []
+    for prompt, one in enumerate(parsed):
+        size, num_returned = one.sampling.n, one.num_returned or 1
+        candidates = choices[one.choice_index:one.choice_index + size]
+        ranked = sorted(candidates, key=lambda c: -c.cumulative_logprob)[:num_returned]
+        for rank, choice in enumerate(ranked):
+            kept.append(dataclasses.replace(
+                choice, index=prompt * num_returned + rank,
+                num_prompt_tokens=len(one.prompt_token_ids) if rank == 0 else 0))
+    return kept
 
 
 def total_usage(choices: list[Choice]) -> dict[str, Any]:
@@ -145,14 +170,17 @@ class CompletionFormat:
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return self._envelope([], usage=usage_body)
 
-    def body(self, choices: list[Choice]) -> dict[str, Any]:
+    def body(self, choices: list[Choice], usage_of: list[Choice] | None = None
+             ) -> dict[str, Any]:
+        """The whole response; usage counts `usage_of` (best_of's every candidate) if given,
+        else `choices`."""
         return self._envelope([
             {"index": c.index, "text": c.text,
              "logprobs": self._logprobs(c, c.token_ids, c.logprobs),
              "finish_reason": c.finish_reason,
              **token_ids_fields(self.wants_token_ids, c.token_ids, c.prompt_token_ids)}
             for c in choices
-        ], usage=total_usage(choices))
+        ], usage=total_usage(usage_of or choices))
 
     def _logprobs(self, choice: Choice, token_ids: list[int],
                   entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -222,13 +250,14 @@ class ChatFormat:
     def usage_chunk(self, usage_body: dict[str, Any]) -> dict[str, Any]:
         return self._chunk_envelope([], usage=usage_body)
 
-    def body(self, choices: list[Choice]) -> dict[str, Any]:
+    def body(self, choices: list[Choice], usage_of: list[Choice] | None = None
+             ) -> dict[str, Any]:
         prompt = {"prompt_token_ids": choices[0].prompt_token_ids} \
             if self.wants_token_ids else {}
         return {"id": self.request_id, "object": "chat.completion", "created": self.created,
                 "model": self.model,
                 "choices": [self._choice_body(c) for c in choices],
-                "usage": total_usage(choices), **prompt}
+                "usage": total_usage(usage_of or choices), **prompt}
 
     def _choice_body(self, choice: Choice) -> dict[str, Any]:
         content: str | None = choice.text

@@ -252,7 +252,7 @@ class GatewayService(Service):
                 token_ids, text = prompt, None
             one = validate(request, token_ids, model.limits, output=output,
                            default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, echo_text=text,
-                           choice_index=index * (request.n or 1))
+                           choice_index=index * output.choices_per_prompt(request.n))
             if output.echo and (text is None or one.prompt_token_ids != token_ids):
                 # token ids, now checked, or a truncated prompt: echoed as their text
                 one = dataclasses.replace(one, echo=tokenizer.decode(one.prompt_token_ids))

@@ -119,3 +119,29 @@ async def test_a_stop_string_ends_one_choice_only(stack: Stack) -> None:
     assert cut.choices[1].text == free.choices[1].text
     assert cut.choices[1].finish_reason == "length"
     await stack.wait_blocks_free(timeout_s=10)
+
+
+async def test_best_of_returns_the_candidates_of_highest_cumulative_logprob(
+        stack: Stack) -> None:
+    """best_of draws its candidates as n does (candidate j from `seed + j`) and returns the
+    n whose tokens' logprobs sum highest, numbered per prompt; usage counts every candidate,
+    as they were all generated."""
+    async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x", max_retries=0) as sdk:
+        options: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "temperature": 1.0,
+                                   "seed": 11, "extra_body": {"ignore_eos": True}}
+        candidates = [await sdk.completions.create(prompt=p, n=4, logprobs=0, **options)
+                      for p in ("Once upon", "The moon")]
+        best = await sdk.completions.create(prompt=["Once upon", "The moon"], n=2, best_of=4,
+                                            **options)
+    expected = []
+    for response in candidates:
+        ranked = sorted(response.choices,
+                        key=lambda c: -sum(c.logprobs.token_logprobs))  # type: ignore[union-attr,arg-type]
+        assert len({c.text for c in ranked}) > 1  # sampled: the ranking picks
+        expected += [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1, 2, 3]
+    assert [c.text for c in best.choices] == expected
+    assert all(c.logprobs is None for c in best.choices)  # not asked for
+    assert best.usage is not None and best.usage.completion_tokens == 2 * 4 * 6
+    assert best.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in candidates)  # type: ignore[union-attr]
+    await stack.wait_blocks_free(timeout_s=10)

@@ -108,13 +108,26 @@ def test_a_chat_message_field_not_served_is_refused() -> None:
 @pytest.mark.parametrize(("field", "value"), [
     ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
     ("min_p", 1.5), ("min_tokens", 17), ("logprobs", 21), ("logprobs", -1),
-    ("stop_token_ids", [258]), ("best_of", 3),
+    ("stop_token_ids", [258]), ("best_of", 17),
     ("logit_bias", {"258": 1.0}), ("logit_bias", {"x": 1.0}), ("logit_bias", {"5": 101.0}),
 ])
 def test_out_of_range_controls_are_refused(field: str, value: object) -> None:
     with pytest.raises(InvalidRequest) as info:
         run(completion(**{field: value}))
     assert info.value.param == field
+
+
+def test_best_of_samples_its_candidates_with_logprobs_and_returns_n() -> None:
+    parsed = run(completion(best_of=5, n=2))
+    assert parsed.sampling.n == 5 and parsed.num_returned == 2
+    assert parsed.sampling.logprobs == 0  # to rank them by, asked for or not
+    plain = run(completion(best_of=2, n=2))  # best_of == n: n choices, as without it
+    assert plain.sampling.n == 2 and plain.num_returned is None
+    assert plain.sampling.logprobs is None
+    with pytest.raises(InvalidRequest, match="cannot be streamed"):
+        run(completion(best_of=3, stream=True))
+    with pytest.raises(InvalidRequest, match="at least n"):
+        run(completion(best_of=2, n=3))
 
 
 def test_controls_reach_the_sampling_parameters() -> None:
