@@ -141,17 +141,18 @@ class _Pending:
 
     def __init__(self, parsed: ParsedRequest) -> None:
         self.wants_logprobs = parsed.sampling.logprobs is not None
+        self.wants_prompt_logprobs = parsed.sampling.prompt_logprobs is not None
         self.echo = parsed.echo
         self.prompt_token_ids = parsed.prompt_token_ids
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if self.wants_logprobs else None
 
     def add_prompt(self, delta: TokenDelta) -> None:
-        """With `echo`: the prompt's tokens (and logprobs) lead the choice."""
+        """With `echo`: the prompt's tokens (and logprobs, when asked) lead the choice."""
         if self.echo is None:
             return
         self.token_ids += self.prompt_token_ids
-        if self.logprobs is not None:
+        if self.logprobs is not None and self.wants_prompt_logprobs:
             if delta.prompt_logprobs is None:
                 self.logprobs = None  # the engine has none to give (a simulated one)
             else:

@@ -133,6 +133,8 @@ async def test_best_of_returns_the_candidates_of_highest_cumulative_logprob(
                       for p in ("Once upon", "The moon")]
         best = await sdk.completions.create(prompt=["Once upon", "The moon"], n=2, best_of=4,
                                             **options)
+        echoed = await sdk.completions.create(prompt="Once upon", n=2, best_of=4, echo=True,
+                                              **options)
     expected = []
     for response in candidates:
         ranked = sorted(response.choices,
@@ -141,6 +143,7 @@ async def test_best_of_returns_the_candidates_of_highest_cumulative_logprob(
         expected += [c.text for c in ranked[:2]]
     assert [c.index for c in best.choices] == [0, 1, 2, 3]
     assert [c.text for c in best.choices] == expected
+    assert [c.text for c in echoed.choices] == ["Once upon" + t for t in expected[:2]]
     assert all(c.logprobs is None for c in best.choices)  # not asked for
     assert best.usage is not None and best.usage.completion_tokens == 2 * 4 * 6
     assert best.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in candidates)  # type: ignore[union-attr]
