@@ -100,12 +100,15 @@ def top_logprobs(log_probs: torch.Tensor, count: int | None) -> list[tuple[int, 
 
 def prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int], count: int
                     ) -> list[TokenLogprob]:
-    """Row i of `logits` predicts `next_token_ids[i]`: its logprob and the top `count`."""
+    """Row i of `logits` predicts `next_token_ids[i]`: its logprob, its rank and the top
+    `count`."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     targets = torch.tensor(list(next_token_ids), dtype=torch.long, device=logits.device)
-    chosen = log_probs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-    return [TokenLogprob(value, top_logprobs(log_probs[row], count))
-            for row, value in enumerate(chosen)]
+    chosen = log_probs.gather(1, targets.unsqueeze(1))
+    ranks = (log_probs > chosen).sum(dim=1).add_(1).tolist()
+    return [TokenLogprob(value, top_logprobs(log_probs[row], count), rank)
+            for row, (value, rank) in enumerate(zip(chosen.squeeze(1).tolist(), ranks,
+                                                     strict=True))]
 
 
 def has_controls(p: SamplingParams) -> bool:

@@ -101,10 +101,13 @@ def request_of(choice: str) -> str:
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     """One token's log-probability under the model's own distribution (before any sampling
     control), and the `top` most likely tokens at its position as (token id, logprob), most
-    likely first. `logprob` is None only for a prompt's first token (nothing predicts it)."""
+    likely first. `logprob` is None only for a prompt's first token (nothing predicts it).
+    `rank`: a prompt token's place among its position's tokens (1: the most likely; ties
+    share the better place); None for output tokens and from peers that predate it."""
 
     logprob: float | None
     top: list[tuple[int, float]] = []
+    rank: int | None = None
 
 
 # Bytes per element of the KV dtypes a pool may hold (names as torch spells them).

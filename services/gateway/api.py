@@ -224,7 +224,8 @@ class _Routes:
         return await _respond(request, self.backend.generator, request_id, parsed,
                               CompletionFormat(request_id, model.name, _token_text(body, model),
                                                body.logprobs is not None,
-                                               bool(body.return_token_ids)))
+                                               bool(body.return_token_ids),
+                                               body.prompt_logprobs))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         self.backend.check_accepting()
@@ -236,7 +237,7 @@ class _Routes:
         return await _respond(request, self.backend.generator, request_id, parsed,
                               ChatFormat(request_id, model.name, _token_text(body, model),
                                          parsed[0].sampling.logprobs is not None,
-                                         bool(body.return_token_ids)))
+                                         bool(body.return_token_ids), body.prompt_logprobs))
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         return json_response({"object": "list", "data": self.backend.model_list()})

@@ -58,6 +58,7 @@ class TextChunk:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served (first placement)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first, when asked
 
 
 @dataclass(frozen=True)
@@ -142,13 +143,18 @@ class _Pending:
     def __init__(self, parsed: ParsedRequest) -> None:
         self.wants_logprobs = parsed.sampling.logprobs is not None
         self.wants_prompt_logprobs = parsed.sampling.prompt_logprobs is not None
+        self.wants_scored_prompt = parsed.prompt_logprobs is not None
+        self.prompt_logprobs: list[TokenLogprob] | None = None
         self.echo = parsed.echo
         self.prompt_token_ids = parsed.prompt_token_ids
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if self.wants_logprobs else None
 
     def add_prompt(self, delta: TokenDelta) -> None:
-        """With `echo`: the prompt's tokens (and logprobs, when asked) lead the choice."""
+        """With `echo`: the prompt's tokens (and logprobs, when asked) lead the choice. With
+        `prompt_logprobs`, the prompt's logprobs go with the first chunk."""
+        if self.wants_scored_prompt:
+            self.prompt_logprobs = delta.prompt_logprobs
         if self.echo is None:
             return
         self.token_ids += self.prompt_token_ids
@@ -171,8 +177,8 @@ class _Pending:
         if self.echo is not None:
             text, self.echo = self.echo + text, None
         chunk = TextChunk(text, finish, num_completion, num_cached, self.token_ids,
-                          self.logprobs)
-        self.token_ids = []
+                          self.logprobs, self.prompt_logprobs)
+        self.token_ids, self.prompt_logprobs = [], None
         self.logprobs = [] if self.wants_logprobs and self.logprobs is not None else None
         return chunk
 

@@ -83,6 +83,7 @@ class _GenerationParams(GuidedParams, kw_only=True, forbid_unknown_fields=True):
     return_token_ids: bool | None = None  # the prompt's and the output's ids beside the text
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens `token_id:N`
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: fit)
+    prompt_logprobs: int | None = None  # each prompt token's logprob, rank and top k
     response_format: ResponseFormat | None = None  # on completions too, as vLLM
     # vLLM's structured-output extensions come from GuidedParams (guided.py).
     # Metadata only: accepted, no effect on generation.
@@ -190,6 +191,7 @@ class ParsedRequest:
     # `best_of`: of the `sampling.n` candidates, the number to return: those of highest
     # cumulative logprob. None: every choice is returned.
     num_returned: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: alternatives per prompt token, when asked
 
 
 T = TypeVar("T")
@@ -467,6 +469,7 @@ def validate(
     if request.stream_options is not None and not request.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true",
                              param="stream_options")  # as OpenAI and vLLM answer
+    _check_prompt_logprobs(request)
     max_tokens = _max_tokens(request)
     prompt_token_ids = _truncated(prompt_token_ids, request.truncate_prompt_tokens,
                                   limits.max_model_len - max(1, max_tokens or 1))
@@ -500,7 +503,22 @@ def validate(
         include_stop_str_in_output=bool(request.include_stop_str_in_output),
         tools=output.tools,
         num_returned=(request.n or 1) if output.num_candidates else None,
+        prompt_logprobs=request.prompt_logprobs,
     )
+
+
+def _check_prompt_logprobs(request: _GenerationParams) -> None:
+    """vLLM's `prompt_logprobs`: 0..20 alternatives, in a whole response only (as vLLM,
+    which answers -1, the whole vocabulary, refused here: a list that long per token)."""
+    count = request.prompt_logprobs
+    if count is None:
+        return
+    if not 0 <= count <= MAX_LOGPROBS:
+        raise InvalidRequest(f"prompt_logprobs must lie in [0, {MAX_LOGPROBS}]",
+                             param="prompt_logprobs")
+    if request.stream:
+        raise InvalidRequest("prompt_logprobs are not available when stream is true",
+                             param="prompt_logprobs")
 
 
 def _max_tokens(request: _GenerationParams) -> int | None:
@@ -577,9 +595,17 @@ def _sampling(request: _GenerationParams, max_tokens: int, limits: Limits,
         presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
         logit_bias=_logit_bias(request.logit_bias, limits), min_p=min_p,
         min_tokens=min_tokens, logprobs=logprobs,
-        prompt_logprobs=output.logprobs if output.echo else None, grammar=output.grammar,
+        prompt_logprobs=_prompt_logprobs(request, output), grammar=output.grammar,
         n=output.choices_per_prompt(request.n),
     )
+
+
+def _prompt_logprobs(request: _GenerationParams, output: Output) -> int | None:
+    """Alternatives per prompt token to compute: for `echo` with `logprobs`, for
+    `prompt_logprobs`, the more of the two; None when neither asks."""
+    counts = [c for c in (output.logprobs if output.echo else None, request.prompt_logprobs)
+              if c is not None]
+    return max(counts) if counts else None
 
 
 def _check_range(param: str, value: float, low: float, high: float) -> None:

@@ -28,6 +28,7 @@ class Choice:
     texts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None  # when asked (vLLM's)
     finish_reason: FinishReason | None = None
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
@@ -44,6 +45,8 @@ class Choice:
         """Count the chunk; keep its text and tokens too for a whole body (`keeps_output`),
         which a stream, already sent, does not need."""
         self.num_chunks += 1
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         if keeps_output:
             self.texts.append(chunk.text)
             self.token_ids += chunk.token_ids
@@ -115,6 +118,30 @@ class TokenText:
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         return {"token": self.text(token_id), "logprob": logprob, "bytes": self.bytes(token_id)}
 
+    def scored_prompt(self, choice: Choice, count: int | None) -> dict[str, Any]:
+        """vLLM's `prompt_logprobs` field, when asked (`count`): per prompt token None for
+        the first, else a map of token id (as a string) to `logprob`, `rank` and
+        `decoded_token`: the prompt's own token first, then the `count` most likely. None
+        in place of the list where the engine gave none (a simulated one)."""
+        if count is None:
+            return {}
+        entries = choice.prompt_logprobs
+        if entries is None:
+            return {"prompt_logprobs": None}
+        scored: list[dict[str, Any] | None] = []
+        for token_id, entry in zip(choice.prompt_token_ids, entries, strict=False):
+            if entry.logprob is None:
+                scored.append(None)
+                continue
+            position = {str(token_id): self._scored(token_id, entry.logprob, entry.rank)}
+            for rank, (top_id, logprob) in enumerate(entry.top[:count], start=1):
+                position.setdefault(str(top_id), self._scored(top_id, logprob, rank))
+            scored.append(position)
+        return {"prompt_logprobs": scored}
+
+    def _scored(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self.text(token_id)}
+
 
 class TokenIdText(TokenText):
     """Tokens named `token_id:N` in logprobs (vLLM's `return_tokens_as_token_ids`): exact
@@ -136,16 +163,24 @@ def token_ids_fields(is_wanted: bool, token_ids: list[int],
     return {**fields, "token_ids": token_ids}
 
 
-class CompletionFormat:
-    """Bodies of `/v1/completions`; logprobs as `tokens`, `token_logprobs`, `top_logprobs`
-    (token -> logprob, the chosen token included), `text_offset`; with `wants_token_ids`,
-    each choice's `prompt_token_ids` and `token_ids`."""
+class _Format:
+    """What the client asked to get back beside the text: logprobs, token ids, and
+    `prompt_logprobs` (alternatives per prompt token; None: not asked)."""
 
     def __init__(self, request_id: str, model: str, tokens: TokenText,
-                 wants_logprobs: bool, wants_token_ids: bool = False) -> None:
+                 wants_logprobs: bool, wants_token_ids: bool = False,
+                 prompt_logprobs: int | None = None) -> None:
         self.request_id, self.model, self.created = request_id, model, int(time.time())
         self.tokens, self.wants_logprobs = tokens, wants_logprobs
         self.wants_token_ids = wants_token_ids
+        self.prompt_logprobs = prompt_logprobs
+
+
+class CompletionFormat(_Format):
+    """Bodies of `/v1/completions`; logprobs as `tokens`, `token_logprobs`, `top_logprobs`
+    (token -> logprob, the chosen token included), `text_offset`; with `wants_token_ids`,
+    each choice's `prompt_token_ids` and `token_ids`; with `prompt_logprobs`, each
+    choice's."""
 
     def _envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
@@ -178,7 +213,8 @@ class CompletionFormat:
             {"index": c.index, "text": c.text,
              "logprobs": self._logprobs(c, c.token_ids, c.logprobs),
              "finish_reason": c.finish_reason,
-             **token_ids_fields(self.wants_token_ids, c.token_ids, c.prompt_token_ids)}
+             **token_ids_fields(self.wants_token_ids, c.token_ids, c.prompt_token_ids),
+             **self.tokens.scored_prompt(c, self.prompt_logprobs)}
             for c in choices
         ], usage=total_usage(usage_of or choices))
 
@@ -203,16 +239,11 @@ class CompletionFormat:
         }
 
 
-class ChatFormat:
+class ChatFormat(_Format):
     """Bodies of `/v1/chat/completions`; logprobs as `content[]` of `token`, `logprob`,
     `bytes`, `top_logprobs`; with `wants_token_ids`, the response's `prompt_token_ids` (in
-    a stream, on each choice's opening chunk) and each choice's `token_ids`."""
-
-    def __init__(self, request_id: str, model: str, tokens: TokenText,
-                 wants_logprobs: bool, wants_token_ids: bool = False) -> None:
-        self.request_id, self.model, self.created = request_id, model, int(time.time())
-        self.tokens, self.wants_logprobs = tokens, wants_logprobs
-        self.wants_token_ids = wants_token_ids
+    a stream, on each choice's opening chunk) and each choice's `token_ids`; with
+    `prompt_logprobs`, the response's (as vLLM's)."""
 
     def _chunk_envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.request_id, "object": "chat.completion.chunk",
@@ -257,7 +288,8 @@ class ChatFormat:
         return {"id": self.request_id, "object": "chat.completion", "created": self.created,
                 "model": self.model,
                 "choices": [self._choice_body(c) for c in choices],
-                "usage": total_usage(usage_of or choices), **prompt}
+                "usage": total_usage(usage_of or choices), **prompt,
+                **self.tokens.scored_prompt(choices[0], self.prompt_logprobs)}
 
     def _choice_body(self, choice: Choice) -> dict[str, Any]:
         content: str | None = choice.text

@@ -103,6 +103,37 @@ async def test_echo_returns_prompt_logprobs_and_max_tokens_zero_the_prompt_alone
     assert choice.logprobs.token_logprobs[1:len(prompt)] == pytest.approx(expected, abs=1e-4)
 
 
+async def test_prompt_logprobs_give_each_prompt_token_its_logprob_rank_and_top(
+        sdk: openai.AsyncOpenAI, tiny_dir: Path, reference: Any) -> None:
+    """vLLM's `prompt_logprobs`: per prompt token (the first: null) the token's own logprob
+    and rank under the model, then the k most likely, keyed by token id; on each completion
+    choice, and on a chat response."""
+    tokenizer = HfTokenizer(tiny_dir)
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=True)
+    with torch.no_grad():
+        log_probs = torch.log_softmax(reference(torch.tensor([prompt])).logits[0].float(), -1)
+    answer = await sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
+                                          temperature=0, extra_body={"prompt_logprobs": 2})
+    scored = answer.model_dump()["choices"][0]["prompt_logprobs"]
+    assert len(scored) == len(prompt) and scored[0] is None
+    for position, token in enumerate(prompt[1:], start=1):
+        row = log_probs[position - 1]
+        own = scored[position][str(token)]
+        assert own["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+        assert own["rank"] == int((row > row[token]).sum()) + 1
+        assert own["decoded_token"] == tokenizer.decode([token], skip_special_tokens=False)
+        best = torch.topk(row, 2).indices.tolist()
+        assert {str(t) for t in best} <= set(scored[position])
+        assert scored[position][str(best[0])]["rank"] == 1
+        assert len(scored[position]) == 3 - (token in best)
+    chat = await sdk.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name the moon."}], max_tokens=1,
+        extra_body={"prompt_logprobs": 0})
+    scored = chat.model_dump()["prompt_logprobs"]
+    assert chat.usage is not None and len(scored) == chat.usage.prompt_tokens
+    assert scored[0] is None and all(len(position) == 1 for position in scored[1:])
+
+
 async def test_chat_logprobs_streamed_equal_whole(sdk: openai.AsyncOpenAI) -> None:
     messages = [{"role": "user", "content": "Name the moon."}]
     whole = await sdk.chat.completions.create(
@@ -193,6 +224,8 @@ async def test_a_seeded_sampled_request_is_the_same_disaggregated_and_colocated(
     ({"best_of": 17}, "best_of"),
     ({"best_of": 2, "n": 3}, "best_of"),
     ({"best_of": 3, "stream": True}, "best_of"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"logit_bias": {"999999": 1}}, "logit_bias"),
     ({"frobnicate": True}, "frobnicate"),
     ({"response_format": {"type": "xml"}}, "response_format"),

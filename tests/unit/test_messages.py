@@ -95,7 +95,7 @@ SAMPLES: dict[str, Message] = {
     "token_batch": TokenBatch(worker_id="decode-b", items=[
         TokenDelta(request_id="cmpl-1", index=1, token_ids=[98],
                    logprobs=[TokenLogprob(-0.25, [(98, -0.25), (12, -1.5)])],
-                   prompt_logprobs=[TokenLogprob(None), TokenLogprob(-3.0)]),
+                   prompt_logprobs=[TokenLogprob(None), TokenLogprob(-3.0, rank=2)]),
         TokenDelta(request_id="cmpl-2", index=4, token_ids=[99], finish_reason="length"),
     ]),
     "request_failed": RequestFailed(request_id="cmpl-1", code=ErrorCode.CAPACITY_EXHAUSTED,
