@@ -24,12 +24,7 @@ from services.gateway.generation import Generator, TextChunk
 from services.gateway.json_bodies import encoder, error_body, json_response, worked_on
 from services.gateway.merge import merged
 from services.gateway.model_catalog import ServedModel
-from services.gateway.openai_schema import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ParsedRequest,
-    decode_body,
-)
+from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body
 from services.gateway.response_store import ResponseStore
 from services.gateway.responses import (
     ChatFormat,
@@ -44,6 +39,7 @@ from services.gateway.responses import (
 from services.gateway.responses_route import ResponsesRoutes
 from services.gateway.tokenize_routes import TOKENIZER_ROUTES, TokenizeRoutes
 from services.gateway.tool_calls import ToolUse
+from services.gateway.validation import ParsedRequest
 from shared import tracing
 from shared.errors import AuthenticationFailed, HalfmoonError, InvalidRequest, ModelNotFound
 from shared.logs import get_logger

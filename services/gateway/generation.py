@@ -21,10 +21,10 @@ from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
 from services.gateway.merge import merged
-from services.gateway.openai_schema import ParsedRequest
 from services.gateway.request_stream import RequestStream, StreamTable
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.tokenizer import Tokenizer
+from services.gateway.validation import ParsedRequest
 from shared import tracing
 from shared.errors import HalfmoonError, RequestMoved, WorkerLost, WorkerUnavailable
 from shared.events import EventPublisher

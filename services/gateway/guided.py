@@ -1,7 +1,7 @@
 """vLLM's structured-output extensions as grammar specs: `structured_outputs` (`json`,
 `regex`, `choice`, `grammar`, `json_object`) and the older `guided_json`, `guided_regex`,
 `guided_choice`, `guided_grammar` that many clients still send. One constraint per request:
-these, or `response_format` (openai_schema.py), not two."""
+these, or `response_format` (validation.py), not two."""
 
 from __future__ import annotations
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from services.gateway.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from services.gateway.model_info import read_model_info
-from services.gateway.openai_schema import Limits
 from services.gateway.responses import TokenText
 from services.gateway.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
+from services.gateway.validation import Limits
 from shared.config import GatewayConfig
 from shared.errors import ConfigError, ModelNotFound, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory

@@ -17,9 +17,9 @@ from typing import Any
 
 from services.gateway.call_arguments import CallStream
 from services.gateway.generation import TextChunk
-from services.gateway.openai_schema import ParsedRequest
 from services.gateway.responses import TokenText
 from services.gateway.responses_api import ResponsesRequest
+from services.gateway.validation import ParsedRequest
 from shared.errors import HalfmoonError
 from shared.messages import FinishReason
 

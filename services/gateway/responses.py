@@ -14,9 +14,9 @@ from typing import Any
 
 from services.gateway.call_arguments import CallStream, cut_calls
 from services.gateway.generation import TextChunk
-from services.gateway.openai_schema import ParsedRequest, usage
 from services.gateway.tokenizer import Tokenizer
 from services.gateway.tool_calls import ToolCall, ToolUse
+from services.gateway.validation import ParsedRequest
 from shared.messages import FinishReason, TokenLogprob
 
 
@@ -85,6 +85,16 @@ def best_choices(choices: list[Choice], parsed: list[ParsedRequest]) -> list[Cho
                 choice, index=prompt * num_returned + rank,
                 num_prompt_tokens=len(one.prompt_token_ids) if rank == 0 else 0))
     return kept
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0
+          ) -> dict[str, Any]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
 
 
 def total_usage(choices: list[Choice]) -> dict[str, Any]:

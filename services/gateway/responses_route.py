@@ -17,7 +17,7 @@ from aiohttp import web
 from services.gateway.generation import Generator
 from services.gateway.json_bodies import encoder, json_response, worked_on
 from services.gateway.model_catalog import ServedModel
-from services.gateway.openai_schema import ChatCompletionRequest, ParsedRequest, decode_body
+from services.gateway.openai_schema import ChatCompletionRequest, decode_body
 from services.gateway.response_events import Event, ResponseState, settings_of
 from services.gateway.response_store import ResponseStore
 from services.gateway.responses_api import (
@@ -28,6 +28,7 @@ from services.gateway.responses_api import (
     named_for_responses,
     wants_logprobs,
 )
+from services.gateway.validation import ParsedRequest
 from shared.errors import HalfmoonError, InvalidRequest
 
 

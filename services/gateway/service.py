@@ -28,19 +28,16 @@ from services.gateway.model_catalog import ModelCatalog, ServedModel
 from services.gateway.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
-    ParsedRequest,
     chat_messages,
-    chat_output,
     chat_tools,
-    completion_output,
     completion_prompts,
-    validate,
 )
 from services.gateway.request_stream import StreamTable
 from services.gateway.response_store import ResponseStore
 from services.gateway.structured import check_grammar
 from services.gateway.tokenizer import Tokenizer
 from services.gateway.tool_calls import ToolUse, tool_format
+from services.gateway.validation import ParsedRequest, chat_output, completion_output, validate
 from shared.config import GatewayConfig
 from shared.errors import ConfigError, RequestAborted, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory

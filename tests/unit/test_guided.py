@@ -12,11 +12,10 @@ from services.gateway.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     ResponseFormat,
-    chat_output,
     chat_tools,
-    completion_output,
     decode_body,
 )
+from services.gateway.validation import chat_output, completion_output
 from shared.errors import InvalidRequest, UnsupportedParameter
 from shared.messages import GrammarSpec
 

@@ -5,15 +5,11 @@ import pytest
 from services.gateway.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
-    Limits,
-    Output,
     chat_messages,
-    chat_output,
-    completion_output,
     completion_prompts,
     decode_body,
-    validate,
 )
+from services.gateway.validation import Limits, Output, chat_output, completion_output, validate
 from shared.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound, UnsupportedParameter
 
 LIMITS = Limits(model="m", max_model_len=32, vocab_size=258)

@@ -9,17 +9,13 @@ import msgspec
 import pytest
 
 from services.gateway.generation import TextChunk
-from services.gateway.openai_schema import (
-    FunctionName,
-    NamedToolChoice,
-    ParsedRequest,
-    decode_body,
-)
+from services.gateway.openai_schema import FunctionName, NamedToolChoice, decode_body
 from services.gateway.response_events import ResponseState, settings_of
 from services.gateway.responses import TokenText
 from services.gateway.responses_api import InputItem, ResponsesRequest, chat_request
 from services.gateway.tokenizer import ByteTokenizer
 from services.gateway.tool_calls import ToolUse
+from services.gateway.validation import ParsedRequest
 from shared.errors import InvalidRequest, UnsupportedParameter
 from shared.messages import SamplingParams, TokenLogprob
 
