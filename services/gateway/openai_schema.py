@@ -240,7 +240,7 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
             if message.role != "assistant":
                 raise InvalidRequest(f"messages[{i}]: only assistant turns carry tool_calls",
                                      param="messages")
-            turn["tool_calls"] = [_rendered_call(call, i) for call in message.tool_calls]
+            turn["tool_calls"] = [_rendered_call(call) for call in message.tool_calls]
         if message.role == "tool":
             if not message.tool_call_id:
                 raise InvalidRequest(f"messages[{i}]: a tool turn needs tool_call_id",
@@ -250,13 +250,14 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     return rendered
 
 
-def _rendered_call(call: MessageToolCall, i: int) -> dict[str, Any]:
-    """A call as chat templates take it: `arguments` as an object, not JSON text."""
+def _rendered_call(call: MessageToolCall) -> dict[str, Any]:
+    """A call as chat templates take it: `arguments` as an object when they are JSON text,
+    else the text as it is (a call cut short by `max_tokens`, replayed: OpenAI takes any
+    string; the common templates print a string as it is, and one that cannot is a 400)."""
     try:
         arguments = json.loads(call.function.arguments)
-    except ValueError as exc:
-        raise InvalidRequest(f"messages[{i}].tool_calls: arguments of {call.function.name!r} "
-                             "are not JSON", param="messages") from exc
+    except ValueError:
+        arguments = call.function.arguments
     return {"id": call.id, "type": call.type,
             "function": {"name": call.function.name, "arguments": arguments}}
 

@@ -10,7 +10,6 @@ naming it.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import msgspec
@@ -262,11 +261,6 @@ def _call(item: InputItem, i: int) -> MessageToolCall:
     if not item.call_id or not item.name or item.arguments is None:
         raise InvalidRequest(f"input[{i}]: a function_call needs call_id, name and arguments",
                              param="input")
-    try:
-        json.loads(item.arguments)
-    except ValueError as exc:
-        raise InvalidRequest(f"input[{i}]: the arguments of {item.name!r} are not JSON",
-                             param="input") from exc
     return MessageToolCall(id=item.call_id,
                            function=CalledFunction(name=item.name, arguments=item.arguments))
 

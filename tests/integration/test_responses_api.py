@@ -123,7 +123,8 @@ async def test_a_streamed_function_call_arrives_as_it_is_written(
 
 async def test_a_function_call_cut_short_is_an_incomplete_call_never_text(
         sdk: openai.AsyncOpenAI) -> None:
-    for max_output_tokens in (6, 48):
+    cut = []
+    for max_output_tokens in (6, 38, 48):
         response = await sdk.responses.create(
             model=MODEL, input="Weather in Oslo?", tools=[WEATHER], tool_choice="required",  # type: ignore[list-item]
             max_output_tokens=max_output_tokens, temperature=0)
@@ -131,7 +132,19 @@ async def test_a_function_call_cut_short_is_an_incomplete_call_never_text(
         assert "<tool_call>" not in response.output_text
         calls = [item for item in response.output if item.type == "function_call"]
         assert all(call.status == "incomplete" for call in calls)  # type: ignore[union-attr]
+        cut.append((response, calls))
     assert calls and calls[0].arguments.startswith("{")  # type: ignore[union-attr]
+    # The conversation goes on from a call cut mid-arguments (not JSON), as a client
+    # answering it does.
+    response, calls = cut[1]
+    assert calls and calls[0].arguments.startswith("{")  # type: ignore[union-attr]
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(calls[0].arguments)  # type: ignore[union-attr]
+    answer = await sdk.responses.create(
+        model=MODEL, previous_response_id=response.id, tools=[WEATHER],  # type: ignore[list-item]
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id,  # type: ignore[union-attr]
+                "output": "sunny"}], tool_choice="none", max_output_tokens=4)
+    assert answer.output[0].type == "message" and answer.output_text
 
 
 async def test_a_json_schema_output_keeps_to_the_schema(sdk: openai.AsyncOpenAI) -> None:

@@ -121,3 +121,16 @@ def test_history_with_calls_and_results_is_rendered_with_object_arguments() -> N
     assert turns[2]["tool_call_id"] == "call_1"
     with pytest.raises(InvalidRequest, match="tool_call_id"):
         chat_messages(request(messages=[{"role": "tool", "content": "x"}]))
+
+
+def test_a_call_cut_short_is_replayed_with_its_text_as_it_is() -> None:
+    """A forced call that `max_tokens` ended mid-arguments, sent back as history (as a
+    Responses client continuing with `previous_response_id` does): rendered, not refused."""
+    history = request(messages=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Os'}}]}])
+    assert chat_messages(history)[1]["tool_calls"][0]["function"]["arguments"] == \
+        '{"city": "Os'
+
