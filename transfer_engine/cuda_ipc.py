@@ -24,7 +24,8 @@ pinned host mirror). Opening a handle in the process that exported it is not pos
 
 Written against the CUDA driver API (libcuda, through ctypes) and torch's CUDA tensors; no
 CUDA device was available where it was written, so only the bookkeeping around it (handles in
-descriptors, piece arithmetic on CPU tensors) has run: see the package README.
+descriptors, piece arithmetic on CPU tensors) and the calls' marshaling (against a C stub of
+the driver's signatures) have run: see the package README.
 """
 
 from __future__ import annotations
@@ -107,11 +108,12 @@ class CudaDriver:
     def export(self, base: int) -> bytes:
         handle = _IpcMemHandle()
         self._call("cuIpcGetMemHandle", ctypes.byref(handle), ctypes.c_uint64(base))
-        return bytes(handle.reserved)
+        # The whole 64 bytes: the field itself reads as a C string, cut at the first zero.
+        return bytes(handle)
 
     def open(self, handle: bytes) -> int:
-        pointer, raw = ctypes.c_uint64(), _IpcMemHandle()
-        raw.reserved = handle
+        pointer = ctypes.c_uint64()
+        raw = _IpcMemHandle.from_buffer_copy(handle)  # assigning the field stops at a zero
         self._call("cuIpcOpenMemHandle", ctypes.byref(pointer), raw,
                    ctypes.c_uint(_LAZY_ENABLE_PEER_ACCESS))
         return pointer.value

@@ -5,9 +5,13 @@ to device between two processes where a CUDA device exists (`gpu`)."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import shutil
+import subprocess
 import sys
 from asyncio.subprocess import PIPE
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +19,13 @@ import torch
 
 from shared.messages import CudaIpcHandle, SegmentInfo, TransferEndpoint
 from tests.transfer.conftest import Pair, start_pair
-from transfer_engine.cuda_ipc import CudaIpcTransport, copy_pieces, export_segment, open_transport
+from transfer_engine.cuda_ipc import (
+    CudaDriver,
+    CudaIpcTransport,
+    copy_pieces,
+    export_segment,
+    open_transport,
+)
 from transfer_engine.errors import TransferFailed
 from transfer_engine.segment import Segment
 from transfer_engine.transport import Plan
@@ -40,6 +50,42 @@ class FakeDriver:
 
     def export(self, base: int) -> bytes:
         return bytes(range(64))
+
+
+@pytest.fixture(scope="module")
+def stub_driver(tmp_path_factory: pytest.TempPathFactory) -> CudaDriver:
+    """`CudaDriver` over `cuda_driver_stub.c`, built here: the driver API's signatures, so
+    the real calls' ctypes marshaling runs without libcuda."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the driver stub with")
+    library = tmp_path_factory.mktemp("cuda") / "libcuda_stub.so"
+    source = Path(__file__).with_name("cuda_driver_stub.c")
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-o", str(library), str(source)],
+                   check=True)
+    return CudaDriver(ctypes.CDLL(str(library)))
+
+
+def test_an_ipc_handle_crosses_the_driver_calls_whole(stub_driver: CudaDriver) -> None:
+    """A handle holds zero bytes (its first one here): exported and opened again, all 64
+    bytes must pass, or the peer's open fails (a ctypes char array reads and writes as a
+    C string, cut at the first zero)."""
+    base = stub_driver.allocation_base(0x7F00_0012_3456)
+    assert base == 0x7F00_0010_0000
+    handle = stub_driver.export(base)
+    assert len(handle) == 64 and handle[0] == 0 and any(handle[1:])
+    pointer = stub_driver.open(handle)
+    assert pointer == 0x7E00_0000_0000
+    stub_driver.close(pointer)
+    stub_driver.bind(1)
+    assert stub_driver.device_uuid(1) == bytes(range(16, 32)).hex()
+
+
+def test_a_failed_driver_call_is_a_transfer_failure_in_the_driver_s_words(
+        stub_driver: CudaDriver) -> None:
+    with pytest.raises(TransferFailed, match=r"cuIpcOpenMemHandle failed: CUDA error 400 "
+                                             r"\(invalid resource handle\)"):
+        stub_driver.open(bytes(range(64)))  # not a handle this driver gave
 
 
 def endpoint(host_id: str, *segments: SegmentInfo) -> TransferEndpoint:
