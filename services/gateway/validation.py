@@ -204,8 +204,8 @@ def validate(
 
 
 def _check_prompt_logprobs(request: GenerationParams) -> None:
-    """vLLM's `prompt_logprobs`: 0..20 alternatives, in a whole response only (as vLLM,
-    which answers -1, the whole vocabulary, refused here: a list that long per token)."""
+    """vLLM's `prompt_logprobs`: 0..20 alternatives, in a whole response only, as vLLM's;
+    its -1 (the whole vocabulary at every prompt position) is refused here."""
     count = request.prompt_logprobs
     if count is None:
         return
