@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers.generation import logits_process as hf
 
+from engine import model_runner
 from engine.protocol import PrefillRequest
 from engine.sampler import Draw, apply_controls, prompt_logprobs, sample, warp
 from engine.torch_engine import EngineOptions, TorchEngine
@@ -116,10 +117,14 @@ def test_top_logprobs_are_the_most_likely_tokens(logits: torch.Tensor) -> None:
     assert rows[0].top == []
 
 
+@pytest.mark.parametrize("rows_per_pass", [model_runner.SCORED_ROWS_PER_PASS, 3])
 async def test_engine_logprobs_equal_transformers_log_softmax(
-        llama_dir: Path, reference: Any) -> None:
-    """Prompt logprobs (a prefill that also has the prompt in its prefix cache) and every
-    output token's, first (prefill) and later (decode), within 1e-4."""
+        llama_dir: Path, reference: Any, rows_per_pass: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompt logprobs (a prefill that also has the prompt in its prefix cache; scored a
+    chunk at a time, or a few rows at a time) and every output token's, first (prefill) and
+    later (decode), within 1e-4."""
+    monkeypatch.setattr(model_runner, "SCORED_ROWS_PER_PASS", rows_per_pass)
     engine = TorchEngine(EngineOptions(model_dir=llama_dir, num_blocks=64, block_size=4,
                                        max_batch_tokens=8))  # the prompt spans two chunks
     await engine.start()
@@ -147,8 +152,9 @@ async def test_engine_logprobs_equal_transformers_log_softmax(
     assert len(got_prompt) == len(PROMPT) and got_prompt[0].logprob is None
     for position in range(1, len(PROMPT)):
         entry = got_prompt[position]
-        assert entry.logprob == pytest.approx(
-            expected[position - 1, PROMPT[position]].item(), abs=1e-4)
+        row = expected[position - 1]
+        assert entry.logprob == pytest.approx(row[PROMPT[position]].item(), abs=1e-4)
+        assert entry.rank == int((row > row[PROMPT[position]]).sum()) + 1
         assert len(entry.top) == 2
     for i, output in enumerate(outputs):
         row = expected[len(PROMPT) - 1 + i]
