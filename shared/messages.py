@@ -311,7 +311,10 @@ class PrefixFetched(Message, frozen=True, kw_only=True):
 class TokenDelta(msgspec.Struct, frozen=True, kw_only=True):
     """New tokens of one request. `index` is the position in the output of the first token
     here, so the gateway can order deltas that reach it from different workers. The first
-    token's delta (from prefill) says how many prompt tokens the prefix cache served."""
+    token's delta (from prefill) says how many prompt tokens the prefix cache served. Where
+    a prompt's logprobs would not fit one NATS message, deltas with no token and a piece of
+    them each come first, in order; the first token's delta carries the last piece
+    (`shared.token_batches`)."""
 
     request_id: str
     index: int

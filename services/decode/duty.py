@@ -11,7 +11,8 @@ A request's life here:
      the reply's path: the conductor waits on the reply, and a first compile takes seconds.
   2. `KvCommitted` (request/reply): the KV is in; join the running batch (once readied).
   3. Each engine step yields one token per running request; they go out as one `TokenBatch`
-     per gateway per step. Finished requests leave the batch and free their blocks.
+     per gateway per step (several where one would pass NATS' payload limit:
+     `shared.token_batches`). Finished requests leave the batch and free their blocks.
   4. `StreamResume` (from a gateway whose stream stalled, e.g. across a NATS restart): the
      tokens sent since the index it names go out again (`sent_tokens`).
   5. `ShedLoad` (from the planner, when this worker runs more than its share while others
@@ -64,7 +65,6 @@ from shared.messages import (
     RequestFailed,
     ShedLoad,
     StreamResume,
-    TokenBatch,
     TokenDelta,
     TokenLogprob,
     WorkerHeartbeat,
@@ -72,6 +72,7 @@ from shared.messages import (
     request_of,
 )
 from shared.nats_client import encode
+from shared.token_batches import encoded_batches
 
 if TYPE_CHECKING:
     from services.worker import WorkerService
@@ -378,8 +379,8 @@ class DecodeDuty(Duty):
                 del self._active[output.request_id]
         async with self._publishing:
             for subject, items in by_gateway.items():
-                await self.nc.publish(subject, encode(TokenBatch(worker_id=self.worker_id,
-                                                                 items=items)))
+                for batch in encoded_batches(self.worker_id, items, self.nc.max_payload):
+                    await self.nc.publish(subject, batch)
 
     async def _fail(self, request: GenerateRequest, error: HalfmoonError) -> None:
         failure = RequestFailed(request_id=request.request_id, code=error.code,
@@ -415,8 +416,8 @@ class DecodeDuty(Duty):
         items = [delta for point in message.points
                  if (delta := self._sent.resend(point)) is not None]
         if items:
-            await self.nc.publish(message.reply_subject,
-                                  encode(TokenBatch(worker_id=self.worker_id, items=items)))
+            for batch in encoded_batches(self.worker_id, items, self.nc.max_payload):
+                await self.nc.publish(message.reply_subject, batch)
             self.log.info("decode.resent", num_requests=len(items),
                           num_tokens=sum(len(d.token_ids) for d in items))
         for point in message.points:

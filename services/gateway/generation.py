@@ -40,6 +40,7 @@ from shared.messages import (
 from shared.metrics import GatewayMetrics
 from shared.nats_client import Redeclare, encode, publish_to_stream
 from shared.subjects import Subjects
+from shared.token_batches import is_prompt_piece
 
 log = get_logger(__name__)
 
@@ -259,6 +260,7 @@ class Generator:
                                     include_stop=parsed.include_stop_str_in_output)
         generated = progress.generated
         pending = _Pending(parsed)
+        scored_prompt: list[TokenLogprob] = []  # pieces of a long prompt's logprobs
         attempt = 0
         while True:
             try:
@@ -286,7 +288,15 @@ class Generator:
                 # worker sees one attempt of a request at a time.
                 await self._abort(request_id, "placed again", attempt=attempt)
                 await self._publish(request_id, parsed, generated, attempt=attempt)
+                scored_prompt = []  # the new attempt sends its own
                 continue
+            if is_prompt_piece(delta):  # ahead of the first token (`shared.token_batches`)
+                scored_prompt += delta.prompt_logprobs or []
+                continue
+            if scored_prompt:
+                delta = msgspec.structs.replace(
+                    delta, prompt_logprobs=scored_prompt + (delta.prompt_logprobs or []))
+                scored_prompt = []
             clock.tick(len(delta.token_ids))
             is_first = not generated
             if is_first:

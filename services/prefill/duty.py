@@ -55,12 +55,12 @@ from shared.messages import (
     PrefixFetched,
     PrefixSource,
     RequestFailed,
-    TokenBatch,
     TokenDelta,
     TokenLogprob,
     choice_id,
 )
 from shared.nats_client import dispatch, encode
+from shared.token_batches import encoded_batches
 
 if TYPE_CHECKING:
     from services.worker import WorkerService
@@ -381,8 +381,8 @@ class PrefillDuty(Duty):
                             logprobs=[first.logprob] if asks and first.logprob else None,
                             prompt_logprobs=result.prompt_logprobs)
                  for choice, first in enumerate(_first_tokens(result))]
-        batch = TokenBatch(worker_id=self.worker_id, items=items)
-        await self.nc.publish(request.reply_subject, encode(batch))
+        for batch in encoded_batches(self.worker_id, items, self.nc.max_payload):
+            await self.nc.publish(request.reply_subject, batch)
 
     async def _wait_for_target(self, request_id: str) -> KvTarget:
         timeout_s = self.config.transfer.kv_wait_timeout_s

@@ -134,6 +134,32 @@ async def test_prompt_logprobs_give_each_prompt_token_its_logprob_rank_and_top(
     assert scored[0] is None and all(len(position) == 1 for position in scored[1:])
 
 
+async def test_a_long_prompt_s_logprobs_cross_nats_in_pieces(
+        sdk: openai.AsyncOpenAI, reference: Any) -> None:
+    """2,000 prompt tokens with 20 alternatives each are over NATS' 1 MiB payload as one
+    message (a 500 before): they cross in pieces ahead of the first token and come back
+    whole, for `prompt_logprobs` and for `echo` with `logprobs` alike."""
+    prompt = [10 + (7 * i) % 900 for i in range(2000)]
+    with torch.no_grad():
+        log_probs = torch.log_softmax(reference(torch.tensor([prompt])).logits[0].float(), -1)
+    answer = await sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 20})
+    scored = answer.model_dump()["choices"][0]["prompt_logprobs"]
+    assert len(scored) == len(prompt) and scored[0] is None
+    assert all(len(position) >= 20 for position in scored[1:])
+    for position in (1, 999, 1000, 1999):
+        own = scored[position][str(prompt[position])]
+        assert own["logprob"] == pytest.approx(log_probs[position - 1, prompt[position]].item(),
+                                               abs=1e-4)
+    echoed = await sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True,
+                                          logprobs=20)
+    logprobs = echoed.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None
+    assert len(logprobs.token_logprobs) == len(prompt) + 1
+    assert logprobs.token_logprobs[1:len(prompt)] == pytest.approx(
+        [log_probs[i - 1, prompt[i]].item() for i in range(1, len(prompt))], abs=1e-4)
+
+
 async def test_chat_logprobs_streamed_equal_whole(sdk: openai.AsyncOpenAI) -> None:
     messages = [{"role": "user", "content": "Name the moon."}]
     whole = await sdk.chat.completions.create(
