@@ -3,7 +3,7 @@ says otherwise).
 
 A batch that fits (a decode step's tokens, a first token) goes as one message, encoded once.
 One that does not (a long prompt's `prompt_logprobs`: 2,000 tokens with 20 alternatives each
-are 1.2 MB of JSON) is split between its deltas, and a delta too large alone is split too:
+are ~1.05 MB of JSON) is split between its deltas, and a delta too large alone is split too:
 its output tokens into consecutive deltas, each with the `index` where its tokens begin (the
 gateway orders deltas by it anyway), and its prompt's logprobs into deltas that carry a piece
 of them and no token, ahead of the delta of the first token, which carries the last piece.
@@ -32,17 +32,9 @@ def encoded_batches(worker_id: str, items: list[TokenDelta], max_bytes: int) -> 
     if len(whole) <= max_bytes:
         return [whole]
     budget = max_bytes - ENVELOPE_BYTES - len(worker_id)
-    groups: list[list[TokenDelta]] = [[]]
-    size = 0
-    for delta in items:
-        for part in _parts(delta, budget):
-            part_size = len(msgspec.json.encode(part)) + 1
-            if groups[-1] and size + part_size > budget:
-                groups.append([])
-                size = 0
-            groups[-1].append(part)
-            size += part_size
-    return [encode(TokenBatch(worker_id=worker_id, items=group)) for group in groups]
+    parts = [part for delta in items for part in _parts(delta, budget)]
+    return [encode(TokenBatch(worker_id=worker_id, items=group))
+            for group in _runs(parts, budget)]
 
 
 def is_prompt_piece(delta: TokenDelta) -> bool:
