@@ -60,6 +60,11 @@ class ContextLengthExceeded(InvalidRequest):
     openai_code = "context_length_exceeded"
 
 
+class RequestTooLarge(InvalidRequest):
+    """The request, tokenized, is larger than the cluster's message bus carries in one message
+    (the NATS server's `max_payload`): it fits the model but not this deployment."""
+
+
 class AuthenticationFailed(HalfmoonError):
     code = ErrorCode.INVALID_REQUEST
     http_status = 401

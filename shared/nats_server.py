@@ -2,11 +2,14 @@
 cluster of nodes joined by routes (JetStream clustered: streams and buckets with replicas).
 
 Used by `halfmoon up` and by the tests. The binary sits in the environment's scripts folder.
+Its largest message is `MAX_PAYLOAD_BYTES` (8 MiB, as `deploy/nats.conf`; nats-server's own
+default is 1 MiB, a prompt of ~200k tokens); a `config_file` of the caller's may set another.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import socket
@@ -22,6 +25,8 @@ from pathlib import Path
 
 from shared.child_process import die_with_parent
 from shared.errors import ServiceStartFailed
+
+MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 
 
 def find_nats_server() -> Path:
@@ -88,7 +93,8 @@ class Membership:
 
 class EmbeddedNatsServer:
     """A child `nats-server -js`. `port=None` lets the server pick a free port; `membership`
-    makes it one node of a cluster; `config_file` adds a server config (users, TLS)."""
+    makes it one node of a cluster; `config_file` adds a server config (users, TLS), which
+    may set what the server's own config sets (`max_payload`)."""
 
     def __init__(
         self, *, port: int | None = None, host: str = "127.0.0.1", store_dir: Path | None = None,
@@ -129,9 +135,8 @@ class EmbeddedNatsServer:
             "-p", str(port if port is not None else -1),
             "-m", str(self.monitor_port or -1),
             "-sd", str(store), "--ports_file_dir", str(work),
+            "-c", str(self._write_config(work)),
         ]
-        if self._config_file is not None:
-            args += ["-c", str(self._config_file)]
         if self.membership is not None:
             member = self.membership
             args += ["--server_name", member.server_name, "--cluster_name", member.cluster_name,
@@ -142,6 +147,17 @@ class EmbeddedNatsServer:
                                          start_new_session=True, preexec_fn=die_with_parent)
         self.port, self.monitor_port = self._wait_for_ports(work, timeout_s)
         return self.url
+
+    def _write_config(self, work: Path) -> Path:
+        """The server's config: the largest message, then the caller's file, included by a
+        path relative to this one (nats-server joins an include to the including file's
+        folder, absolute or not), so that what it sets wins."""
+        config = work / "server.conf"
+        lines = [f"max_payload: {MAX_PAYLOAD_BYTES}"]
+        if self._config_file is not None:
+            lines.append(f'include "{os.path.relpath(self._config_file.resolve(), work)}"')
+        config.write_text("\n".join(lines) + "\n")
+        return config
 
     def is_running(self) -> bool:
         return self._process is not None and self._process.poll() is None

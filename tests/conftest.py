@@ -19,9 +19,10 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     stream reserves its `max_bytes` (256 MiB) of the server's JetStream storage, by default
     75 % of the disk's free space: a session of a few hundred stacks would run out on a
     fuller disk ("insufficient storage resources"). The tests write little; the limit is
-    raised so that what they reserve never decides."""
+    raised so that what they reserve never decides. The largest message is nats-server's
+    default, 1 MiB, not halfmoon's 8 MiB: what must cross in pieces does so at test sizes."""
     config = tmp_path_factory.mktemp("nats") / "nats.conf"
-    config.write_text("jetstream {\n  max_file_store: 1TB\n}\n")
+    config.write_text("max_payload: 1MB\njetstream {\n  max_file_store: 1TB\n}\n")
     server = EmbeddedNatsServer(config_file=config)
     url = server.start()
     yield url

@@ -26,7 +26,13 @@ from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.tokenizer import Tokenizer
 from services.gateway.validation import ParsedRequest
 from shared import tracing
-from shared.errors import HalfmoonError, RequestMoved, WorkerLost, WorkerUnavailable
+from shared.errors import (
+    HalfmoonError,
+    RequestMoved,
+    RequestTooLarge,
+    WorkerLost,
+    WorkerUnavailable,
+)
 from shared.events import EventPublisher
 from shared.logs import get_logger
 from shared.messages import (
@@ -43,6 +49,10 @@ from shared.subjects import Subjects
 from shared.token_batches import is_prompt_piece
 
 log = get_logger(__name__)
+
+# What the conductor's commands add around a `GenerateRequest` (`PrefillTask`,
+# `DecodeReservation`: a worker id, a few numbers) and the headers it travels with.
+_COMMAND_WRAPPING_BYTES = 4096
 
 # Continuations per request after lost workers; past this the client gets the error.
 MAX_FAILOVERS = 2
@@ -365,9 +375,17 @@ class Generator:
             reply_subject=ctx.reply_subject, created_at_s=time.time(),
             output_offset=len(generated), attempt=attempt, status_subject=ctx.status_subject,
         )
+        payload = encode(message)
+        if len(payload) + _COMMAND_WRAPPING_BYTES > ctx.nc.max_payload:
+            raise RequestTooLarge(
+                f"the request's {len(message.prompt_token_ids):,} tokens make a "
+                f"{len(payload):,}-byte message, over the {ctx.nc.max_payload:,} bytes this "
+                "cluster's message bus carries in one (the NATS server's max_payload, less "
+                f"{_COMMAND_WRAPPING_BYTES:,} for the commands that carry it on): shorten "
+                "the prompt, or raise max_payload")
         message_id = request_id if attempt == 0 else f"{request_id}/{attempt}"
         try:
-            await publish_to_stream(ctx.js, ctx.subjects.requests, encode(message),
+            await publish_to_stream(ctx.js, ctx.subjects.requests, payload,
                                     msg_id=message_id, headers=tracing.inject(),
                                     redeclare=ctx.redeclare_requests)
         except (nats.errors.Error, nats.js.errors.Error) as exc:

@@ -16,7 +16,7 @@ from engine.fake_engine import fake_completion
 from services.gateway.tokenizer import ByteTokenizer
 from shared.errors import ConfigError
 from shared.nats_client import CONNECT_TIMEOUT_S, connect, ensure_work_queue
-from shared.nats_server import EmbeddedNatsCluster
+from shared.nats_server import MAX_PAYLOAD_BYTES, EmbeddedNatsCluster
 from shared.subjects import Subjects
 from tests.stack import Stack, eventually
 
@@ -78,6 +78,31 @@ async def test_killing_the_request_stream_leader_loses_no_request_and_no_token(
                         f"{leader.log_tail()}")
         await nc.close()
         await eventually(lambda: stack.gateway.metrics.failovers._value.get() == 0)  # type: ignore[attr-defined]
+
+
+async def test_a_message_of_several_mib_crosses_the_cluster(
+        nats_cluster: EmbeddedNatsCluster) -> None:
+    """Every node carries `MAX_PAYLOAD_BYTES` a message (nats-server's default is 1 MiB, a
+    prompt of ~150k tokens), over the routes too."""
+    first, *_, last = nats_cluster.nodes
+    sender, receiver = await nats.connect(first.url), await nats.connect(last.url)
+    try:
+        assert sender.max_payload == receiver.max_payload == MAX_PAYLOAD_BYTES
+        subscription = await receiver.subscribe("big")
+        await receiver.flush()
+        payload = bytes(range(256)) * (MAX_PAYLOAD_BYTES // 256 - 64)
+        async with asyncio.timeout(10):
+            while True:  # until the subscription's interest has crossed the route
+                await sender.publish("big", payload)
+                try:
+                    received = await subscription.next_msg(timeout=0.5)
+                except nats.errors.TimeoutError:
+                    continue
+                assert received.data == payload
+                break
+    finally:
+        await sender.close()
+        await receiver.close()
 
 
 async def test_an_asset_with_other_replicas_is_refused_by_name(

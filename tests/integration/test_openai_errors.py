@@ -356,6 +356,25 @@ async def test_a_request_larger_than_the_whole_kv_pool_is_refused_at_once(
         assert asyncio.get_running_loop().time() - started < 2  # not held
 
 
+async def test_a_prompt_over_the_message_bus_limit_is_a_400_and_a_shorter_one_is_served(
+        nats_url: str) -> None:
+    """The test server carries 1 MiB a message: a 300k-token prompt (4 bytes a token on the
+    wire) fits the model's context and the KV pool but not one NATS message. A 503 before,
+    which clients retry; it is the request that must change."""
+    async with Stack(nats_url, worker={"max_model_len": 400_000, "num_blocks": 30_000},
+                     gateway_options={"max_model_len": 400_000}) as stack:
+        for stream in (False, True):
+            status, body = await stack.post("/v1/completions", {
+                **GOOD, "prompt": "x" * 300_000, "stream": stream})
+            assert status == 400, body
+            assert_openai_error(body, type_="invalid_request_error", code="invalid_request")
+            assert "max_payload" in body["error"]["message"]
+        status, body = await stack.post("/v1/completions", {**GOOD, "prompt": "x" * 200_000})
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens"] == 200_000
+        await stack.wait_blocks_free()
+
+
 async def test_a_request_waits_for_a_decode_worker_that_comes_back(nats_url: str) -> None:
     """No decode worker for a moment (a restart, a partition healing): the conductor holds
     the request instead of answering 503 at once."""
