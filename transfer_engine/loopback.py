@@ -7,6 +7,9 @@ undone as on a wire, so its error shows here too.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 from shared.messages import SegmentInfo, TransferEndpoint
 from transfer_engine import compression, wire
 from transfer_engine.errors import TransferFailed
@@ -39,14 +42,14 @@ class LoopbackTransport:
             else:
                 wire_bytes = compression.compress(source, plan.compression)
                 compression.decompress_into(memoryview(wire_bytes), plan.compression, target)
-        memory.landed(table)
+        await _off_loop(memory, memory.landed, table)
         deliver(self._engine_id, plan.notifications)
 
     async def read(self, plan: Plan) -> None:
         memory, _ = self._peer(plan.peer)
         table = wire.table_of(plan.runs)
         sources = memory.views(table, for_write=False)
-        memory.before_read(table)
+        await _off_loop(memory, memory.before_read, table)
         targets = [view for run in plan.runs for view in run.local_views()]
         for source, target in zip(sources, targets, strict=True):
             target[:] = source
@@ -62,3 +65,9 @@ class LoopbackTransport:
 
     async def close(self) -> None:
         _HUB.pop(self._engine_id, None)
+
+
+async def _off_loop(memory: LocalMemory, stage: Callable[[bytes], None], table: bytes) -> None:
+    """Staged pieces to or from their device in a thread, as the tcp server moves them."""
+    if memory.has_staged:
+        await asyncio.to_thread(stage, table)

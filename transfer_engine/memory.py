@@ -157,21 +157,30 @@ class LocalMemory:
         return [segments[segment_id][offset:offset + length] for segment_id, offset, length
                 in zip(segment_ids.tolist(), offsets.tolist(), lengths.tolist(), strict=True)]
 
+    @property
+    def has_staged(self) -> bool:
+        """Some segment goes through a host mirror: `landed` and `before_read` copy to or from
+        a device (in a thread: a copy per piece and a wait for the device)."""
+        return bool(self._staged)
+
     def landed(self, table: bytes | memoryview) -> None:
-        """A peer's bytes are in these pieces: push staged ones to their device."""
+        """A peer's bytes are in these pieces: push staged ones to their device. Safe in a
+        thread while the loop registers and unregisters segments."""
         if self._staged:
             self._stage(wire.unpack_pieces(table), to_device=True)
 
     def before_read(self, table: bytes | memoryview) -> None:
-        """A peer is about to read these pieces: pull staged ones from their device."""
+        """A peer is about to read these pieces: pull staged ones from their device (as
+        `landed`, safe in a thread)."""
         if self._staged:
             self._stage(wire.unpack_pieces(table), to_device=False)
 
     def _stage(self, table: np.ndarray, *, to_device: bool) -> None:
-        for segment_id in self._staged:
+        for segment_id in tuple(self._staged):
             mine = table["segment_id"] == segment_id
-            if mine.any():
-                staging = self._by_id[segment_id].staging
+            segment = self._by_id.get(segment_id)
+            if mine.any() and segment is not None:
+                staging = segment.staging
                 assert staging is not None  # invariant: _staged holds staged segments only
                 move = staging.to_device if to_device else staging.to_host
                 move(table["offset"][mine].astype(np.int64),

@@ -268,33 +268,46 @@ class _Inbound(FrameStream):
             self.expect(views, lambda: self._landed(header.request_id, table, meta))
             return
         payload = memoryview(bytearray(header.payload_len))
-        self.expect([payload], lambda: self._decompress(header, table, meta, payload, sizes,
-                                                        views))
+        kind = meta.compression
+
+        def decompress() -> None:  # then to a device, if staged
+            _decompress_all(payload, sizes, views, kind)
+            self._memory.landed(table)
+
+        self.expect([payload], lambda: self._off_loop(
+            decompress, lambda: self._acknowledge(header.request_id, meta)))
 
     def _landed(self, request_id: int, table: memoryview, meta: wire.FrameMeta) -> None:
-        self._memory.landed(table)
+        """The frame's bytes are in its pieces: staged ones go to their device, off the loop
+        (a copy per piece, then a wait for the device); then notify and acknowledge."""
+        if self._memory.has_staged:
+            self._off_loop(lambda: self._memory.landed(table),
+                           lambda: self._acknowledge(request_id, meta))
+            return
+        self._acknowledge(request_id, meta)
+
+    def _acknowledge(self, request_id: int, meta: wire.FrameMeta) -> None:
         if meta.notifications:
             self._server.deliver(self._peer_id, meta.notifications)
         self.send([wire.ack(request_id)])
         self._next_frame()
 
-    def _decompress(self, header: wire.Header, table: memoryview, meta: wire.FrameMeta,
-                    payload: memoryview, sizes: list[int], views: list[memoryview]) -> None:
-        """Dequantize in a thread; the frames after this one wait."""
+    def _off_loop(self, work: Callable[[], None], then: Callable[[], None]) -> None:
+        """Run `work` in a thread, the frames after this one waiting; then `then()` on the
+        loop. A failure closes the connection: the peer's transfer fails, never hangs."""
         self.pause()
 
-        async def decompress() -> None:
-            assert meta.compression is not None  # invariant: only compressed frames get here
+        async def run() -> None:
             try:
-                await asyncio.to_thread(_decompress_all, payload, sizes, views, meta.compression)
+                await asyncio.to_thread(work)
             except Exception:
                 log.exception("transfer.serve_failed", peer_id=self._peer_id)
                 self.abort()
                 return
-            self._landed(header.request_id, table, meta)
+            then()
             self.resume()
 
-        self._server.spawn(decompress())
+        self._server.spawn(run())
 
     def _on_notify(self, header: wire.Header, table: memoryview, meta: wire.FrameMeta) -> None:
         """After a one-sided write (shm): the pieces it wrote into staged segments go to their
@@ -314,7 +327,13 @@ class _Inbound(FrameStream):
         except InvalidTransfer as error:
             self._answer(*_error_frame(header.request_id, wire.ErrorKind.INVALID, error.message))
             return
-        self._memory.before_read(table)
+        if self._memory.has_staged:  # staged pieces come from their device first
+            self._off_loop(lambda: self._memory.before_read(table),
+                           lambda: self._answer_read(header, views))
+            return
+        self._answer_read(header, views)
+
+    def _answer_read(self, header: wire.Header, views: list[memoryview]) -> None:
         if header.op == wire.Op.STAGE:
             self._answer(wire.Header(wire.Op.ACK, header.request_id))
             return

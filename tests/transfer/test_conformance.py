@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from transfer_engine import compression
 from transfer_engine import memory as memory_module
 from transfer_engine.batch import Run
 from transfer_engine.errors import InvalidTransfer, PeerNotFound, TransferFailed
+from transfer_engine.staging import DeviceStaging
 
 
 def fill(view: memoryview, seed: int) -> None:
@@ -178,6 +181,39 @@ async def test_a_staged_tensor_is_read_from_and_written_to_its_device(
     target[:16] = 7.0  # changed on the device after registration: a read must see it
     await pair.source.read(peer, [("dev-src", 0, "dev-dst", 0, 64)])
     assert torch.equal(source[:16], torch.full((16,), 7.0, device=device))
+
+
+@pytest.mark.parametrize("scheme", [None, "int8"])
+async def test_a_staged_segment_s_device_copies_run_off_the_event_loop(
+        pair: Pair, scheme: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes landing in a staged segment go on to its device, and a peer's read pulls them
+    from it first: a copy per piece and a wait for the device, in a thread, never on the
+    loop the owner serves every peer from (and its worker schedules from)."""
+    threads: dict[str, set[int]] = {"to_device": set(), "to_host": set()}
+    for name in threads:
+        move = getattr(DeviceStaging, name)
+
+        def recorded(self: DeviceStaging, *args: Any, _move: Any = move,
+                     _name: str = name) -> None:
+            threads[_name].add(threading.get_ident())
+            _move(self, *args)
+
+        monkeypatch.setattr(DeviceStaging, name, recorded)
+    values = torch.randn(4096)
+    target = torch.zeros(4096)
+    await pair.source.register("values", values)
+    await pair.target.register("dev", target, is_staged=True)
+    peer = pair.target.config.engine_id
+    codec = compression.make(scheme, "float32") if scheme else None
+    await pair.source.write(peer, [("values", 0, "dev", 0, 16384)], compression=codec)
+    assert torch.allclose(target, values, atol=0.05 if scheme else 0)  # on the "device"
+    back = torch.zeros(4096)
+    await pair.source.register("back", back)
+    target[:8] = 3.0  # changed on the device: the read must pull it
+    await pair.source.read(peer, [("back", 0, "dev", 0, 16384)])
+    assert torch.equal(back, target)
+    assert threads["to_device"] and threads["to_host"]
+    assert threading.get_ident() not in threads["to_device"] | threads["to_host"]
 
 
 class LoopTurns:
