@@ -30,6 +30,9 @@ class HalfmoonError(Exception):
     http_status: int = 500
     error_type: str = "server_error"
     openai_code: str | None = None  # the `code` OpenAI clients know, where one exists
+    # Sending the same request again cannot succeed, though its status is one clients retry
+    # (a 429): the gateway tells them not to (`x-should-retry: false`).
+    is_final: bool = False
 
     def __init__(self, message: str, *, param: str | None = None,
                  retry_after_s: float | None = None) -> None:
@@ -100,6 +103,13 @@ class CapacityExhausted(HalfmoonError):
     code = ErrorCode.CAPACITY_EXHAUSTED
     http_status = 429
     error_type = "rate_limit_error"
+
+
+class KvNeverFits(CapacityExhausted):
+    """The request alone needs more KV than any decode worker's whole pool: the cluster's
+    capacity refuses it (a 429), not its form, and no wait changes that."""
+
+    is_final = True
 
 
 class KvShortage(CapacityExhausted):
@@ -211,7 +221,9 @@ _BY_CODE: dict[ErrorCode, type[HalfmoonError]] = {
 
 
 def error_from_code(code: ErrorCode, message: str, retry_after_s: float | None = None,
-                    param: str | None = None) -> HalfmoonError:
+                    param: str | None = None, *, is_final: bool = False) -> HalfmoonError:
     """Rebuild the typed error a peer reported in a `RequestFailed` message."""
-    return _BY_CODE.get(code, EngineFailure)(message, retry_after_s=retry_after_s,
-                                             param=param)
+    error = _BY_CODE.get(code, EngineFailure)(message, retry_after_s=retry_after_s,
+                                              param=param)
+    error.is_final = is_final
+    return error

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from shared.errors import ErrorCode
+from shared.errors import ErrorCode, HalfmoonError
 
 FinishReason = Literal["stop", "length"]
 WorkerRole = Literal["prefill", "decode"]
@@ -345,6 +345,14 @@ class RequestFailed(Message, frozen=True, kw_only=True):
     worker_id: str = ""
     retry_after_s: float | None = None  # for rejections: when trying again makes sense
     param: str | None = None  # the request field at fault, for an invalid request
+    is_final: bool = False  # trying the same request again cannot succeed
+
+
+def request_failed(request_id: str, error: HalfmoonError, worker_id: str) -> RequestFailed:
+    """The `RequestFailed` that reports `error` for a request."""
+    return RequestFailed(request_id=request_id, code=error.code, message=error.message,
+                         worker_id=worker_id, retry_after_s=error.retry_after_s,
+                         param=error.param, is_final=error.is_final)
 
 
 class AbortRequest(Message, frozen=True, kw_only=True):

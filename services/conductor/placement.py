@@ -33,7 +33,7 @@ from services.conductor.cost_model import (
 from services.conductor.prefix_index import PrefixIndex
 from shared.block_hash import block_hashes
 from shared.config import PrefillPolicy
-from shared.errors import CapacityExhausted, KvShortage, NoHealthyWorker
+from shared.errors import KvNeverFits, KvShortage, NoHealthyWorker
 from shared.messages import PrefixSource, WorkerHeartbeat
 
 
@@ -215,6 +215,6 @@ def pick_decode(
     if chosen is None:
         if any(_blocks_wanted(w, num_tokens) <= w.num_total_blocks for w in candidates):
             raise KvShortage(f"no decode worker has KV room for {num_tokens} tokens now")
-        raise CapacityExhausted(f"{num_tokens} tokens need more KV than any decode worker's "
-                                "whole pool")
+        raise KvNeverFits(f"{num_tokens} tokens need more KV than any decode worker's "
+                          "whole pool")
     return chosen

@@ -46,6 +46,7 @@ from shared.messages import (
     RequestFailed,
     RequestPlaced,
     WorkerHeartbeat,
+    request_failed,
 )
 from shared.metrics import ConductorMetrics
 from shared.nats_client import dispatch, encode, read_registry
@@ -236,9 +237,8 @@ class ConductorService(Service):
         if isinstance(error, SloViolation) and self.planning is not None:
             self.planning.slo_rejections.note(request.model, error.role, time.monotonic())
         self.metrics.rejections.labels(reason).inc()
-        await self._tell_gateway(request, RequestFailed(
-            request_id=request.request_id, code=error.code, message=error.message,
-            worker_id=self.instance_id, retry_after_s=error.retry_after_s, param=error.param))
+        await self._tell_gateway(request, request_failed(request.request_id, error,
+                                                         self.instance_id))
 
     async def _tell_gateway(self, request: GenerateRequest, failure: RequestFailed) -> None:
         with contextlib.suppress(nats.errors.Error):

@@ -69,6 +69,7 @@ from shared.messages import (
     TokenLogprob,
     WorkerHeartbeat,
     choice_id,
+    request_failed,
     request_of,
 )
 from shared.nats_client import encode
@@ -383,8 +384,7 @@ class DecodeDuty(Duty):
                     await self.nc.publish(subject, batch)
 
     async def _fail(self, request: GenerateRequest, error: HalfmoonError) -> None:
-        failure = RequestFailed(request_id=request.request_id, code=error.code,
-                                message=error.message, worker_id=self.worker_id, param=error.param)
+        failure = request_failed(request.request_id, error, self.worker_id)
         await self.nc.publish(request.reply_subject, encode(failure))
 
     async def _on_shed(self, message: ShedLoad) -> DispatchReply:

@@ -92,6 +92,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         response = json_response(error_body(exc), exc.http_status)
         if exc.retry_after_s is not None:
             response.headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+        if exc.is_final:  # OpenAI's SDKs retry a 429 twice unless told not to
+            response.headers["x-should-retry"] = "false"
         return response
     except web.HTTPException as exc:
         if exc.status < 400:

@@ -183,7 +183,8 @@ class StreamTable:
                         if placement is not None and placement.decode_worker_id == worker_id:
                             stream.has_decoded = True
             case RequestFailed(request_id=request_id, code=code, message=message,
-                               retry_after_s=retry_after_s, worker_id=worker_id, param=param):
+                               retry_after_s=retry_after_s, worker_id=worker_id, param=param,
+                               is_final=is_final):
                 for stream in self._targets(request_id):
                     if stream.is_stale_failure(worker_id):
                         log.info("request.stale_failure_ignored", request_id=request_id,
@@ -192,7 +193,8 @@ class StreamTable:
                         stream.fail_over(RequestMoved(message, worker_id=worker_id,
                                                       retry_after_s=retry_after_s))
                     else:
-                        stream.fail(error_from_code(code, message, retry_after_s, param))
+                        stream.fail(error_from_code(code, message, retry_after_s, param,
+                                                    is_final=is_final))
             case RequestPlaced(request_id=request_id, attempt=attempt):
                 for stream in self._targets(request_id):
                     if stream.is_stale_placement(event):

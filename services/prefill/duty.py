@@ -54,10 +54,10 @@ from shared.messages import (
     PrefixFetch,
     PrefixFetched,
     PrefixSource,
-    RequestFailed,
     TokenDelta,
     TokenLogprob,
     choice_id,
+    request_failed,
 )
 from shared.nats_client import dispatch, encode
 from shared.token_batches import encoded_batches
@@ -396,8 +396,7 @@ class PrefillDuty(Duty):
             ) from exc
 
     async def _fail(self, request: GenerateRequest, error: HalfmoonError) -> None:
-        failure = RequestFailed(request_id=request.request_id, code=error.code,
-                                message=error.message, worker_id=self.worker_id, param=error.param)
+        failure = request_failed(request.request_id, error, self.worker_id)
         await self.nc.publish(request.reply_subject, encode(failure))
         await self._publish_abort(request.request_id, error.message)
 

@@ -337,8 +337,11 @@ async def test_kv_that_does_not_free_within_the_hold_ends_in_a_429(nats_url: str
         running = asyncio.create_task(stack.post("/v1/completions", body))
         await eventually(lambda: stack.decodes[0].engine.stats().num_running == 1)
         started = asyncio.get_running_loop().time()
-        status, reply = await stack.post("/v1/completions", {**body, "max_tokens": 2})
-        assert status == 429, reply
+        async with aiohttp.ClientSession() as session, session.post(
+                f"{stack.base_url}/completions", json={**body, "max_tokens": 2}) as response:
+            reply = await response.json()
+            assert response.status == 429, reply
+            assert "x-should-retry" not in response.headers  # worth trying again later
         assert reply["error"]["code"] == "capacity_exhausted"
         assert "KV" in reply["error"]["message"]
         assert 1.0 <= asyncio.get_running_loop().time() - started < 4  # held, then refused
@@ -347,13 +350,17 @@ async def test_kv_that_does_not_free_within_the_hold_ends_in_a_429(nats_url: str
 
 async def test_a_request_larger_than_the_whole_kv_pool_is_refused_at_once(
         nats_url: str) -> None:
+    """A 429, which OpenAI's SDKs retry twice (0.5-8 s apart) unless the answer says
+    `x-should-retry: false`, as this one does: no wait makes the request fit."""
     async with Stack(nats_url, decode_options={"num_blocks": 12}) as stack:
         started = asyncio.get_running_loop().time()
-        status, reply = await stack.post("/v1/completions",
-                                         {**GOOD, "prompt": "x" * 300, "max_tokens": 2})
-        assert status == 429, reply
-        assert "whole pool" in reply["error"]["message"]
-        assert asyncio.get_running_loop().time() - started < 2  # not held
+        async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x") as sdk:
+            with pytest.raises(openai.RateLimitError, match="whole pool") as refused:
+                await sdk.completions.create(model=MODEL, prompt="x" * 300, max_tokens=2)
+        assert refused.value.response.headers["x-should-retry"] == "false"
+        assert asyncio.get_running_loop().time() - started < 2  # not held, not retried
+        assert stack.gateway.metrics.registry.get_sample_value(
+            "halfmoon_requests_total", {"route": "/v1/completions", "status": "429"}) == 1
 
 
 async def test_a_prompt_over_the_message_bus_limit_is_a_400_and_a_shorter_one_is_served(
