@@ -21,7 +21,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from services.gateway.cors import Cors
 from services.gateway.generation import Generator, TextChunk
-from services.gateway.json_bodies import encoder, error_body, json_response, worked_on
+from services.gateway.json_bodies import encoder, error_body, event_stream, json_response, worked_on
 from services.gateway.merge import merged
 from services.gateway.model_catalog import ServedModel
 from services.gateway.openai_schema import ChatCompletionRequest, CompletionRequest, decode_body
@@ -277,9 +277,7 @@ async def _respond(
         # Wait for the first chunk before sending headers, so that a rejection (429/503)
         # still reaches a streaming client as an HTTP status.
         first = await anext(chunks)
-        response = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-        })
+        response = event_stream()
         await response.prepare(request)
         await _stream_events(response, chunks, first, fmt, choices, parsed[0])
         return response

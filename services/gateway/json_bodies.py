@@ -1,5 +1,5 @@
 """JSON bodies of the HTTP API: a response, an error as OpenAI shapes it, and where a
-request body is worked on."""
+request body is worked on; and the event stream a streamed response is sent as."""
 
 from __future__ import annotations
 
@@ -33,6 +33,16 @@ async def worked_on(body: bytes, work: Callable[[], T], *, is_large: bool = Fals
 def json_response(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=encoder.encode(body), status=status,
                         content_type="application/json")
+
+
+def event_stream() -> web.StreamResponse:
+    """A server-sent event stream, to be prepared: never cached, and never held back by a
+    proxy in front of the gateway (nginx buffers a response unless `X-Accel-Buffering: no`,
+    and its client would see the tokens only at the end)."""
+    return web.StreamResponse(headers={
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+        "X-Accel-Buffering": "no",
+    })
 
 
 def error_body(exc: HalfmoonError) -> dict[str, Any]:

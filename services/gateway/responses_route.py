@@ -15,7 +15,7 @@ import msgspec
 from aiohttp import web
 
 from services.gateway.generation import Generator
-from services.gateway.json_bodies import encoder, json_response, worked_on
+from services.gateway.json_bodies import encoder, event_stream, json_response, worked_on
 from services.gateway.model_catalog import ServedModel
 from services.gateway.openai_schema import ChatCompletionRequest, decode_body
 from services.gateway.response_events import Event, ResponseState, settings_of
@@ -110,9 +110,7 @@ class ResponsesRoutes:
                 await self._keep(state, seen)
                 return json_response(state.body())
             first = await anext(chunks)  # as chat: a rejection still gets its HTTP status
-            response = web.StreamResponse(headers={
-                "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            })
+            response = event_stream()
             await response.prepare(request)
             try:
                 await _send(response, state.opening() + state.add(first[1]))

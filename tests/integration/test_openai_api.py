@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import openai
@@ -213,6 +214,26 @@ async def test_load_generators_default_bodies_are_served(
         assert counts == sorted(counts) and counts[-1] == 6
     else:
         assert all(c["usage"] is None for c in with_choices)
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 3}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 3}),
+])
+async def test_a_stream_is_neither_cached_nor_buffered_by_a_proxy(
+        stack: Stack, path: str, body: dict[str, Any]) -> None:
+    """nginx in front of the gateway would hold a stream to its end without
+    `X-Accel-Buffering: no`."""
+    async with aiohttp.ClientSession() as session, session.post(
+            f"{stack.gateway.url}{path}", json={"model": MODEL, "stream": True, **body}
+    ) as response:
+        assert response.status == 200
+        assert response.content_type == "text/event-stream"
+        assert response.headers["Cache-Control"] == "no-cache"
+        assert response.headers["X-Accel-Buffering"] == "no"
+        assert (await response.read()).rstrip().endswith(
+            b"data: [DONE]" if path != "/v1/responses" else b"}")
 
 
 async def test_responses_carry_the_clients_x_request_id_or_a_new_one(stack: Stack) -> None:
