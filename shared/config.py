@@ -89,6 +89,10 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     chat_template_path: str | None = None
     model_path: str | None = None  # None: the built-in model
     tokenizer: Literal["model", "bytes"] = "model"  # "bytes" pairs with the fake engine
+    # What a request that leaves temperature, top_p, top_k, min_p or repetition_penalty out
+    # gets: the model's recommendation in its `generation_config.json` (as vLLM and SGLang
+    # do), or OpenAI's defaults (temperature 1, top_p 1, no top_k).
+    sampling_defaults: Literal["model", "openai"] = "model"
     # Other models' files, one directory each by model name (`<models_dir>/<model>`), for
     # models whose workers' own directories this gateway cannot read.
     models_dir: str | None = None

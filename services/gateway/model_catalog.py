@@ -17,11 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 from services.gateway.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
-from services.gateway.model_info import read_model_info
+from services.gateway.model_info import (
+    OPENAI_SAMPLING,
+    SamplingDefaults,
+    read_model_info,
+    read_sampling_defaults,
+)
 from services.gateway.responses import TokenText
 from services.gateway.tokenizer import ByteTokenizer, HfTokenizer, Tokenizer
 from services.gateway.validation import Limits
@@ -48,22 +54,30 @@ class ServedModel:
 
 
 def served_model(name: str, tokenizer: Tokenizer, template: ChatTemplate,
-                 max_model_len: int) -> ServedModel:
+                 max_model_len: int, sampling: SamplingDefaults = OPENAI_SAMPLING
+                 ) -> ServedModel:
     return ServedModel(name, tokenizer, template,
-                       Limits(name, max_model_len, tokenizer.vocab_size), TokenText(tokenizer))
+                       Limits(name, max_model_len, tokenizer.vocab_size, sampling),
+                       TokenText(tokenizer))
 
 
 def load_model_files(name: str, model_dir: Path, max_model_len: int,
-                     template_source: str | None = None) -> ServedModel:
-    """`name`'s tokenizer, chat template (its own, unless `template_source`) and limits
-    from a Hugging Face model directory (no weights are read)."""
+                     template_source: str | None = None, *,
+                     sampling_defaults: Literal["model", "openai"] = "model") -> ServedModel:
+    """`name`'s tokenizer, chat template (its own, unless `template_source`), limits and,
+    with `sampling_defaults` "model", recommended sampling from a Hugging Face model
+    directory (no weights are read)."""
     if not (model_dir / "config.json").exists():
         raise ConfigError(f"no model at {model_dir}")
     tokenizer = HfTokenizer(model_dir)
     info = read_model_info(model_dir)
     template = ChatTemplate(template_source or tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE)
+    sampling = (read_sampling_defaults(model_dir) if sampling_defaults == "model"
+                else OPENAI_SAMPLING)
+    if sampling != OPENAI_SAMPLING:
+        log.info("model.sampling_defaults", model=name, **asdict(sampling))
     return served_model(name, tokenizer, template,
-                        min(max_model_len, info.max_position_embeddings))
+                        min(max_model_len, info.max_position_embeddings), sampling)
 
 
 class ModelCatalog:
@@ -159,7 +173,8 @@ class ModelCatalog:
         own = self._template_source if name == self.own_name else None
         for model_dir in self._candidates(name):
             if (model_dir / "config.json").exists():
-                return load_model_files(name, model_dir, config.max_model_len, own)
+                return load_model_files(name, model_dir, config.max_model_len, own,
+                                        sampling_defaults=config.sampling_defaults)
         raise ConfigError(f"none of {', '.join(map(str, self._candidates(name))) or 'no path'}"
                           " holds it")
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import msgspec
 
 from services.gateway.guided import guided_grammar
+from services.gateway.model_info import OPENAI_SAMPLING, SamplingDefaults
 from services.gateway.openai_schema import (
     MAX_CHOICES,
     MAX_LOGIT_BIAS,
@@ -32,6 +33,8 @@ class Limits:
     model: str
     max_model_len: int
     vocab_size: int
+    # What a request that leaves a sampling field out gets (`--sampling-defaults`).
+    sampling_defaults: SamplingDefaults = OPENAI_SAMPLING
 
 
 @dataclass(frozen=True)
@@ -257,19 +260,23 @@ def _check_prompt(prompt_token_ids: list[int], limits: Limits) -> None:
 
 def _sampling(request: GenerationParams, max_tokens: int, limits: Limits,
               output: Output) -> SamplingParams:
-    temperature = 1.0 if request.temperature is None else request.temperature
-    top_p = 1.0 if request.top_p is None else request.top_p
+    defaults = limits.sampling_defaults
+    temperature = defaults.temperature if request.temperature is None else request.temperature
+    top_p = defaults.top_p if request.top_p is None else request.top_p
     _check_range("temperature", temperature, 0.0, 2.0)
     if not 0.0 < top_p <= 1.0:
         raise InvalidRequest("top_p must lie in (0, 1]", param="top_p")
-    # top_k of -1 or 0 means "off" in vLLM's API; accept both for compatibility.
-    top_k = request.top_k if request.top_k is not None and request.top_k > 0 else None
-    if request.top_k is not None and request.top_k < -1:
+    if request.top_k is None:
+        top_k = defaults.top_k
+    elif request.top_k < -1:
         raise InvalidRequest("top_k must be -1, 0 (off) or positive", param="top_k")
+    else:  # -1 or 0 means "off" in vLLM's API; accept both for compatibility.
+        top_k = request.top_k if request.top_k > 0 else None
     presence = request.presence_penalty or 0.0
     frequency = request.frequency_penalty or 0.0
-    repetition = 1.0 if request.repetition_penalty is None else request.repetition_penalty
-    min_p = request.min_p or 0.0
+    repetition = (defaults.repetition_penalty if request.repetition_penalty is None
+                  else request.repetition_penalty)
+    min_p = defaults.min_p if request.min_p is None else request.min_p
     _check_range("presence_penalty", presence, -2.0, 2.0)
     _check_range("frequency_penalty", frequency, -2.0, 2.0)
     _check_range("min_p", min_p, 0.0, 1.0)

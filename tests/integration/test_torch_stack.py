@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 from pathlib import Path
 
 import openai
@@ -12,7 +14,7 @@ from engine.protocol import PrefillRequest
 from engine.torch_engine import EngineOptions, TorchEngine
 from services.gateway.tokenizer import HfTokenizer
 from shared.messages import SamplingParams
-from tests.stack import Stack, eventually
+from tests.stack import Stack, eventually, torch_stack_on
 
 pytestmark = pytest.mark.e2e
 
@@ -54,6 +56,29 @@ async def test_greedy_chat_through_the_stack_equals_the_engine_alone(
     assert whole.usage is not None and whole.usage.prompt_tokens == len(prompt)
     assert whole.choices[0].message.content == streamed == expected
     await torch_stack.wait_blocks_free(timeout_s=10)
+
+
+async def test_a_request_without_sampling_fields_samples_as_the_model_recommends(
+        nats_url: str, tiny_dir: Path, tmp_path: Path) -> None:
+    """The model's `generation_config.json` says temperature 0: a request that sends no
+    temperature is greedy (the engine alone, greedy), whatever its seed; one that sends a
+    temperature samples."""
+    model = Path(shutil.copytree(tiny_dir, tmp_path / "greedy-by-default"))
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0}))
+    prompt = HfTokenizer(model).encode("Once upon a time")
+    greedy = HfTokenizer(model).decode(await reference_tokens(model, prompt, 12))
+    async with torch_stack_on("colocated", nats_url, str(model)) as stack, \
+            openai.AsyncOpenAI(base_url=stack.base_url, api_key="x", max_retries=0) as sdk:
+        async def ask(**fields: object) -> str:
+            answer = await sdk.completions.create(model=MODEL, prompt="Once upon a time",
+                                                  max_tokens=12, **fields)  # type: ignore[call-overload]
+            return str(answer.choices[0].text)
+
+        assert {await ask(seed=seed) for seed in range(3)} == {greedy}
+        sampled = {await ask(seed=seed, temperature=1.0) for seed in range(3)}
+        assert len(sampled) > 1
+        await stack.wait_blocks_free(timeout_s=10)
 
 
 async def test_concurrent_sampled_requests_are_reproducible_by_seed(torch_stack: Stack) -> None:

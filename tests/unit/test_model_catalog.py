@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ import pytest
 
 from engine.builtin_model import write_builtin_model
 from services.gateway.model_catalog import ModelCatalog
+from services.gateway.model_info import OPENAI_SAMPLING, SamplingDefaults, read_sampling_defaults
 from shared.config import GatewayConfig
 from shared.errors import ConfigError, ModelNotFound, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
@@ -99,3 +101,31 @@ async def test_a_gateway_without_its_own_model_fails_to_start(tmp_path: Path) ->
     missing = ModelCatalog(GatewayConfig(model_path=str(tmp_path)), WorkerDirectory(2.0))
     with pytest.raises(ConfigError, match="no model at"):
         await missing.start()
+
+
+async def test_a_model_s_generation_config_sets_its_sampling_defaults(tmp_path: Path) -> None:
+    """As vLLM and SGLang read it (Qwen2.5-Instruct's values), unless the gateway is told to
+    keep OpenAI's defaults."""
+    model = write_builtin_model(tmp_path / "own", hidden_size=32, num_layers=1)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({
+        **config, "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+        "repetition_penalty": 1.05}))
+    workers = WorkerDirectory(timeout_s=2.0)
+    recommended = SamplingDefaults(temperature=0.7, top_p=0.8, top_k=20,
+                                   repetition_penalty=1.05)
+    assert (await catalog(tmp_path, workers).get("own")).limits.sampling_defaults \
+        == recommended
+    openai_only = await catalog(tmp_path, workers, sampling_defaults="openai").get("own")
+    assert openai_only.limits.sampling_defaults == OPENAI_SAMPLING
+
+
+def test_sampling_defaults_a_request_could_not_send_are_left_out(tmp_path: Path) -> None:
+    path = tmp_path / "generation_config.json"
+    path.write_text(json.dumps({"temperature": 3.0, "top_p": 0.9, "top_k": 0, "min_p": None}))
+    assert read_sampling_defaults(tmp_path) == SamplingDefaults(top_p=0.9)  # top_k 0: off
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match=r"generation_config\.json"):
+        read_sampling_defaults(tmp_path)
+    path.unlink()
+    assert read_sampling_defaults(tmp_path) == OPENAI_SAMPLING

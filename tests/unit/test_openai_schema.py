@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.gateway.model_info import SamplingDefaults
 from services.gateway.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -168,6 +169,25 @@ def test_default_max_tokens_is_capped_by_the_room_left() -> None:
 def test_token_ids_outside_the_vocabulary_are_refused() -> None:
     with pytest.raises(InvalidRequest, match=r"\[0, 258\)"):
         run(completion(), prompt=[1, 999])
+
+
+def test_fields_a_request_leaves_out_take_the_model_s_sampling_defaults() -> None:
+    qwen = Limits(model="m", max_model_len=32, vocab_size=258, sampling_defaults=SamplingDefaults(
+        temperature=0.7, top_p=0.8, top_k=20, min_p=0.05, repetition_penalty=1.05))
+
+    def sampling(**fields: object):
+        request = completion(**fields)
+        return validate(request, [1, 2], qwen, default_max_tokens=16,
+                        output=completion_output(request), echo_text="hi").sampling
+
+    left_out = sampling()
+    assert (left_out.temperature, left_out.top_p, left_out.top_k, left_out.min_p,
+            left_out.repetition_penalty) == (0.7, 0.8, 20, 0.05, 1.05)
+    sent = sampling(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
+    assert (sent.temperature, sent.top_p, sent.top_k, sent.min_p,
+            sent.repetition_penalty) == (0.0, 1.0, None, 0.0, 1.0)  # top_k -1: off
+    plain = run(completion()).sampling  # OpenAI's defaults
+    assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, None)
 
 
 @pytest.mark.parametrize(("field", "value"), [("temperature", 2.5), ("top_p", 0.0),
