@@ -84,6 +84,9 @@ class GenerationParams(GuidedParams, kw_only=True, forbid_unknown_fields=True):
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens `token_id:N`
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: fit)
     prompt_logprobs: int | None = None  # each prompt token's logprob, rank and top k
+    # The tokenizer's own special tokens (a BOS) around the prompt text: by default yes for a
+    # prompt, no for chat (its template writes them).
+    add_special_tokens: bool | None = None
     response_format: ResponseFormat | None = None  # on completions too, as vLLM
     # vLLM's structured-output extensions come from GuidedParams (guided.py).
     # Metadata only: accepted, no effect on generation.

@@ -244,7 +244,9 @@ class GatewayService(Service):
         parsed = []
         for index, prompt in enumerate(completion_prompts(request)):
             if isinstance(prompt, str):
-                token_ids, text = tokenizer.encode(prompt, add_special_tokens=True), prompt
+                token_ids = tokenizer.encode(
+                    prompt, add_special_tokens=request.add_special_tokens is not False)
+                text = prompt
             else:
                 token_ids, text = prompt, None
             one = validate(request, token_ids, model.limits, output=output,
@@ -262,8 +264,10 @@ class GatewayService(Service):
         output = chat_output(request, use)
         if output.grammar is not None:
             check_grammar(output.grammar, output.grammar_param)
-        return [validate(request, model.tokenizer.encode(text), model.limits,
-                         output=output, default_max_tokens=None)]
+        token_ids = model.tokenizer.encode(text,
+                                           add_special_tokens=bool(request.add_special_tokens))
+        return [validate(request, token_ids, model.limits, output=output,
+                         default_max_tokens=None)]
 
     def render_chat(self, request: ChatCompletionRequest, model: ServedModel
                     ) -> tuple[str, ToolUse | None]:
