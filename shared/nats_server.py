@@ -3,7 +3,7 @@ cluster of nodes joined by routes (JetStream clustered: streams and buckets with
 
 Used by `halfmoon up` and by the tests. The binary sits in the environment's scripts folder.
 Its largest message is `MAX_PAYLOAD_BYTES` (8 MiB, as `deploy/nats.conf`; nats-server's own
-default is 1 MiB, a prompt of ~200k tokens); a `config_file` of the caller's may set another.
+default is 1 MiB, a prompt of ~150k tokens); a `config_file` of the caller's may set another.
 """
 
 from __future__ import annotations
