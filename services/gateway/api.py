@@ -102,6 +102,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         body = error_body(error)
         body["error"]["code"] = str(exc.status)
         return json_response(body, exc.status)
+    except ConnectionResetError:
+        raise  # a write found the client gone: `observe` counts it, no error of ours
     except Exception as exc:
         log.error("http.unhandled", path=request.path, exc_info=exc)
         error = HalfmoonError("internal server error")
@@ -147,7 +149,12 @@ async def _send_x_request_id(request: web.Request, response: web.StreamResponse)
 def observe_middleware(metrics: GatewayMetrics, *, access_log: bool = False) -> Any:
     """The request's root span (`gateway.request`, the trace every other service joins), the
     request counters and, with `access_log`, one `http.request` log line when it ends (a
-    stream: when its last event left), around everything else: they see the final status."""
+    stream: when its last event left), around everything else: they see the final status.
+
+    A client that goes away is counted as 499 (nginx's code for it) and is no error of the
+    server's, whether aiohttp cancelled the handler or a write found the connection closed
+    first; as OpenTelemetry's HTTP conventions have it for a server span, only a 5xx sets
+    the span's status to error (a 4xx is the client's)."""
 
     @web.middleware
     async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -157,6 +164,7 @@ def observe_middleware(metrics: GatewayMetrics, *, access_log: bool = False) -> 
         status = 500
         request_id = x_request_id(request)
         started = time.perf_counter()
+        cancelled: asyncio.CancelledError | None = None
         try:
             with structlog.contextvars.bound_contextvars(x_request_id=request_id), \
                     tracing.span(__name__, "gateway.request", kind=SpanKind.SERVER,
@@ -166,9 +174,11 @@ def observe_middleware(metrics: GatewayMetrics, *, access_log: bool = False) -> 
                 try:
                     response = await handler(request)
                     status = response.status
-                except (asyncio.CancelledError, ConnectionResetError):
-                    status = 499  # the client went away (nginx's code for it)
-                    raise
+                except asyncio.CancelledError as exc:
+                    status, cancelled = 499, exc
+                except ConnectionResetError:
+                    status = 499
+                    response = web.Response(status=status)  # reaches no one; logged as such
                 finally:
                     if access_log:  # inside the span: the line carries the trace id
                         log.info("http.request", method=request.method, path=request.path,
@@ -176,12 +186,15 @@ def observe_middleware(metrics: GatewayMetrics, *, access_log: bool = False) -> 
                                  duration_ms=round((time.perf_counter() - started) * 1e3, 1))
                 if span is not None:
                     span.set_attribute("http.response.status_code", status)
-                    if status >= 400:
+                    if status >= 500:
+                        span.set_attribute("error.type", str(status))
                         span.set_status(StatusCode.ERROR)
-                return response
         finally:
             metrics.requests_in_flight.dec()
             metrics.requests.labels(request.path, str(status)).inc()
+        if cancelled is not None:
+            raise cancelled
+        return response
 
     return observe
 

@@ -172,6 +172,57 @@ async def test_a_stream_that_fails_after_its_first_token_is_an_error_span(
     assert (root.status.description or "").startswith("WorkerUnavailable: ")
 
 
+async def test_clients_that_leave_mid_stream_are_499s_and_no_server_error(
+        spans: InMemorySpanExporter, nats_url: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Tokens come as fast as the fake engine makes them, so a client's going is found by
+    aiohttp's cancelling the handler or, first, by a write to the closed connection: either
+    way a 499, with no `http.unhandled` error logged and no error span (it was a 500 and an
+    error with a traceback when a write found it)."""
+    async with Stack(nats_url) as stack, aiohttp.ClientSession() as session:
+        for i in range(12):
+            body = {"model": MODEL, "prompt": f"leave {i}", "max_tokens": 400, "stream": True,
+                    "ignore_eos": True}
+            async with session.post(f"{stack.gateway.url}/v1/completions",
+                                    json=body) as response:
+                assert response.status == 200
+                for _ in range(3):
+                    await response.content.readline()
+                response.close()
+        await eventually(lambda: stack.gateway.metrics.registry.get_sample_value(
+            "halfmoon_requests_total", {"route": "/v1/completions", "status": "499"}) == 12)
+        await stack.wait_blocks_free()
+        assert stack.gateway.metrics.registry.get_sample_value(
+            "halfmoon_requests_total", {"route": "/v1/completions", "status": "500"}) is None
+    roots = [s for s in spans.get_finished_spans() if s.name == "gateway.request"]
+    assert len(roots) == 12
+    for root in roots:
+        assert root.attributes["http.response.status_code"] == 499
+        assert root.status.status_code is StatusCode.UNSET
+    assert "http.unhandled" not in capsys.readouterr().err
+
+
+async def test_only_a_5xx_makes_the_root_span_an_error(
+        spans: InMemorySpanExporter, stack: Stack) -> None:
+    """OpenTelemetry's HTTP conventions for a server span: a 4xx is the client's."""
+    status, _ = await stack.post("/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                     "max_tokens": 2, "temperature": 9})
+    assert status == 400
+    for worker in [*stack.prefills, *stack.decodes]:
+        await worker.stop()
+    status, _ = await stack.post("/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                     "max_tokens": 2})
+    assert status == 503
+    client_error, server_error = [s for s in spans.get_finished_spans()
+                                  if s.name == "gateway.request"]
+    assert client_error.attributes["http.response.status_code"] == 400
+    assert client_error.status.status_code is StatusCode.UNSET
+    assert "error.type" not in client_error.attributes
+    assert server_error.attributes["http.response.status_code"] == 503
+    assert server_error.status.status_code is StatusCode.ERROR
+    assert server_error.attributes["error.type"] == "503"
+
+
 async def test_with_tracing_off_no_span_is_made_and_no_header_sent(stack: Stack) -> None:
     assert not tracing.is_enabled()
     assert tracing.inject() is None
