@@ -24,21 +24,28 @@ def configure_logging(
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer() if is_json else structlog.dev.ConsoleRenderer()
     )
+    chain: list[structlog.typing.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        _add_trace_ids,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+        structlog.processors.format_exc_info if is_json else _keep_exc_info,
+    ]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            _add_trace_ids,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.StackInfoRenderer(),
-            structlog.processors.format_exc_info if is_json else _keep_exc_info,
-            renderer,
-        ],
+        processors=[*chain, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    logging.basicConfig(level=max(numeric_level, logging.WARNING), stream=sys.stderr)
+    # The libraries' stdlib records (nats-py, aiohttp, OpenTelemetry's exporter) come out
+    # as ours do, one JSON object a line with the logger's name: a log pipeline that parses
+    # the lines finds no plain-text ones among them.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, *chain],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer]))
+    logging.basicConfig(level=max(numeric_level, logging.WARNING), handlers=[handler])
 
 
 def _add_trace_ids(
