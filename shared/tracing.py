@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
@@ -41,7 +42,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -49,6 +50,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from shared import span_encoding
 from shared.errors import ConfigError
 from shared.lean_tracer import LeanTracerProvider
+from shared.logs import get_logger
+
+log = get_logger(__name__)
 
 # Export batches of at most 512 spans, at least every half second (unless the OTEL_BSP_*
 # variables say otherwise). Measured with `bench.tracing_overhead --live` at 100 %
@@ -59,8 +63,11 @@ from shared.lean_tracer import LeanTracerProvider
 EXPORT_BATCH_SPANS = 512
 EXPORT_DELAY_MS = 500
 EXPORT_QUEUE_SPANS = 16384  # then spans are dropped (a collector down or too slow)
+# What a stopping process gives its last spans before it gives up on the collector.
+SHUTDOWN_FLUSH_S = 3.0
 
 _provider: TracerProvider | None = None
+_exporter: SpanExporter | None = None  # the one `configure_tracing` made, if it made one
 _tracers: dict[str, trace.Tracer] = {}  # by scope: the SDK builds a new one per call
 _NO_SPAN = contextlib.nullcontext()
 
@@ -82,11 +89,30 @@ def uninstall() -> None:
     _tracers.clear()
 
 
-def shutdown() -> None:
-    """Flush and stop the exporter (at process exit)."""
+def shutdown(flush_s: float = SHUTDOWN_FLUSH_S) -> None:
+    """Flush and stop the exporter (at process exit), within about `flush_s`: with its
+    collector unreachable the OTLP exporter retries each batch for up to 10 s, and the
+    SDK's shutdown waits up to 30 s for them, which held a stopping service (and
+    `halfmoon up`'s Ctrl-C, group after group) that long; after `flush_s` the exporter is
+    shut down, which ends its retries, and the spans still queued are dropped."""
+    global _exporter
     if _provider is not None:
-        _provider.shutdown()
+        exporter, provider = _exporter, _provider
+        give_up = threading.Timer(flush_s, _abandon, (exporter,)) if exporter else None
+        if give_up is not None:
+            give_up.daemon = True
+            give_up.start()
+        provider.shutdown()
+        if give_up is not None:
+            give_up.cancel()
+    _exporter = None
     uninstall()
+
+
+def _abandon(exporter: SpanExporter) -> None:
+    log.warning("tracing.flush_abandoned", reason="the collector did not take the last spans "
+                "in time; the rest are dropped")
+    exporter.shutdown()
 
 
 def tracer(scope: str) -> trace.Tracer:
@@ -208,12 +234,18 @@ def configure_tracing(service_name: str, instance_id: str, *, mode: str,
         raise ConfigError(f"tracer must be lean or sdk, not {tracer!r}")
     provider_type = LeanTracerProvider if tracer == "lean" else TracerProvider
     provider = provider_type(resource=resource, sampler=ParentBased(root))
-    provider.add_span_processor(processor or BatchSpanProcessor(
-        _exporter(protocol, endpoint),
-        max_queue_size=None if "OTEL_BSP_MAX_QUEUE_SIZE" in env else EXPORT_QUEUE_SPANS,
-        max_export_batch_size=None if "OTEL_BSP_MAX_EXPORT_BATCH_SIZE" in env
-        else EXPORT_BATCH_SPANS,
-        schedule_delay_millis=None if "OTEL_BSP_SCHEDULE_DELAY" in env else EXPORT_DELAY_MS))
+    global _exporter
+    _exporter = None
+    if processor is None:
+        _exporter = _new_exporter(protocol, endpoint)
+        processor = BatchSpanProcessor(
+            _exporter,
+            max_queue_size=None if "OTEL_BSP_MAX_QUEUE_SIZE" in env else EXPORT_QUEUE_SPANS,
+            max_export_batch_size=None if "OTEL_BSP_MAX_EXPORT_BATCH_SIZE" in env
+            else EXPORT_BATCH_SPANS,
+            schedule_delay_millis=None if "OTEL_BSP_SCHEDULE_DELAY" in env
+            else EXPORT_DELAY_MS)
+    provider.add_span_processor(processor)
     install(provider)
     _choose_propagator(env)
     return True
@@ -264,7 +296,7 @@ def _env_ratio(env: Mapping[str, str]) -> float:
     return 1.0
 
 
-def _exporter(protocol: str, endpoint: str | None) -> Any:
+def _new_exporter(protocol: str, endpoint: str | None) -> SpanExporter:
     # The exporters read OTEL_EXPORTER_OTLP_* themselves when `endpoint` is None.
     if protocol == "grpc":
         return _grpc_exporter(endpoint)

@@ -9,6 +9,7 @@ import json
 import re
 import signal
 import subprocess
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import msgspec
 import nats
 import pytest
 import rotel
+from opentelemetry import propagate
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -221,6 +223,27 @@ async def test_only_a_5xx_makes_the_root_span_an_error(
     assert server_error.attributes["http.response.status_code"] == 503
     assert server_error.status.status_code is StatusCode.ERROR
     assert server_error.attributes["error.type"] == "503"
+
+
+@pytest.mark.parametrize("mode", ["otlp-grpc", "otlp-http"])
+def test_a_stopping_process_gives_up_on_an_unreachable_collector(mode: str) -> None:
+    """The exporter retries a batch for up to 10 s and the SDK's shutdown waits up to 30 s
+    for it: a stopping service would wait that long for a collector that is down."""
+    propagator = propagate.get_global_textmap()  # `configure_tracing` sets its own
+    try:
+        assert tracing.configure_tracing("gateway", "gw-test", mode=mode,
+                                         endpoint=f"http://127.0.0.1:{free_port()}",
+                                         sample_ratio=1.0)
+        for _ in range(3):
+            with tracing.span(__name__, "unsent"):
+                pass
+        started = time.monotonic()
+        tracing.shutdown(flush_s=0.5)
+        assert time.monotonic() - started < 4  # the exporter's own retries: 5.6 s or more
+        assert not tracing.is_enabled()
+    finally:
+        tracing.shutdown()
+        propagate.set_global_textmap(propagator)
 
 
 async def test_with_tracing_off_no_span_is_made_and_no_header_sent(stack: Stack) -> None:
