@@ -30,6 +30,7 @@ None (no headers), so the cost is one attribute read per call site.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import threading
@@ -130,7 +131,9 @@ def span(scope: str, name: str, parent: otel_context.Context | None = None,
     from `extract`) or else of the current span; a no-op (yielding None) when off. Like
     `start_as_current_span`, an exception leaving the block is recorded on the span and sets
     its status to error; without its two layers of generator-based context managers (every
-    span of every request passes here)."""
+    span of every request passes here). A cancellation is no failure of the span's work (it
+    was told to stop: an abort, the client gone, a shutdown): a `cancelled` event, status
+    left unset."""
     if _provider is None:
         return _NO_SPAN
     return _CurrentSpan(tracer(scope).start_span(name, context=parent, **kwargs))
@@ -150,7 +153,11 @@ class _CurrentSpan:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> None:
         try:
-            if exc is not None and self._span.is_recording():
+            if exc is None or not self._span.is_recording():
+                pass
+            elif isinstance(exc, asyncio.CancelledError):
+                self._span.add_event("cancelled")
+            else:
                 self._span.record_exception(exc)
                 self._span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
         finally:

@@ -136,6 +136,15 @@ class DecodeSpans:
             stream.set_status(StatusCode.ERROR, error)
         stream.end()
 
+    def abort(self, request_id: str) -> None:
+        """Told to stop (the client gone, a stop string hit, placed again, no one
+        listening): an `aborted` event, no failure of decode's own. Whoever decided it says
+        on its own span whether it was one."""
+        entry = self._open.get(request_id)
+        if entry is not None:
+            entry[0].add_event("aborted")
+            self.end(request_id)
+
 
 class DecodeDuty(Duty):
     """The decode role: reservations from conductors, commits from prefill, the step loop."""
@@ -446,13 +455,13 @@ class DecodeDuty(Duty):
         for choice in self._choices.pop(request_id, []):
             self._sent.drop(choice)
             self._active.pop(choice, None)
-            self._spans.end(choice, error="aborted")
+            self._spans.abort(choice)
         self._sent.drop(request_id)
         self.leases.release("decode_reservation", request_id)
         self._reservations.pop(request_id, None)
         self._local.pop(request_id, None)
         self._active.pop(request_id, None)
-        self._spans.end(request_id, error="aborted")
+        self._spans.abort(request_id)
         self.engine.abort(request_id)
 
     async def _let_orphans_go(self) -> None:

@@ -200,8 +200,27 @@ async def test_clients_that_leave_mid_stream_are_499s_and_no_server_error(
     assert len(roots) == 12
     for root in roots:
         assert root.attributes["http.response.status_code"] == 499
-        assert root.status.status_code is StatusCode.UNSET
+    # Nor did any service fail: decode was told to stop (an `aborted` event on its span).
+    assert {s.status.status_code for s in spans.get_finished_spans()} == {StatusCode.UNSET}
+    streams = [s for s in spans.get_finished_spans() if s.name == "decode.stream"]
+    assert streams and all("aborted" in [e.name for e in s.events] for s in streams)
     assert "http.unhandled" not in capsys.readouterr().err
+
+
+async def test_a_cancelled_span_is_no_error(spans: InMemorySpanExporter) -> None:
+    """A cancelled task was told to stop (an abort, the client gone, a shutdown)."""
+    async def work() -> None:
+        with tracing.span(__name__, "told.to.stop"):
+            await asyncio.sleep(30)
+
+    task = asyncio.ensure_future(work())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    (span,) = spans.get_finished_spans()
+    assert span.status.status_code is StatusCode.UNSET
+    assert [event.name for event in span.events] == ["cancelled"]
 
 
 async def test_only_a_5xx_makes_the_root_span_an_error(
