@@ -153,13 +153,13 @@ class _CurrentSpan:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> None:
         try:
-            if exc is None or not self._span.is_recording():
-                pass
-            elif isinstance(exc, asyncio.CancelledError):
-                self._span.add_event("cancelled")
-            else:
-                self._span.record_exception(exc)
-                self._span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            if exc is not None and self._span.is_recording():
+                if isinstance(exc, asyncio.CancelledError):
+                    self._span.add_event("cancelled")
+                else:
+                    self._span.record_exception(exc)
+                    self._span.set_status(Status(StatusCode.ERROR,
+                                                 f"{type(exc).__name__}: {exc}"))
         finally:
             otel_context.detach(self._token)  # type: ignore[arg-type]
             self._span.end()
