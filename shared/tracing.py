@@ -98,19 +98,20 @@ def shutdown(flush_s: float = SHUTDOWN_FLUSH_S) -> None:
     shut down, which ends its retries, and the spans still queued are dropped."""
     global _exporter
     if _provider is not None:
-        exporter, provider = _exporter, _provider
-        give_up = threading.Timer(flush_s, _abandon, (exporter,)) if exporter else None
-        if give_up is not None:
-            give_up.daemon = True
-            give_up.start()
-        provider.shutdown()
-        if give_up is not None:
+        give_up = threading.Timer(flush_s, _abandon, (_exporter,))
+        give_up.daemon = True
+        give_up.start()
+        try:
+            _provider.shutdown()
+        finally:
             give_up.cancel()
     _exporter = None
     uninstall()
 
 
-def _abandon(exporter: SpanExporter) -> None:
+def _abandon(exporter: SpanExporter | None) -> None:
+    if exporter is None:  # a processor of the caller's (tests): nothing of ours to stop
+        return
     log.warning("tracing.flush_abandoned", reason="the collector did not take the last spans "
                 "in time; the rest are dropped")
     exporter.shutdown()
