@@ -29,14 +29,8 @@ import uvloop
 from services.launcher import UpOptions, run_up
 from services.operator_commands import assign_worker, list_workers
 from shared import tracing
-from shared.config import (
-    ConductorConfig,
-    GatewayConfig,
-    ServiceConfig,
-    WorkerConfig,
-    add_config_flags,
-    load_config,
-)
+from shared.config import ConductorConfig, GatewayConfig, ServiceConfig, WorkerConfig
+from shared.config_loading import add_config_flags, load_config
 from shared.errors import ConfigError, ServiceStartFailed
 from shared.logs import configure_logging
 from shared.model_dir import resolve_model_dir

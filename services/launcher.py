@@ -33,15 +33,8 @@ from types import FrameType
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
 from services.supervisor import CrashLoop, RestartPolicy, Supervisor
-from shared.config import (
-    ConductorConfig,
-    FlatField,
-    GatewayConfig,
-    ServiceConfig,
-    WorkerConfig,
-    add_field_flag,
-    flat_fields,
-)
+from shared.config import ConductorConfig, GatewayConfig, ServiceConfig, WorkerConfig
+from shared.config_loading import FlatField, add_field_flag, flat_fields
 from shared.errors import ConfigError, ServiceStartFailed
 from shared.model_dir import BUILTIN_MODEL_NAME
 from shared.nats_client import redact

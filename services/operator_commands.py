@@ -19,7 +19,8 @@ import msgspec
 
 from services.conductor.planner import kv_used_share
 from services.conductor.planning import COMMAND_TIMEOUT_S
-from shared.config import ServiceConfig, load_config
+from shared.config import ServiceConfig
+from shared.config_loading import load_config
 from shared.messages import DispatchReply, RoleChange, WorkerHeartbeat
 from shared.nats_client import NatsClient, connect, dispatch, read_registry
 from shared.subjects import Subjects

@@ -1,27 +1,22 @@
-"""One frozen config struct per service, read once and passed down.
-
-Precedence, lowest first: field defaults, an optional TOML file (`--config`), environment
-variables `HALFMOON_<FIELD>` (e.g. `HALFMOON_NATS_URL`), command-line flags (`--nats-url`).
-Modules never read the environment themselves.
+"""One frozen config struct per service, read once and passed down: every setting with its
+type, default and description (its `--help` line). How they are read, from defaults, a
+TOML file, the environment and flags: `shared/config_loading.py`.
 """
 
 from __future__ import annotations
 
-import argparse
-import tomllib
-from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import Annotated, Literal
 
 import msgspec
 
-from shared.errors import ConfigError
-
-ENV_PREFIX = "HALFMOON_"
-
 EngineKind = Literal["torch", "fake", "sim"]
 PrefillPolicy = Literal["least-loaded", "round-robin", "cache-aware", "seed", "longest-prefix"]
+
+
+def about(text: str) -> msgspec.Meta:
+    """A setting's description: its line in `halfmoon <service> --help` (every setting has
+    one; `tests/unit/test_config.py` checks)."""
+    return msgspec.Meta(description=text)
 
 
 class NatsAuth(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,14 +25,25 @@ class NatsAuth(msgspec.Struct, frozen=True, kw_only=True):
     trust and, for mutual TLS, this service's certificate and key (file paths). Secrets are
     never logged nor put in an error message (the repr hides them)."""
 
-    creds: str | None = msgspec.field(default=None, name="nats_creds")
-    nkey_seed: str | None = msgspec.field(default=None, name="nats_nkey_seed")
-    user: str | None = msgspec.field(default=None, name="nats_user")
-    password: str | None = msgspec.field(default=None, name="nats_password")
-    token: str | None = msgspec.field(default=None, name="nats_token")
-    tls_ca: str | None = msgspec.field(default=None, name="nats_tls_ca")
-    tls_cert: str | None = msgspec.field(default=None, name="nats_tls_cert")
-    tls_key: str | None = msgspec.field(default=None, name="nats_tls_key")
+    creds: Annotated[str | None, about("NATS credentials file (JWT and nkey seed)")] = \
+        msgspec.field(default=None, name="nats_creds")
+    nkey_seed: Annotated[str | None, about("NATS nkey seed file")] = \
+        msgspec.field(default=None, name="nats_nkey_seed")
+    user: Annotated[str | None, about("NATS user name")] = \
+        msgspec.field(default=None, name="nats_user")
+    password: Annotated[str | None, about("NATS password (never logged)")] = \
+        msgspec.field(default=None, name="nats_password")
+    token: Annotated[str | None, about("NATS token (never logged)")] = \
+        msgspec.field(default=None, name="nats_token")
+    tls_ca: Annotated[str | None, about("CA certificate file to check the NATS server's "
+                                        "certificate against (TLS)")] = \
+        msgspec.field(default=None, name="nats_tls_ca")
+    tls_cert: Annotated[str | None, about("this service's certificate file, for mutual TLS "
+                                          "with NATS")] = \
+        msgspec.field(default=None, name="nats_tls_cert")
+    tls_key: Annotated[str | None, about("this service's private key file, for mutual TLS "
+                                         "with NATS")] = \
+        msgspec.field(default=None, name="nats_tls_key")
 
     def __repr__(self) -> str:
         shown = {name: ("***" if name in ("password", "token") else value)
@@ -47,59 +53,89 @@ class NatsAuth(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Settings every service shares. `nats_url` may list several servers of one NATS
-    cluster, comma-separated; `js_replicas` is how many copies of every JetStream asset
-    (request queue, KV events, registries) the cluster keeps (3 in the cluster deployments)."""
+    """Settings every service shares."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: Annotated[str, about(
+        "the NATS server; several servers of one NATS cluster comma-separated")] = \
+        "nats://127.0.0.1:4222"
     nats: NatsAuth = msgspec.field(default_factory=NatsAuth)
-    js_replicas: int = 1
-    cluster: str = "default"
-    log_level: str = "info"
-    log_format: Literal["auto", "json", "console"] = "auto"
-    drain_timeout_s: float = 10.0
-    connect_timeout_s: float = 10.0
-    # Tracing (shared/tracing.py): auto follows the OTEL_* variables.
-    tracing: Literal["auto", "off", "otlp-grpc", "otlp-http"] = "auto"
-    otlp_endpoint: str | None = None
-    trace_sample_ratio: float | None = None
-    tracer: Literal["lean", "sdk"] = "lean"  # sdk: the OpenTelemetry SDK's own span objects
-    # Prometheus /metrics of services other than the gateway (0: a free port, logged).
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 0
+    js_replicas: Annotated[int, about(
+        "copies of every JetStream asset (request queue, KV events, registries) the NATS "
+        "cluster keeps: 3 in the cluster deployments")] = 1
+    cluster: Annotated[str, about(
+        "this halfmoon cluster's name: its subjects and buckets are named for it "
+        "(`halfmoon.<cluster>.v1.`), so several clusters can share one NATS")] = "default"
+    log_level: Annotated[str, about("debug, info, warning or error")] = "info"
+    log_format: Annotated[Literal["auto", "json", "console"], about(
+        "auto: JSON lines unless stderr is a terminal")] = "auto"
+    drain_timeout_s: Annotated[float, about(
+        "on SIGTERM, how long the work in flight may take to finish before the process "
+        "exits")] = 10.0
+    connect_timeout_s: Annotated[float, about("how long to wait for NATS at start")] = 10.0
+    tracing: Annotated[Literal["auto", "off", "otlp-grpc", "otlp-http"], about(
+        "OpenTelemetry traces over OTLP (shared/tracing.py); auto: on when "
+        "OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT is set, with its protocol")] = "auto"
+    otlp_endpoint: Annotated[str | None, about(
+        "the OTLP collector (default: OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT)")] = None
+    trace_sample_ratio: Annotated[float | None, about(
+        "the share of requests traced, 0 to 1 (default: OTEL_TRACES_SAMPLER[_ARG], else "
+        "1)")] = None
+    tracer: Annotated[Literal["lean", "sdk"], about(
+        "lean: halfmoon's span objects, exported by the SDK; sdk: the OpenTelemetry SDK's "
+        "own (slower; a fallback)")] = "lean"
+    metrics_host: Annotated[str, about(
+        "address of this process's Prometheus /metrics (the gateway serves its own on "
+        "--port)")] = "127.0.0.1"
+    metrics_port: Annotated[int, about("port of /metrics; 0: a free one, logged")] = 0
 
 
 class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
-    host: str = "127.0.0.1"
-    port: int = 8000
-    gateway_id: str | None = None
-    model: str = "halfmoon-tiny"
-    max_model_len: int = 2048
-    api_key: str | None = None
-    # Origins whose browser pages may call /v1 (CORS), comma-separated, or "*"; None: none.
-    cors_origins: str | None = None
-    # One `http.request` log line per generation request (method, path, status, duration);
-    # off by default: under `halfmoon up` each line costs the control path ~5 % throughput.
-    access_log: bool = False
-    request_timeout_s: float = 60.0
-    heartbeat_timeout_s: float = 2.0  # a worker silent this long is lost: fail over
-    # A stream with no new token for this long asks its decode worker to send again what it
-    # may have lost (`StreamResume`), at most once per this interval.
-    resume_after_s: float = 1.0
-    chat_template_path: str | None = None
-    model_path: str | None = None  # None: the built-in model
-    tokenizer: Literal["model", "bytes"] = "model"  # "bytes" pairs with the fake engine
-    # What a request that leaves temperature, top_p, top_k, min_p or repetition_penalty out
-    # gets: the model's recommendation in its `generation_config.json` (as vLLM and SGLang
-    # do), or OpenAI's defaults (temperature 1, top_p 1, no top_k).
-    sampling_defaults: Literal["model", "openai"] = "model"
-    # Other models' files, one directory each by model name (`<models_dir>/<model>`), for
-    # models whose workers' own directories this gateway cannot read.
-    models_dir: str | None = None
-    # Responses API responses asked to be stored (`store`, default true) are kept this long
-    # in NATS KV, for `previous_response_id` and GET /v1/responses/{id}; 0: none is stored.
-    responses_ttl_s: float = 86400.0
-    responses_max_bytes: int = 1 << 30  # the bucket's size; when full, the oldest go first
+    host: Annotated[str, about("address the HTTP API listens on")] = "127.0.0.1"
+    port: Annotated[int, about("port of the HTTP API (/v1, /health, /metrics)")] = 8000
+    gateway_id: Annotated[str | None, about(
+        "this gateway's id in subjects and logs, unique per gateway (default: a random "
+        "one)")] = None
+    model: Annotated[str, about(
+        "the name of this gateway's own model in the API; it also serves every model a live "
+        "worker serves")] = "halfmoon-tiny"
+    max_model_len: Annotated[int, about(
+        "the longest prompt + output a request may ask for, in tokens (cut to what the "
+        "model and its workers hold)")] = 2048
+    api_key: Annotated[str | None, about(
+        "the bearer token every /v1 request must carry (default: none asked)")] = None
+    cors_origins: Annotated[str | None, about(
+        "origins whose browser pages may call /v1 (CORS), comma-separated, or *")] = None
+    # Off by default: under `halfmoon up` each line costs the control path ~5 % throughput.
+    access_log: Annotated[bool, about(
+        "one `http.request` log line per generation request (method, path, status, "
+        "duration)")] = False
+    request_timeout_s: Annotated[float, about(
+        "a request that makes no progress (no token) for this long fails with a 504")] = 60.0
+    heartbeat_timeout_s: Annotated[float, about(
+        "a worker silent this long is lost: its streams fail over")] = 2.0
+    resume_after_s: Annotated[float, about(
+        "a stream with no new token for this long asks its decode worker to send again what "
+        "it may have lost (`StreamResume`), at most once per this interval")] = 1.0
+    chat_template_path: Annotated[str | None, about(
+        "a Jinja2 chat template file in Hugging Face's format (default: the model's own, "
+        "else ChatML)")] = None
+    model_path: Annotated[str | None, about(
+        "the own model's Hugging Face directory (default: the built-in model)")] = None
+    tokenizer: Annotated[Literal["model", "bytes"], about(
+        "model: the model's tokenizer; bytes: one token per byte (pairs with the fake and "
+        "sim engines)")] = "model"
+    sampling_defaults: Annotated[Literal["model", "openai"], about(
+        "what a request that leaves temperature, top_p, top_k, min_p or repetition_penalty "
+        "out gets: the model's generation_config.json (as vLLM and SGLang do), or OpenAI's "
+        "defaults")] = "model"
+    models_dir: Annotated[str | None, about(
+        "other models' files, one directory each by model name (<dir>/<model>), for models "
+        "whose workers' own directories this gateway cannot read")] = None
+    responses_ttl_s: Annotated[float, about(
+        "how long stored Responses API responses (`store`) are kept in NATS KV, for "
+        "previous_response_id and GET /v1/responses/{id}; 0: none is stored")] = 86400.0
+    responses_max_bytes: Annotated[int, about(
+        "the size of the stored responses' bucket; when full, the oldest go first")] = 1 << 30
 
 
 class PlannerSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -109,76 +145,116 @@ class PlannerSettings(msgspec.Struct, frozen=True, kw_only=True):
     the SLOs: move a worker when a role's pressure stays above `high` for `hold_s`; send
     moved workers home once both stay below `low` for `home_after_s`."""
 
-    mode: Literal["off", "slo"] = msgspec.field(default="off", name="planner")
-    interval_s: float = msgspec.field(default=1.0, name="planner_interval_s")
-    high: float = msgspec.field(default=0.8, name="planner_high")
-    low: float = msgspec.field(default=0.3, name="planner_low")
-    hold_s: float = msgspec.field(default=3.0, name="planner_hold_s")
-    cooldown_s: float = msgspec.field(default=10.0, name="planner_cooldown_s")
-    home_after_s: float = msgspec.field(default=60.0, name="planner_home_after_s")
+    mode: Annotated[Literal["off", "slo"], about(
+        "slo: move workers between prefill and decode to keep --ttft-slo-ms / "
+        "--tbt-slo-ms")] = msgspec.field(default="off", name="planner")
+    interval_s: Annotated[float, about(
+        "how often the planner reads the load (and renews its lease)")] = \
+        msgspec.field(default=1.0, name="planner_interval_s")
+    high: Annotated[float, about(
+        "the share of an SLO over which a role is pressed: it takes workers")] = \
+        msgspec.field(default=0.8, name="planner_high")
+    low: Annotated[float, about(
+        "the share of the SLOs under which both roles are at ease: moved workers go "
+        "home")] = msgspec.field(default=0.3, name="planner_low")
+    hold_s: Annotated[float, about(
+        "how long a role must stay pressed before a worker moves to it")] = \
+        msgspec.field(default=3.0, name="planner_hold_s")
+    cooldown_s: Annotated[float, about("the least time between two moves")] = \
+        msgspec.field(default=10.0, name="planner_cooldown_s")
+    home_after_s: Annotated[float, about(
+        "how long both roles must stay at ease before moved workers go home")] = \
+        msgspec.field(default=60.0, name="planner_home_after_s")
 
 
 class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):
-    heartbeat_timeout_s: float = 2.0
-    dispatch_timeout_s: float = 2.0
-    max_placement_attempts: int = 3
-    num_fetchers: int = 4
-    request_max_age_s: float = 60.0
-    # A request that finds no healthy worker of a role waits up to this long for one to come
-    # back (a restarting worker, a healed partition, a NATS node lost) before its 503: long
-    # enough for a worker whose NATS node was cut off to notice (3 s of unanswered pings),
-    # reconnect to another node and heartbeat again.
-    no_worker_hold_s: float = 5.0
-    # A request that finds no decode worker with KV room for it (running requests' growth
-    # filled the pools) waits up to this long (at most the TTFT SLO, when one is set) for
-    # blocks to free before its 429; 0: refuse at once.
-    kv_short_hold_s: float = 5.0
-    policy: PrefillPolicy = "cache-aware"
-    ttft_slo_ms: float | None = None  # reject when the best predicted TTFT exceeds it
-    tbt_slo_ms: float | None = None  # reject when the best predicted decode step exceeds it
-    default_prefill_tokens_per_s: float = 2000.0  # for workers that have not measured yet
-    prefix_index_max_blocks: int = 1_000_000
-    # Prefix reuse across prefill workers: fetch a longer cached prefix from its holder when
-    # computing it costs more than moving its KV at this rate plus this overhead.
-    prefix_fetch: bool = True
-    transfer_bytes_per_s: float = 2e9
-    transfer_overhead_s: float = 0.002
-    # The prefix index survives restarts as a snapshot (object store) plus the KV events after
-    # it; a starting conductor waits up to this long for its index to catch up.
-    prefix_snapshot_interval_s: float = 30.0  # 0: never save one
-    prefix_catch_up_timeout_s: float = 30.0
+    heartbeat_timeout_s: Annotated[float, about(
+        "a worker silent this long is lost: its requests are placed again")] = 2.0
+    dispatch_timeout_s: Annotated[float, about(
+        "how long a worker has to accept a command before it is taken as refused")] = 2.0
+    max_placement_attempts: Annotated[int, about(
+        "placements tried per request before it fails")] = 3
+    num_fetchers: Annotated[int, about(
+        "pulls kept open on the request queue (each replica)")] = 4
+    request_max_age_s: Annotated[float, about(
+        "a request older than this when it is pulled is dropped as expired (its gateway "
+        "has given up)")] = 60.0
+    # Long enough for a worker whose NATS node was cut off to notice (3 s of unanswered
+    # pings), reconnect to another node and heartbeat again.
+    no_worker_hold_s: Annotated[float, about(
+        "a request that finds no healthy worker of a role waits this long for one to come "
+        "back (a restart, a healed partition, a NATS node lost) before its 503")] = 5.0
+    kv_short_hold_s: Annotated[float, about(
+        "a request that finds no decode worker with KV room waits this long (at most the "
+        "TTFT SLO) for blocks to free before its 429; 0: refuse at once")] = 5.0
+    policy: Annotated[PrefillPolicy, about("how a prefill worker is chosen")] = "cache-aware"
+    ttft_slo_ms: Annotated[float | None, about(
+        "reject a request (429) when the best predicted time to first token exceeds "
+        "it")] = None
+    tbt_slo_ms: Annotated[float | None, about(
+        "reject a request (429) when the best predicted decode step exceeds it")] = None
+    default_prefill_tokens_per_s: Annotated[float, about(
+        "the prefill rate assumed for workers that have not measured theirs yet")] = 2000.0
+    prefix_index_max_blocks: Annotated[int, about(
+        "cached blocks the global prefix index keeps (LRU)")] = 1_000_000
+    prefix_fetch: Annotated[bool, about(
+        "fetch a longer cached prefix from the prefill worker holding it when moving its KV "
+        "costs less than computing it")] = True
+    transfer_bytes_per_s: Annotated[float, about(
+        "the KV transfer rate prefix fetches are costed at")] = 2e9
+    transfer_overhead_s: Annotated[float, about(
+        "the fixed cost of one prefix fetch")] = 0.002
+    prefix_snapshot_interval_s: Annotated[float, about(
+        "how often the prefix index is saved (NATS object store) for a restarting conductor "
+        "to resume from, with the KV events after it; 0: never")] = 30.0
+    prefix_catch_up_timeout_s: Annotated[float, about(
+        "how long a starting conductor waits for its prefix index to catch up")] = 30.0
     planning: PlannerSettings = msgspec.field(default_factory=PlannerSettings)
 
 
 class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     """Which engine runs the model, on what, and how big its batches and KV pool are."""
 
-    kind: EngineKind = msgspec.field(default="torch", name="engine")
-    model_path: str | None = None  # None: the built-in model
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    device: str = "cpu"
-    # One attention call per layer (engine/attention.py); auto: flashinfer on CUDA when it
-    # imports, else torch. `reference` is the per-sequence loop the others are tested against.
-    attention_backend: Literal["auto", "torch", "flex", "flashinfer", "reference"] = "auto"
-    # Linear weights on a CPU (engine/linear.py): packed holds them as measured fastest for
-    # decode (on a CPU without bf16 units: fp32 in oneDNN's layout, twice a bf16 model's
-    # weight memory); plain keeps them as loaded (there: prompts of 2048 tokens prefill
-    # ~10 % faster, a bf16 model decodes ~10-20 % faster at batch 1, ~2x slower at 8).
-    cpu_weights: Literal["packed", "plain"] = "packed"
-    max_model_len: int = 2048
-    num_blocks: int = 4096
-    # The pool sized from memory instead (engine/kv_budget.py): GiB for KV on any device;
-    # or, on CUDA, the share of device memory for weights + KV (0: use num_blocks).
-    kv_cache_memory_gb: float = 0.0
-    gpu_memory_utilization: float = 0.9
-    block_size: int = 16
-    max_batch_size: int = 64
-    max_batch_tokens: int = 2048
-    prefill_max_wait_ms: float = 10.0
-    enable_prefix_caching: bool = True
-    # Decode steps replayed as CUDA graphs, one per (batch, context) bucket, captured at
-    # start (engine/decode_graphs.py); needs --device cuda and the torch attention backend.
-    cuda_graphs: bool = False
+    kind: Annotated[EngineKind, about(
+        "torch: the model; fake: fixed tokens at set delays; sim: a simulated accelerator "
+        "(--sim-profile)")] = msgspec.field(default="torch", name="engine")
+    model_path: Annotated[str | None, about(
+        "the model's Hugging Face directory (default: the built-in model)")] = None
+    dtype: Annotated[Literal["float32", "bfloat16"], about(
+        "weights, activations and KV")] = "float32"
+    device: Annotated[str, about("cpu, cuda or cuda:N")] = "cpu"
+    attention_backend: Annotated[Literal["auto", "torch", "flex", "flashinfer", "reference"],
+                                 about(
+        "one attention call per layer (engine/attention.py); auto: flashinfer on CUDA when "
+        "it imports, else torch; reference: the per-sequence loop the others are tested "
+        "against")] = "auto"
+    # On a CPU without bf16 units: fp32 in oneDNN's layout, twice a bf16 model's weight
+    # memory; plain there prefills 2048-token prompts ~10 % faster, decodes a bf16 model
+    # ~10-20 % faster at batch 1 and ~2x slower at batch 8.
+    cpu_weights: Annotated[Literal["packed", "plain"], about(
+        "linear weights on a CPU (engine/linear.py): packed as measured fastest for decode, "
+        "or plain as loaded")] = "packed"
+    max_model_len: Annotated[int, about(
+        "the longest prompt + output a sequence may reach, in tokens")] = 2048
+    num_blocks: Annotated[int, about(
+        "KV pool size in blocks (unless --kv-cache-memory-gb sizes it)")] = 4096
+    kv_cache_memory_gb: Annotated[float, about(
+        "the KV pool sized from memory: GiB for KV on any device (0: --num-blocks, or on "
+        "CUDA --gpu-memory-utilization)")] = 0.0
+    gpu_memory_utilization: Annotated[float, about(
+        "on CUDA, the share of device memory for weights + KV")] = 0.9
+    block_size: Annotated[int, about("tokens per KV block")] = 16
+    max_batch_size: Annotated[int, about("sequences per engine step")] = 64
+    max_batch_tokens: Annotated[int, about(
+        "tokens per engine step; a longer prompt prefills in chunks")] = 2048
+    prefill_max_wait_ms: Annotated[float, about(
+        "how long a prompt may wait for others to batch with (dynamic batching)")] = 10.0
+    enable_prefix_caching: Annotated[bool, about(
+        "reuse the KV of prompt prefixes computed before")] = True
+    cuda_graphs: Annotated[bool, about(
+        "replay decode steps as CUDA graphs, one per (batch, context) bucket, captured at "
+        "start (engine/decode_graphs.py); needs --device cuda and the torch attention "
+        "backend")] = False
 
 
 class TransferSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -187,21 +263,32 @@ class TransferSettings(msgspec.Struct, frozen=True, kw_only=True):
     worker of the cluster holds, whether KV streams layer by layer or after prefill, and how
     long a KV handoff may take."""
 
-    host: str = msgspec.field(default="127.0.0.1", name="transfer_host")
-    port: int = msgspec.field(default=0, name="transfer_port")
-    advertise_host: str | None = msgspec.field(default=None, name="transfer_advertise_host")
-    # cuda (GPU memory to GPU memory on one host) is used only where the pool is on a GPU.
-    transports: str = msgspec.field(default="cuda,shm,tcp", name="transfer_transports")
-    secret: str = msgspec.field(default="", name="transfer_secret")
-    kv_streaming: Literal["layerwise", "whole"] = "layerwise"
-    # KV this worker sends (handoffs, prefix fetches it serves) quantized on the wire, per
-    # 256-value block with a float32 scale, and dequantized into the receiver's pool: about
-    # 2x fewer bytes from a bf16 pool with either, 4x from fp32. TCP only (shm moves KV as is).
-    kv_transfer_dtype: Literal["none", "fp8", "int8"] = "none"
-    kv_wait_timeout_s: float = 10.0
-    # After a handoff to a decode worker failed, how long prefill keeps the computed KV while
-    # the conductor places the decode side again (a `prefill_hold` lease).
-    kv_hold_s: float = 10.0
+    host: Annotated[str, about("address the transfer engine listens on")] = \
+        msgspec.field(default="127.0.0.1", name="transfer_host")
+    port: Annotated[int, about("port of the transfer engine; 0: a free one")] = \
+        msgspec.field(default=0, name="transfer_port")
+    advertise_host: Annotated[str | None, about(
+        "the address peers dial (default: --transfer-host)")] = \
+        msgspec.field(default=None, name="transfer_advertise_host")
+    transports: Annotated[str, about(
+        "transports in preference order, comma-separated: cuda (GPU to GPU on one host, for "
+        "a pool on a GPU), shm (one host), tcp, rdma")] = \
+        msgspec.field(default="cuda,shm,tcp", name="transfer_transports")
+    secret: Annotated[str, about(
+        "the secret every worker of the cluster shares to authenticate KV transfers "
+        "(never logged)")] = msgspec.field(default="", name="transfer_secret")
+    kv_streaming: Annotated[Literal["layerwise", "whole"], about(
+        "layerwise: KV moves to decode layer by layer while prefill runs; whole: after "
+        "it")] = "layerwise"
+    kv_transfer_dtype: Annotated[Literal["none", "fp8", "int8"], about(
+        "KV this worker sends, quantized on the wire per 256 values with a float32 scale "
+        "and dequantized into the receiver's pool: about 2x fewer bytes from a bf16 pool, "
+        "4x from fp32; TCP only (shm moves KV as is)")] = "none"
+    kv_wait_timeout_s: Annotated[float, about(
+        "how long a KV handoff or prefix fetch may take")] = 10.0
+    kv_hold_s: Annotated[float, about(
+        "after a handoff to a decode worker failed, how long prefill keeps the computed KV "
+        "while the conductor places the decode side again")] = 10.0
 
 
 class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -212,22 +299,33 @@ class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     400 Gb/s RDMA NIC per device; 0: only the real, scaled-down transfer's time). A worker
     whose `model` names a profile simulates that profile (so a model switch changes it)."""
 
-    profile: str = msgspec.field(default="llama-3-8b-h200", name="sim_profile")
-    time_scale: float = msgspec.field(default=1.0, name="sim_time_scale")
-    kv_byte_scale: int = msgspec.field(default=4096, name="sim_kv_byte_scale")
-    link_bytes_per_s: float = msgspec.field(default=50e9, name="sim_link_bytes_per_s")
-    # Weights load at this rate (simulated): a worker's start, and each model switch, take
-    # weight bytes / rate; 0: instant.
-    load_bytes_per_s: float = msgspec.field(default=0.0, name="sim_load_bytes_per_s")
+    profile: Annotated[str, about(
+        "the simulated model and accelerator (engine/sim_cost.py PROFILES)")] = \
+        msgspec.field(default="llama-3-8b-h200", name="sim_profile")
+    time_scale: Annotated[float, about("wall seconds per simulated second")] = \
+        msgspec.field(default=1.0, name="sim_time_scale")
+    kv_byte_scale: Annotated[int, about(
+        "the real KV bytes moved are the simulated ones divided by this")] = \
+        msgspec.field(default=4096, name="sim_kv_byte_scale")
+    link_bytes_per_s: Annotated[float, about(
+        "the simulated KV link (50 GB/s: a 400 Gb/s RDMA NIC); 0: only the real transfer's "
+        "time")] = msgspec.field(default=50e9, name="sim_link_bytes_per_s")
+    load_bytes_per_s: Annotated[float, about(
+        "the simulated weight load rate, at start and at each model switch; 0: "
+        "instant")] = msgspec.field(default=0.0, name="sim_load_bytes_per_s")
 
 
 class FakeSettings(msgspec.Struct, frozen=True, kw_only=True):
     """The fake engine's costs: per prefill batch, plus per uncached prompt token, and per
     decode step."""
 
-    prefill_delay_s: float = msgspec.field(default=0.0, name="fake_prefill_delay_s")
-    prefill_s_per_token: float = msgspec.field(default=0.0, name="fake_prefill_s_per_token")
-    token_delay_s: float = msgspec.field(default=0.0, name="fake_token_delay_s")
+    prefill_delay_s: Annotated[float, about("the fake engine's time per prefill batch")] = \
+        msgspec.field(default=0.0, name="fake_prefill_delay_s")
+    prefill_s_per_token: Annotated[float, about(
+        "the fake engine's time per uncached prompt token")] = \
+        msgspec.field(default=0.0, name="fake_prefill_s_per_token")
+    token_delay_s: Annotated[float, about("the fake engine's time per decode step")] = \
+        msgspec.field(default=0.0, name="fake_token_delay_s")
 
 
 class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
@@ -235,123 +333,28 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     variables and TOML keys stay flat (`--num-blocks`, `HALFMOON_TRANSFER_HOST`,
     `sim_profile = ...`): each nested field's encoded name is its flat name."""
 
-    worker_id: str | None = None
-    # The role the worker starts in (`halfmoon worker --role`); a `RoleChange` switches it.
-    role: Literal["prefill", "decode"] = "prefill"
-    model: str = "halfmoon-tiny"
-    # Models this worker may be told to serve instead (`RoleChange.model`): one Hugging Face
-    # directory per model, named by the model (`<models_dir>/<model>`).
-    models_dir: str | None = None
-    host_name: str | None = None
-    max_queue: int = 256
-    heartbeat_interval_s: float = 0.5
-    compute_score: float = 1.0
-    zone: str = ""
-    # Decode only: prompts of at most this many tokens are prefilled here, not on a prefill
-    # worker (conditional disaggregation; 0: off). Colocated mode sets it to the context size.
-    local_prefill_max_tokens: int = 0
+    worker_id: Annotated[str | None, about(
+        "this worker's id, unique in the cluster (default: a random one)")] = None
+    role: Annotated[Literal["prefill", "decode"], about(
+        "the role the worker starts in; a RoleChange (the planner, `halfmoon assign`) "
+        "switches it")] = "prefill"
+    model: Annotated[str, about("the name of the model this worker serves")] = "halfmoon-tiny"
+    models_dir: Annotated[str | None, about(
+        "models this worker may be told to serve instead: one Hugging Face directory per "
+        "model, named by the model (<dir>/<model>)")] = None
+    host_name: Annotated[str | None, about(
+        "the host this worker reports (default: the machine's host name)")] = None
+    max_queue: Annotated[int, about(
+        "prefill requests held at once; more are refused and placed elsewhere")] = 256
+    heartbeat_interval_s: Annotated[float, about("how often the worker heartbeats")] = 0.5
+    compute_score: Annotated[float, about(
+        "this worker's speed relative to the others (placement)")] = 1.0
+    zone: Annotated[str, about(
+        "the network zone: placement prefers prefill workers in the decode worker's")] = ""
+    local_prefill_max_tokens: Annotated[int, about(
+        "decode only: prompts of at most this many tokens are prefilled here, not on a "
+        "prefill worker (conditional disaggregation; 0: off)")] = 0
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     transfer: TransferSettings = msgspec.field(default_factory=TransferSettings)
     sim: SimSettings = msgspec.field(default_factory=SimSettings)
     fake: FakeSettings = msgspec.field(default_factory=FakeSettings)
-
-
-C = TypeVar("C", bound="ServiceConfig")
-
-
-@dataclass(frozen=True)
-class FlatField:
-    """One setting as flags, environment and TOML spell it: `name` is the flat key, `section`
-    the nested struct it lives in (None: the config itself)."""
-
-    name: str
-    section: str | None
-    type: Any
-    default: Any
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-
-def flat_fields(cls: type[ServiceConfig]) -> list[FlatField]:
-    """Every setting of `cls`, nested sections flattened (their fields' encoded names)."""
-    found = []
-    for field in msgspec.structs.fields(cls):
-        if isinstance(field.type, type) and issubclass(field.type, msgspec.Struct):
-            found += [FlatField(inner.encode_name, field.encode_name, inner.type,
-                                _default(inner)) for inner in msgspec.structs.fields(field.type)]
-        else:
-            found.append(FlatField(field.encode_name, None, field.type, _default(field)))
-    return found
-
-
-def _default(field: msgspec.structs.FieldInfo) -> Any:
-    if field.default is not msgspec.NODEFAULT:
-        return field.default
-    return None if field.default_factory is msgspec.NODEFAULT else field.default_factory()
-
-
-def add_field_flag(parser: argparse.ArgumentParser, field: FlatField) -> None:
-    """`--field-name`, with the field's choices when its type is a `Literal`; unset, it
-    overrides nothing."""
-    if field.type is bool:
-        parser.add_argument(field.flag, dest=field.name, default=None,
-                            action=argparse.BooleanOptionalAction)
-        return
-    choices = get_args(field.type) if get_origin(field.type) is Literal else None
-    # `--nats` is the short spelling the docs use for `--nats-url`.
-    aliases = ["--nats"] if field.name == "nats_url" else []
-    parser.add_argument(field.flag, *aliases, dest=field.name, default=None, choices=choices,
-                        help=f"default: {field.default}")
-
-
-def add_config_flags(parser: argparse.ArgumentParser, cls: type[ServiceConfig]) -> None:
-    """One flag per setting of `cls` (`--config` for a TOML file)."""
-    parser.add_argument("--config", dest="config_path", default=None, help="TOML config file")
-    for field in flat_fields(cls):
-        add_field_flag(parser, field)
-
-
-def load_config(
-    cls: type[C],
-    *,
-    flags: Mapping[str, Any] | None = None,
-    env: Mapping[str, str] | None = None,
-    toml_path: str | Path | None = None,
-) -> C:
-    """Merge file, environment and flags (all flat keys) over the defaults, nest them and
-    validate the result."""
-    fields = {field.name: field for field in flat_fields(cls)}
-    merged: dict[str, Any] = {}
-    if toml_path is not None:
-        merged.update(_read_toml(Path(toml_path), cls, set(fields)))
-    for key, value in (env or {}).items():
-        name = key.removeprefix(ENV_PREFIX).lower()
-        if key.startswith(ENV_PREFIX) and name in fields:
-            merged[name] = value
-    merged.update({k: v for k, v in (flags or {}).items() if k in fields and v is not None})
-    nested: dict[str, Any] = {}
-    for name, value in merged.items():
-        section = fields[name].section
-        (nested.setdefault(section, {}) if section else nested)[name] = value
-    try:
-        return msgspec.convert(nested, cls, strict=False)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"invalid {cls.__name__}: {exc}") from exc
-
-
-def _read_toml(path: Path, cls: type[ServiceConfig], names: set[str]) -> dict[str, Any]:
-    """Flat keys, or the same keys under a table named for their section (`[transfer]`)."""
-    try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
-    sections = {field.section for field in flat_fields(cls) if field.section}
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        flat.update(value if key in sections and isinstance(value, dict) else {key: value})
-    unknown = set(flat) - names
-    if unknown:
-        raise ConfigError(f"unknown keys in {path}: {sorted(unknown)}")
-    return flat

@@ -13,7 +13,8 @@ import aiohttp
 from services.conductor.service import ConductorService
 from services.gateway.service import GatewayService
 from services.worker import DecodeService, PrefillService
-from shared.config import ConductorConfig, GatewayConfig, WorkerConfig, load_config
+from shared.config import ConductorConfig, GatewayConfig, WorkerConfig
+from shared.config_loading import load_config
 from shared.service import Service
 
 

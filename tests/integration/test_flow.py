@@ -12,7 +12,8 @@ import pytest
 
 from services.conductor.service import ConductorService
 from services.worker import DecodeService, PrefillService
-from shared.config import WorkerConfig, load_config
+from shared.config import WorkerConfig
+from shared.config_loading import load_config
 from shared.messages import (
     GenerateRequest,
     PrefillTask,

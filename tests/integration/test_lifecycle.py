@@ -15,7 +15,8 @@ import pytest
 from services.conductor.service import ConductorService
 from services.gateway.service import GatewayService
 from services.worker import DecodeService, PrefillService
-from shared.config import ConductorConfig, GatewayConfig, WorkerConfig, load_config
+from shared.config import ConductorConfig, GatewayConfig, WorkerConfig
+from shared.config_loading import load_config
 from shared.errors import ServiceStartFailed
 from shared.nats_server import free_port
 from shared.service import Service, ServiceState

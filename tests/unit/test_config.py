@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import GatewayConfig, WorkerConfig, add_config_flags, load_config
+from shared.config import ConductorConfig, GatewayConfig, ServiceConfig, WorkerConfig
+from shared.config_loading import add_config_flags, flat_fields, load_config
 from shared.errors import ConfigError
 
 
@@ -76,3 +77,22 @@ def test_a_literal_setting_offers_its_choices_as_a_flag() -> None:
     with pytest.raises(SystemExit):
         parser.parse_args(["--engine", "gpt"])
     assert parser.parse_args(["--engine", "sim"]).engine == "sim"
+
+
+@pytest.mark.parametrize("config_type", [GatewayConfig, ConductorConfig, WorkerConfig])
+def test_every_setting_says_what_it_does_in_its_help(config_type: type[ServiceConfig]
+                                                     ) -> None:
+    undescribed = [field.name for field in flat_fields(config_type) if not field.about]
+    assert undescribed == []
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, config_type)
+    shown = " ".join(parser.format_help().split())
+    assert "--nats-url NATS_URL, --nats NATS_URL the NATS server; several servers" in shown
+
+
+def test_a_settings_help_gives_its_default() -> None:
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, WorkerConfig)
+    shown = " ".join(parser.format_help().split())
+    assert "--block-size BLOCK_SIZE tokens per KV block (default: 16)" in shown
+    assert "reuse the KV of prompt prefixes computed before (default: True)" in shown

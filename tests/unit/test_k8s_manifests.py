@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from services.cli import SERVICES, build_parser
-from shared.config import flat_fields, load_config
+from shared.config_loading import flat_fields, load_config
 from shared.nats_auth import write_nkey_users
 from shared.nats_server import find_nats_server
 from shared.subjects import Subjects

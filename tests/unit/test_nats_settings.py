@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import GatewayConfig, NatsAuth, load_config
+from shared.config import GatewayConfig, NatsAuth
+from shared.config_loading import load_config
 from shared.errors import ConfigError
 from shared.nats_auth import permissions, role_users
 from shared.nats_client import auth_options, nats_servers, redact

@@ -11,7 +11,8 @@ from engine.protocol import DecodeRequest, PrefillRequest, TokenOutput
 from engine.sim_cost import PROFILES
 from engine.sim_engine import SimEngine, SimOptions
 from services.worker_parts import build_engine
-from shared.config import WorkerConfig, load_config
+from shared.config import WorkerConfig
+from shared.config_loading import load_config
 from shared.errors import ConfigError, EngineFailure, InvalidRequest
 from shared.messages import SamplingParams
 
@@ -182,7 +183,8 @@ async def test_loading_the_weights_takes_their_bytes_over_the_load_rate() -> Non
 
 def test_a_sim_worker_switched_to_another_model_simulates_its_profile() -> None:
     from services.model_shelf import config_for_model, models_on_disk
-    from shared.config import WorkerConfig, load_config
+    from shared.config import WorkerConfig
+    from shared.config_loading import load_config
 
     config = load_config(WorkerConfig, flags={"engine": "sim", "model": "llama-3-8b-h200"})
     assert set(PROFILES) <= set(models_on_disk(config))

@@ -6,7 +6,8 @@ import msgspec
 import pytest
 
 from services.worker_parts import wire_compression
-from shared.config import WorkerConfig, load_config
+from shared.config import WorkerConfig
+from shared.config_loading import load_config
 from shared.errors import ConfigError
 from shared.messages import KvPoolLayout
 

@@ -1,0 +1,134 @@
+"""Settings read once per process, lowest precedence first: the config struct's defaults
+(`shared/config.py`), an optional TOML file (`--config`), environment variables
+`HALFMOON_<FIELD>` (e.g. `HALFMOON_NATS_URL`), command-line flags (`--nats-url`), each flag
+derived from its field. Modules never read the environment themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
+
+import msgspec
+
+from shared.config import ServiceConfig
+from shared.errors import ConfigError
+
+ENV_PREFIX = "HALFMOON_"
+
+C = TypeVar("C", bound=ServiceConfig)
+
+
+@dataclass(frozen=True)
+class FlatField:
+    """One setting as flags, environment and TOML spell it: `name` is the flat key, `section`
+    the nested struct it lives in (None: the config itself), `type` its value's type (without
+    the description `about` carries)."""
+
+    name: str
+    section: str | None
+    type: Any
+    default: Any
+    about: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def flat_fields(cls: type[ServiceConfig]) -> list[FlatField]:
+    """Every setting of `cls`, nested sections flattened (their fields' encoded names)."""
+    found = []
+    for field in msgspec.structs.fields(cls):
+        if isinstance(field.type, type) and issubclass(field.type, msgspec.Struct):
+            found += [_flat(inner, field.encode_name)
+                      for inner in msgspec.structs.fields(field.type)]
+        else:
+            found.append(_flat(field, None))
+    return found
+
+
+def _flat(field: msgspec.structs.FieldInfo, section: str | None) -> FlatField:
+    kind, about = field.type, ""
+    if get_origin(kind) is Annotated:
+        about = next((meta.description for meta in kind.__metadata__
+                      if isinstance(meta, msgspec.Meta) and meta.description), "")
+        kind = get_args(kind)[0]
+    return FlatField(field.encode_name, section, kind, _default(field), about)
+
+
+def _default(field: msgspec.structs.FieldInfo) -> Any:
+    if field.default is not msgspec.NODEFAULT:
+        return field.default
+    return None if field.default_factory is msgspec.NODEFAULT else field.default_factory()
+
+
+def add_field_flag(parser: argparse.ArgumentParser, field: FlatField) -> None:
+    """`--field-name`, with the field's choices when its type is a `Literal` and its
+    description and default as help; unset, it overrides nothing."""
+    shown = "" if field.default in (None, "") else f" (default: {field.default})"
+    help_ = (field.about + shown).replace("%", "%%")  # argparse formats help with %
+    if field.type is bool:
+        parser.add_argument(field.flag, dest=field.name, default=None, help=help_,
+                            action=argparse.BooleanOptionalAction)
+        return
+    choices = get_args(field.type) if get_origin(field.type) is Literal else None
+    # `--nats` is the short spelling the docs use for `--nats-url`.
+    aliases = ["--nats"] if field.name == "nats_url" else []
+    parser.add_argument(field.flag, *aliases, dest=field.name, default=None, choices=choices,
+                        help=help_)
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type[ServiceConfig]) -> None:
+    """One flag per setting of `cls` (`--config` for a TOML file)."""
+    parser.add_argument("--config", dest="config_path", default=None, help="TOML config file")
+    for field in flat_fields(cls):
+        add_field_flag(parser, field)
+
+
+def load_config(
+    cls: type[C],
+    *,
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    toml_path: str | Path | None = None,
+) -> C:
+    """Merge file, environment and flags (all flat keys) over the defaults, nest them and
+    validate the result."""
+    fields = {field.name: field for field in flat_fields(cls)}
+    merged: dict[str, Any] = {}
+    if toml_path is not None:
+        merged.update(_read_toml(Path(toml_path), cls, set(fields)))
+    for key, value in (env or {}).items():
+        name = key.removeprefix(ENV_PREFIX).lower()
+        if key.startswith(ENV_PREFIX) and name in fields:
+            merged[name] = value
+    merged.update({k: v for k, v in (flags or {}).items() if k in fields and v is not None})
+    nested: dict[str, Any] = {}
+    for name, value in merged.items():
+        section = fields[name].section
+        (nested.setdefault(section, {}) if section else nested)[name] = value
+    try:
+        return msgspec.convert(nested, cls, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid {cls.__name__}: {exc}") from exc
+
+
+def _read_toml(path: Path, cls: type[ServiceConfig], names: set[str]) -> dict[str, Any]:
+    """Flat keys, or the same keys under a table named for their section (`[transfer]`)."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    sections = {field.section for field in flat_fields(cls) if field.section}
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        flat.update(value if key in sections and isinstance(value, dict) else {key: value})
+    unknown = set(flat) - names
+    if unknown:
+        raise ConfigError(f"unknown keys in {path}: {sorted(unknown)}")
+    return flat
