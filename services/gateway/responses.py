@@ -309,7 +309,8 @@ class ChatFormat(_Format):
             content, calls = choice.tools.parse(choice.text)
             if not calls and finish == "length":  # cut inside a call: as it streams
                 content, calls = cut_calls(choice.tools, choice.text)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
+        # `refusal` is required in OpenAI's schema of this message (null: none made).
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
         if calls or (choice.tools is not None and choice.tools.is_forced):
             message["content"] = content or None  # as OpenAI: null beside calls
         if calls:

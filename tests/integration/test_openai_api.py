@@ -292,3 +292,39 @@ async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
         await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
                                         extra_body={"truncate_prompt_tokens": 0})
     assert refused.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]
+
+
+# The fields OpenAI's OpenAPI document marks required, per object: clients generated from it
+# (and strict validators) reject a body without them, even where the value is null.
+REQUIRED = {
+    "chat.completion": ({"id", "object", "created", "model", "choices"},
+                        {"index", "message", "logprobs", "finish_reason"}),
+    "chat.completion.chunk": ({"id", "object", "created", "model", "choices"},
+                              {"index", "delta", "finish_reason"}),
+    "text_completion": ({"id", "object", "created", "model", "choices"},
+                        {"index", "text", "logprobs", "finish_reason"}),
+}
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": "hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_bodies_carry_every_field_openais_schema_requires(
+        stack: Stack, path: str, body: dict[str, Any], stream: bool) -> None:
+    async with aiohttp.ClientSession() as session, session.post(
+            f"{stack.gateway.url}{path}",
+            json={"model": MODEL, "max_tokens": 3, "stream": stream, **body}) as response:
+        assert response.status == 200
+        text = await response.text()
+    objects = [json.loads(line[6:]) for line in text.splitlines()
+               if line.startswith("data: {")] if stream else [json.loads(text)]
+    assert objects
+    for obj in objects:
+        top, per_choice = REQUIRED[obj["object"]]
+        assert top <= obj.keys()
+        for choice in obj["choices"]:
+            assert per_choice <= choice.keys()
+            if "message" in choice:
+                assert {"role", "content", "refusal"} <= choice["message"].keys()
