@@ -9,6 +9,7 @@
     halfmoon bench compare ...                colocated against disaggregated serving
     halfmoon bench transfer [--max-mib N]     transfer-engine benchmark (two processes)
     halfmoon schema [--out docs/contract]     the NATS contract: JSON Schemas + AsyncAPI
+    halfmoon settings [--out FILE]            every service setting, as a Markdown reference
     halfmoon nats-auth --out DIR              NATS users for each role: nkeys + users.conf
 
 Every service flag is also an environment variable `HALFMOON_<FLAG>` and a key of the TOML
@@ -94,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     schema = commands.add_parser("schema", help="write the NATS contract: JSON Schemas and "
                                  "an AsyncAPI document")
     schema.add_argument("--out", default="docs/contract", help="default: docs/contract")
+    settings = commands.add_parser("settings", help="every service setting (flag, environment "
+                                   "variable, default, what it does) as Markdown")
+    settings.add_argument("--out", default=None,
+                          help="write it to this file (docs/settings.md is the published "
+                          "copy; default: print it)")
     auth = commands.add_parser("nats-auth", help="write least-privilege NATS users, one "
                                "nkey per service role and per gateway, and the nats-server "
                                "authorization block naming them")
@@ -132,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return init_model(args.directory, is_forced=args.force)
         if args.command == "schema":
             return write_schema(Path(args.out))
+        if args.command == "settings":
+            return write_settings(args.out)
         if args.command == "nats-auth":
             return write_nats_auth(Path(args.out), args.cluster, args.gateways)
         if args.command == "bench":
@@ -167,6 +175,17 @@ def write_schema(out_dir: Path) -> int:
 
     written = write_contract(out_dir)
     print(f"wrote {len(written)} files under {out_dir}")
+    return 0
+
+
+def write_settings(out: str | None) -> int:
+    from shared.config_reference import render_reference
+
+    if out is None:
+        print(render_reference(), end="")
+    else:
+        Path(out).write_text(render_reference())
+        print(f"wrote {out}")
     return 0
 
 

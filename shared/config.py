@@ -104,7 +104,7 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     api_key: Annotated[str | None, about(
         "the bearer token every /v1 request must carry (default: none asked)")] = None
     cors_origins: Annotated[str | None, about(
-        "origins whose browser pages may call /v1 (CORS), comma-separated, or *")] = None
+        "origins whose browser pages may call /v1 (CORS), comma-separated, or `*`")] = None
     # Off by default: under `halfmoon up` each line costs the control path ~5 % throughput.
     access_log: Annotated[bool, about(
         "one `http.request` log line per generation request (method, path, status, "
@@ -129,7 +129,7 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
         "out gets: the model's generation_config.json (as vLLM and SGLang do), or OpenAI's "
         "defaults")] = "model"
     models_dir: Annotated[str | None, about(
-        "other models' files, one directory each by model name (<dir>/<model>), for models "
+        "other models' files, one directory each by model name (`<dir>/<model>`), for models "
         "whose workers' own directories this gateway cannot read")] = None
     responses_ttl_s: Annotated[float, about(
         "how long stored Responses API responses (`store`) are kept in NATS KV, for "
@@ -341,7 +341,7 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     model: Annotated[str, about("the name of the model this worker serves")] = "halfmoon-tiny"
     models_dir: Annotated[str | None, about(
         "models this worker may be told to serve instead: one Hugging Face directory per "
-        "model, named by the model (<dir>/<model>)")] = None
+        "model, named by the model (`<dir>/<model>`)")] = None
     host_name: Annotated[str | None, about(
         "the host this worker reports (default: the machine's host name)")] = None
     max_queue: Annotated[int, about(

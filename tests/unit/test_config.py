@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from services.cli import main
 from shared.config import ConductorConfig, GatewayConfig, ServiceConfig, WorkerConfig
 from shared.config_loading import add_config_flags, flat_fields, load_config
 from shared.errors import ConfigError
@@ -96,3 +97,12 @@ def test_a_settings_help_gives_its_default() -> None:
     shown = " ".join(parser.format_help().split())
     assert "--block-size BLOCK_SIZE tokens per KV block (default: 16)" in shown
     assert "reuse the KV of prompt prefixes computed before (default: True)" in shown
+
+
+def test_the_published_settings_reference_is_current(tmp_path: Path) -> None:
+    published = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
+    assert main(["settings", "--out", str(tmp_path / "settings.md")]) == 0
+    assert (tmp_path / "settings.md").read_text() == published.read_text(), \
+        "run `halfmoon settings --out docs/settings.md` and commit it"
+    for field in flat_fields(WorkerConfig) + flat_fields(ConductorConfig):
+        assert f"`{field.flag}`" in published.read_text()
