@@ -137,6 +137,9 @@ class TorchEngine:
         self.options = options
         self.config = ModelConfig.from_dir(options.model_dir)
         self.device = torch.device(options.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"--device {options.device}: this torch build sees no CUDA device "
+                              f"(torch {torch.__version__})")
         if options.decode_graphs == "cuda" and self.device.type != "cuda":  # before any load
             raise ConfigError(f"--cuda-graphs needs a CUDA device, not {self.device}")
         # Full attention equals sliding-window attention only inside the window: cap there.

@@ -57,6 +57,13 @@ async def test_cuda_graphs_need_a_cuda_device(llama_dir: Path) -> None:
         await start_engine(llama_dir, decode_graphs="cuda", attention_backend="torch")
 
 
+async def test_a_cuda_device_this_torch_cannot_see_is_a_config_error(llama_dir: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    with pytest.raises(ConfigError, match="--device cuda: this torch build sees no CUDA"):
+        await start_engine(llama_dir, device="cuda")
+
+
 async def test_decode_graphs_need_the_batched_torch_attention(llama_dir: Path) -> None:
     with pytest.raises(ConfigError, match="--attention-backend torch"):
         await start_engine(llama_dir, decode_graphs="eager", attention_backend="reference")
