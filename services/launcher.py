@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, start_http_server
 
 from services.supervisor import CrashLoop, RestartPolicy, Supervisor
 from shared.config import ConductorConfig, GatewayConfig, ServiceConfig, WorkerConfig
-from shared.config_loading import FlatField, add_field_flag, flat_fields
+from shared.config_loading import FlatField, add_field_flag, flat_fields, load_config
 from shared.errors import ConfigError, ServiceStartFailed
 from shared.model_dir import BUILTIN_MODEL_NAME
 from shared.nats_client import redact
@@ -158,6 +158,7 @@ class UpOptions:
             settings.append(("local_prefill_max_tokens", 1 << 30))
         elif args.local_prefill_max_tokens is not None:
             settings.append(("local_prefill_max_tokens", args.local_prefill_max_tokens))
+        _check_settings(settings)
         return cls(host=args.host, port=args.port, nats_url=args.nats_url,
                    nats_port=args.nats_port,
                    num_prefill=0 if is_colocated else args.num_prefill,
@@ -181,6 +182,16 @@ class UpOptions:
                 else:
                     flags += [flag, str(value)]
         return flags
+
+
+def _check_settings(settings: list[tuple[str, object]]) -> None:
+    """Read every role's config as its processes will (these settings over the environment),
+    so that a bad value fails here, naming its flag, before NATS and a dozen processes
+    start only for one of them to exit with it."""
+    accepted = _role_settings()
+    for role, config in ROLE_CONFIGS.items():
+        load_config(config, env=os.environ,
+                    flags={name: value for name, value in settings if name in accepted[role]})
 
 
 def _models(paths: list[str] | None) -> tuple[tuple[str, str | None], ...]:

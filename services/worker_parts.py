@@ -122,9 +122,6 @@ def _sim_engine(config: WorkerConfig) -> Engine:
     profile = config.model if config.model in PROFILES else sim.profile
     if profile not in PROFILES:
         raise ConfigError(f"unknown sim_profile {profile!r}; profiles: {', '.join(PROFILES)}")
-    if sim.time_scale <= 0 or sim.kv_byte_scale < 1 or sim.load_bytes_per_s < 0:
-        raise ConfigError("sim_time_scale must be > 0, sim_kv_byte_scale >= 1 and "
-                          "sim_load_bytes_per_s >= 0")
     return SimEngine(SimOptions(
         profile=PROFILES[profile], time_scale=sim.time_scale,
         block_size=settings.block_size, max_batch_size=settings.max_batch_size,

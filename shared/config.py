@@ -13,10 +13,17 @@ EngineKind = Literal["torch", "fake", "sim"]
 PrefillPolicy = Literal["least-loaded", "round-robin", "cache-aware", "seed", "longest-prefix"]
 
 
-def about(text: str) -> msgspec.Meta:
-    """A setting's description: its line in `halfmoon <service> --help` (every setting has
-    one; `tests/unit/test_config.py` checks)."""
-    return msgspec.Meta(description=text)
+def about(text: str, **limits: float) -> msgspec.Meta:
+    """A setting's description, its line in `halfmoon <service> --help` (every setting has
+    one; `tests/unit/test_config.py` checks), and the range its value must lie in (`ge`,
+    `gt`, `le`), checked when the settings are read: a zero batch budget or a negative
+    timeout is refused at start, not found out as a hang."""
+    return msgspec.Meta(description=text, **limits)
+
+
+# Ranges of optional settings (a limit goes on the number, inside the `| None`).
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+Share = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
 
 class NatsAuth(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,7 +68,7 @@ class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     nats: NatsAuth = msgspec.field(default_factory=NatsAuth)
     js_replicas: Annotated[int, about(
         "copies of every JetStream asset (request queue, KV events, registries) the NATS "
-        "cluster keeps: 3 in the cluster deployments")] = 1
+        "cluster keeps: 3 in the cluster deployments", ge=1, le=5)] = 1
     cluster: Annotated[str, about(
         "this halfmoon cluster's name: its subjects and buckets are named for it "
         "(`halfmoon.<cluster>.v1.`), so several clusters can share one NATS")] = "default"
@@ -70,14 +77,14 @@ class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
         "auto: JSON lines unless stderr is a terminal")] = "auto"
     drain_timeout_s: Annotated[float, about(
         "on SIGTERM, how long the work in flight may take to finish before the process "
-        "exits")] = 10.0
-    connect_timeout_s: Annotated[float, about("how long to wait for NATS at start")] = 10.0
+        "exits", ge=0)] = 10.0
+    connect_timeout_s: Annotated[float, about("how long to wait for NATS at start", gt=0)] = 10.0
     tracing: Annotated[Literal["auto", "off", "otlp-grpc", "otlp-http"], about(
         "OpenTelemetry traces over OTLP (shared/tracing.py); auto: on when "
         "OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT is set, with its protocol")] = "auto"
     otlp_endpoint: Annotated[str | None, about(
         "the OTLP collector (default: OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT)")] = None
-    trace_sample_ratio: Annotated[float | None, about(
+    trace_sample_ratio: Annotated[Share | None, about(
         "the share of requests traced, 0 to 1 (default: OTEL_TRACES_SAMPLER[_ARG], else "
         "1)")] = None
     tracer: Annotated[Literal["lean", "sdk"], about(
@@ -86,12 +93,14 @@ class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     metrics_host: Annotated[str, about(
         "address of this process's Prometheus /metrics (the gateway serves its own on "
         "--port)")] = "127.0.0.1"
-    metrics_port: Annotated[int, about("port of /metrics; 0: a free one, logged")] = 0
+    metrics_port: Annotated[int, about("port of /metrics; 0: a free one, logged",
+                                       ge=0, le=65535)] = 0
 
 
 class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     host: Annotated[str, about("address the HTTP API listens on")] = "127.0.0.1"
-    port: Annotated[int, about("port of the HTTP API (/v1, /health, /metrics)")] = 8000
+    port: Annotated[int, about("port of the HTTP API (/v1, /health, /metrics)",
+                               ge=0, le=65535)] = 8000
     gateway_id: Annotated[str | None, about(
         "this gateway's id in subjects and logs, unique per gateway (default: a random "
         "one)")] = None
@@ -100,7 +109,7 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
         "worker serves")] = "halfmoon-tiny"
     max_model_len: Annotated[int, about(
         "the longest prompt + output a request may ask for, in tokens (cut to what the "
-        "model and its workers hold)")] = 2048
+        "model and its workers hold)", ge=1)] = 2048
     api_key: Annotated[str | None, about(
         "the bearer token every /v1 request must carry (default: none asked)")] = None
     cors_origins: Annotated[str | None, about(
@@ -110,12 +119,12 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
         "one `http.request` log line per generation request (method, path, status, "
         "duration)")] = False
     request_timeout_s: Annotated[float, about(
-        "a request that makes no progress (no token) for this long fails with a 504")] = 60.0
+        "a request that makes no progress (no token) for this long fails with a 504", gt=0)] = 60.0
     heartbeat_timeout_s: Annotated[float, about(
-        "a worker silent this long is lost: its streams fail over")] = 2.0
+        "a worker silent this long is lost: its streams fail over", gt=0)] = 2.0
     resume_after_s: Annotated[float, about(
         "a stream with no new token for this long asks its decode worker to send again what "
-        "it may have lost (`StreamResume`), at most once per this interval")] = 1.0
+        "it may have lost (`StreamResume`), at most once per this interval", gt=0)] = 1.0
     chat_template_path: Annotated[str | None, about(
         "a Jinja2 chat template file in Hugging Face's format (default: the model's own, "
         "else ChatML)")] = None
@@ -133,9 +142,9 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
         "whose workers' own directories this gateway cannot read")] = None
     responses_ttl_s: Annotated[float, about(
         "how long stored Responses API responses (`store`) are kept in NATS KV, for "
-        "previous_response_id and GET /v1/responses/{id}; 0: none is stored")] = 86400.0
+        "previous_response_id and GET /v1/responses/{id}; 0: none is stored", ge=0)] = 86400.0
     responses_max_bytes: Annotated[int, about(
-        "the size of the stored responses' bucket; when full, the oldest go first")] = 1 << 30
+        "the size of the stored responses' bucket; when full, the oldest go first", ge=1)] = 1 << 30
 
 
 class PlannerSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -149,66 +158,66 @@ class PlannerSettings(msgspec.Struct, frozen=True, kw_only=True):
         "slo: move workers between prefill and decode to keep --ttft-slo-ms / "
         "--tbt-slo-ms")] = msgspec.field(default="off", name="planner")
     interval_s: Annotated[float, about(
-        "how often the planner reads the load (and renews its lease)")] = \
+        "how often the planner reads the load (and renews its lease)", gt=0)] = \
         msgspec.field(default=1.0, name="planner_interval_s")
     high: Annotated[float, about(
-        "the share of an SLO over which a role is pressed: it takes workers")] = \
+        "the share of an SLO over which a role is pressed: it takes workers", gt=0)] = \
         msgspec.field(default=0.8, name="planner_high")
     low: Annotated[float, about(
         "the share of the SLOs under which both roles are at ease: moved workers go "
-        "home")] = msgspec.field(default=0.3, name="planner_low")
+        "home", ge=0)] = msgspec.field(default=0.3, name="planner_low")
     hold_s: Annotated[float, about(
-        "how long a role must stay pressed before a worker moves to it")] = \
+        "how long a role must stay pressed before a worker moves to it", ge=0)] = \
         msgspec.field(default=3.0, name="planner_hold_s")
-    cooldown_s: Annotated[float, about("the least time between two moves")] = \
+    cooldown_s: Annotated[float, about("the least time between two moves", ge=0)] = \
         msgspec.field(default=10.0, name="planner_cooldown_s")
     home_after_s: Annotated[float, about(
-        "how long both roles must stay at ease before moved workers go home")] = \
+        "how long both roles must stay at ease before moved workers go home", ge=0)] = \
         msgspec.field(default=60.0, name="planner_home_after_s")
 
 
 class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):
     heartbeat_timeout_s: Annotated[float, about(
-        "a worker silent this long is lost: its requests are placed again")] = 2.0
+        "a worker silent this long is lost: its requests are placed again", gt=0)] = 2.0
     dispatch_timeout_s: Annotated[float, about(
-        "how long a worker has to accept a command before it is taken as refused")] = 2.0
+        "how long a worker has to accept a command before it is taken as refused", gt=0)] = 2.0
     max_placement_attempts: Annotated[int, about(
-        "placements tried per request before it fails")] = 3
+        "placements tried per request before it fails", ge=1)] = 3
     num_fetchers: Annotated[int, about(
-        "pulls kept open on the request queue (each replica)")] = 4
+        "pulls kept open on the request queue (each replica)", ge=1)] = 4
     request_max_age_s: Annotated[float, about(
         "a request older than this when it is pulled is dropped as expired (its gateway "
-        "has given up)")] = 60.0
+        "has given up)", gt=0)] = 60.0
     # Long enough for a worker whose NATS node was cut off to notice (3 s of unanswered
     # pings), reconnect to another node and heartbeat again.
     no_worker_hold_s: Annotated[float, about(
         "a request that finds no healthy worker of a role waits this long for one to come "
-        "back (a restart, a healed partition, a NATS node lost) before its 503")] = 5.0
+        "back (a restart, a healed partition, a NATS node lost) before its 503", ge=0)] = 5.0
     kv_short_hold_s: Annotated[float, about(
         "a request that finds no decode worker with KV room waits this long (at most the "
-        "TTFT SLO) for blocks to free before its 429; 0: refuse at once")] = 5.0
+        "TTFT SLO) for blocks to free before its 429; 0: refuse at once", ge=0)] = 5.0
     policy: Annotated[PrefillPolicy, about("how a prefill worker is chosen")] = "cache-aware"
-    ttft_slo_ms: Annotated[float | None, about(
+    ttft_slo_ms: Annotated[Positive | None, about(
         "reject a request (429) when the best predicted time to first token exceeds "
         "it")] = None
-    tbt_slo_ms: Annotated[float | None, about(
+    tbt_slo_ms: Annotated[Positive | None, about(
         "reject a request (429) when the best predicted decode step exceeds it")] = None
     default_prefill_tokens_per_s: Annotated[float, about(
-        "the prefill rate assumed for workers that have not measured theirs yet")] = 2000.0
+        "the prefill rate assumed for workers that have not measured theirs yet", gt=0)] = 2000.0
     prefix_index_max_blocks: Annotated[int, about(
-        "cached blocks the global prefix index keeps (LRU)")] = 1_000_000
+        "cached blocks the global prefix index keeps (LRU)", ge=1)] = 1_000_000
     prefix_fetch: Annotated[bool, about(
         "fetch a longer cached prefix from the prefill worker holding it when moving its KV "
         "costs less than computing it")] = True
     transfer_bytes_per_s: Annotated[float, about(
-        "the KV transfer rate prefix fetches are costed at")] = 2e9
+        "the KV transfer rate prefix fetches are costed at", gt=0)] = 2e9
     transfer_overhead_s: Annotated[float, about(
-        "the fixed cost of one prefix fetch")] = 0.002
+        "the fixed cost of one prefix fetch", ge=0)] = 0.002
     prefix_snapshot_interval_s: Annotated[float, about(
         "how often the prefix index is saved (NATS object store) for a restarting conductor "
-        "to resume from, with the KV events after it; 0: never")] = 30.0
+        "to resume from, with the KV events after it; 0: never", ge=0)] = 30.0
     prefix_catch_up_timeout_s: Annotated[float, about(
-        "how long a starting conductor waits for its prefix index to catch up")] = 30.0
+        "how long a starting conductor waits for its prefix index to catch up", ge=0)] = 30.0
     planning: PlannerSettings = msgspec.field(default_factory=PlannerSettings)
 
 
@@ -235,20 +244,20 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
         "linear weights on a CPU (engine/linear.py): packed as measured fastest for decode, "
         "or plain as loaded")] = "packed"
     max_model_len: Annotated[int, about(
-        "the longest prompt + output a sequence may reach, in tokens")] = 2048
+        "the longest prompt + output a sequence may reach, in tokens", ge=1)] = 2048
     num_blocks: Annotated[int, about(
-        "KV pool size in blocks (unless --kv-cache-memory-gb sizes it)")] = 4096
+        "KV pool size in blocks (unless --kv-cache-memory-gb sizes it)", ge=1)] = 4096
     kv_cache_memory_gb: Annotated[float, about(
         "the KV pool sized from memory: GiB for KV on any device (0: --num-blocks, or on "
-        "CUDA --gpu-memory-utilization)")] = 0.0
+        "CUDA --gpu-memory-utilization)", ge=0)] = 0.0
     gpu_memory_utilization: Annotated[float, about(
-        "on CUDA, the share of device memory for weights + KV")] = 0.9
-    block_size: Annotated[int, about("tokens per KV block")] = 16
-    max_batch_size: Annotated[int, about("sequences per engine step")] = 64
+        "on CUDA, the share of device memory for weights + KV", gt=0, le=1)] = 0.9
+    block_size: Annotated[int, about("tokens per KV block", ge=1)] = 16
+    max_batch_size: Annotated[int, about("sequences per engine step", ge=1)] = 64
     max_batch_tokens: Annotated[int, about(
-        "tokens per engine step; a longer prompt prefills in chunks")] = 2048
+        "tokens per engine step; a longer prompt prefills in chunks", ge=1)] = 2048
     prefill_max_wait_ms: Annotated[float, about(
-        "how long a prompt may wait for others to batch with (dynamic batching)")] = 10.0
+        "how long a prompt may wait for others to batch with (dynamic batching)", ge=0)] = 10.0
     enable_prefix_caching: Annotated[bool, about(
         "reuse the KV of prompt prefixes computed before")] = True
     cuda_graphs: Annotated[bool, about(
@@ -265,7 +274,7 @@ class TransferSettings(msgspec.Struct, frozen=True, kw_only=True):
 
     host: Annotated[str, about("address the transfer engine listens on")] = \
         msgspec.field(default="127.0.0.1", name="transfer_host")
-    port: Annotated[int, about("port of the transfer engine; 0: a free one")] = \
+    port: Annotated[int, about("port of the transfer engine; 0: a free one", ge=0, le=65535)] = \
         msgspec.field(default=0, name="transfer_port")
     advertise_host: Annotated[str | None, about(
         "the address peers dial (default: --transfer-host)")] = \
@@ -285,10 +294,10 @@ class TransferSettings(msgspec.Struct, frozen=True, kw_only=True):
         "and dequantized into the receiver's pool: about 2x fewer bytes from a bf16 pool, "
         "4x from fp32; TCP only (shm moves KV as is)")] = "none"
     kv_wait_timeout_s: Annotated[float, about(
-        "how long a KV handoff or prefix fetch may take")] = 10.0
+        "how long a KV handoff or prefix fetch may take", gt=0)] = 10.0
     kv_hold_s: Annotated[float, about(
         "after a handoff to a decode worker failed, how long prefill keeps the computed KV "
-        "while the conductor places the decode side again")] = 10.0
+        "while the conductor places the decode side again", ge=0)] = 10.0
 
 
 class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -302,29 +311,29 @@ class SimSettings(msgspec.Struct, frozen=True, kw_only=True):
     profile: Annotated[str, about(
         "the simulated model and accelerator (engine/sim_cost.py PROFILES)")] = \
         msgspec.field(default="llama-3-8b-h200", name="sim_profile")
-    time_scale: Annotated[float, about("wall seconds per simulated second")] = \
+    time_scale: Annotated[float, about("wall seconds per simulated second", gt=0)] = \
         msgspec.field(default=1.0, name="sim_time_scale")
     kv_byte_scale: Annotated[int, about(
-        "the real KV bytes moved are the simulated ones divided by this")] = \
+        "the real KV bytes moved are the simulated ones divided by this", ge=1)] = \
         msgspec.field(default=4096, name="sim_kv_byte_scale")
     link_bytes_per_s: Annotated[float, about(
         "the simulated KV link (50 GB/s: a 400 Gb/s RDMA NIC); 0: only the real transfer's "
-        "time")] = msgspec.field(default=50e9, name="sim_link_bytes_per_s")
+        "time", ge=0)] = msgspec.field(default=50e9, name="sim_link_bytes_per_s")
     load_bytes_per_s: Annotated[float, about(
         "the simulated weight load rate, at start and at each model switch; 0: "
-        "instant")] = msgspec.field(default=0.0, name="sim_load_bytes_per_s")
+        "instant", ge=0)] = msgspec.field(default=0.0, name="sim_load_bytes_per_s")
 
 
 class FakeSettings(msgspec.Struct, frozen=True, kw_only=True):
     """The fake engine's costs: per prefill batch, plus per uncached prompt token, and per
     decode step."""
 
-    prefill_delay_s: Annotated[float, about("the fake engine's time per prefill batch")] = \
+    prefill_delay_s: Annotated[float, about("the fake engine's time per prefill batch", ge=0)] = \
         msgspec.field(default=0.0, name="fake_prefill_delay_s")
     prefill_s_per_token: Annotated[float, about(
-        "the fake engine's time per uncached prompt token")] = \
+        "the fake engine's time per uncached prompt token", ge=0)] = \
         msgspec.field(default=0.0, name="fake_prefill_s_per_token")
-    token_delay_s: Annotated[float, about("the fake engine's time per decode step")] = \
+    token_delay_s: Annotated[float, about("the fake engine's time per decode step", ge=0)] = \
         msgspec.field(default=0.0, name="fake_token_delay_s")
 
 
@@ -345,15 +354,15 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     host_name: Annotated[str | None, about(
         "the host this worker reports (default: the machine's host name)")] = None
     max_queue: Annotated[int, about(
-        "prefill requests held at once; more are refused and placed elsewhere")] = 256
-    heartbeat_interval_s: Annotated[float, about("how often the worker heartbeats")] = 0.5
+        "prefill requests held at once; more are refused and placed elsewhere", ge=1)] = 256
+    heartbeat_interval_s: Annotated[float, about("how often the worker heartbeats", gt=0)] = 0.5
     compute_score: Annotated[float, about(
-        "this worker's speed relative to the others (placement)")] = 1.0
+        "this worker's speed relative to the others (placement)", gt=0)] = 1.0
     zone: Annotated[str, about(
         "the network zone: placement prefers prefill workers in the decode worker's")] = ""
     local_prefill_max_tokens: Annotated[int, about(
         "decode only: prompts of at most this many tokens are prefilled here, not on a "
-        "prefill worker (conditional disaggregation; 0: off)")] = 0
+        "prefill worker (conditional disaggregation; 0: off)", ge=0)] = 0
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     transfer: TransferSettings = msgspec.field(default_factory=TransferSettings)
     sim: SimSettings = msgspec.field(default_factory=SimSettings)

@@ -7,6 +7,7 @@ derived from its field. Modules never read the environment themselves.
 from __future__ import annotations
 
 import argparse
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -115,7 +116,17 @@ def load_config(
     try:
         return msgspec.convert(nested, cls, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"invalid {cls.__name__}: {exc}") from exc
+        raise ConfigError(_named(str(exc), fields, cls)) from exc
+
+
+def _named(problem: str, fields: Mapping[str, FlatField], cls: type[ServiceConfig]) -> str:
+    """msgspec's "Expected `int` >= 1 - at `$.engine.max_batch_tokens`" as the setting is
+    spelled where it was set: "--max-batch-tokens (HALFMOON_MAX_BATCH_TOKENS): expected..."."""
+    found = re.fullmatch(r"(.*) - at `\$\.(?:\w+\.)?(\w+)`", problem)
+    if found is None or found.group(2) not in fields:
+        return f"invalid {cls.__name__}: {problem}"
+    field = fields[found.group(2)]
+    return f"invalid {field.flag} ({ENV_PREFIX}{field.name.upper()}): {found.group(1)}"
 
 
 def _read_toml(path: Path, cls: type[ServiceConfig], names: set[str]) -> dict[str, Any]:

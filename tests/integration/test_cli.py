@@ -150,7 +150,18 @@ def test_bad_flag_value_exits_2_with_a_clear_message() -> None:
         capture_output=True, text=True, timeout=30, check=False,
     )
     assert result.returncode == 2
-    assert "invalid GatewayConfig" in result.stderr and "port" in result.stderr
+    assert "invalid --port (HALFMOON_PORT): Expected `int`" in result.stderr
+
+
+def test_up_refuses_a_bad_setting_before_it_starts_anything() -> None:
+    """A zero batch budget once started every process and left each prompt waiting."""
+    result = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", "--max-batch-tokens", "0"],
+        capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2
+    assert result.stderr == "halfmoon: invalid --max-batch-tokens " \
+        "(HALFMOON_MAX_BATCH_TOKENS): Expected `int` >= 1\n"
+    assert result.stdout == ""  # no NATS, no service was started
 
 
 def test_model_init_writes_a_loadable_checkpoint(tmp_path: Path) -> None:

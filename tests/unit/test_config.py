@@ -106,3 +106,15 @@ def test_the_published_settings_reference_is_current(tmp_path: Path) -> None:
         "run `halfmoon settings --out docs/settings.md` and commit it"
     for field in flat_fields(WorkerConfig) + flat_fields(ConductorConfig):
         assert f"`{field.flag}`" in published.read_text()
+
+
+@pytest.mark.parametrize(("config_type", "setting", "value"), [
+    (WorkerConfig, "max_batch_tokens", "0"), (WorkerConfig, "block_size", "-16"),
+    (WorkerConfig, "sim_time_scale", "0"), (GatewayConfig, "port", "70000"),
+    (ConductorConfig, "ttft_slo_ms", "-5"), (ConductorConfig, "trace_sample_ratio", "1.5")])
+def test_a_setting_out_of_its_range_is_refused_by_its_flag_and_variable(
+        config_type: type[ServiceConfig], setting: str, value: str) -> None:
+    """A zero batch budget once left every prompt waiting forever."""
+    flag, variable = "--" + setting.replace("_", "-"), "HALFMOON_" + setting.upper()
+    with pytest.raises(ConfigError, match=f"invalid {flag} \\({variable}\\)"):
+        load_config(config_type, env={variable: value})
