@@ -85,8 +85,7 @@ class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     otlp_endpoint: Annotated[str | None, about(
         "the OTLP collector (default: OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT)")] = None
     trace_sample_ratio: Annotated[Share | None, about(
-        "the share of requests traced, 0 to 1 (default: OTEL_TRACES_SAMPLER[_ARG], else "
-        "1)")] = None
+        "the share of requests traced; default: OTEL_TRACES_SAMPLER[_ARG], else 1")] = None
     tracer: Annotated[Literal["lean", "sdk"], about(
         "lean: halfmoon's span objects, exported by the SDK; sdk: the OpenTelemetry SDK's "
         "own (slower; a fallback)")] = "lean"

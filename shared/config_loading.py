@@ -28,17 +28,26 @@ C = TypeVar("C", bound=ServiceConfig)
 class FlatField:
     """One setting as flags, environment and TOML spell it: `name` is the flat key, `section`
     the nested struct it lives in (None: the config itself), `type` its value's type (without
-    the description `about` carries)."""
+    the description `about` and the range `limits` carry, in words)."""
 
     name: str
     section: str | None
     type: Any
     default: Any
     about: str
+    limits: str = ""
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    @property
+    def help(self) -> str:
+        """Its `--help` line: what it does, its range and its default."""
+        notes = [self.limits] if self.limits else []
+        if self.default not in (None, ""):
+            notes.append(f"default: {self.default}")
+        return self.about + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def flat_fields(cls: type[ServiceConfig]) -> list[FlatField]:
@@ -54,12 +63,28 @@ def flat_fields(cls: type[ServiceConfig]) -> list[FlatField]:
 
 
 def _flat(field: msgspec.structs.FieldInfo, section: str | None) -> FlatField:
-    kind, about = field.type, ""
+    kind, metas = field.type, []
     if get_origin(kind) is Annotated:
-        about = next((meta.description for meta in kind.__metadata__
-                      if isinstance(meta, msgspec.Meta) and meta.description), "")
-        kind = get_args(kind)[0]
-    return FlatField(field.encode_name, section, kind, _default(field), about)
+        kind, metas = get_args(kind)[0], list(kind.__metadata__)
+    for member in get_args(kind):  # `Positive | None`: the range is the number's
+        if get_origin(member) is Annotated:
+            metas += member.__metadata__
+    metas = [meta for meta in metas if isinstance(meta, msgspec.Meta)]
+    about = next((meta.description for meta in metas if meta.description), "")
+    return FlatField(field.encode_name, section, kind, _default(field), about,
+                     _limits(metas))
+
+
+def _limits(metas: list[msgspec.Meta]) -> str:
+    """A range in words: "at least 1", "above 0", "0 to 1", "above 0, at most 1"."""
+    low = next((m for m in metas if m.ge is not None or m.gt is not None), None)
+    high = next((m.le for m in metas if m.le is not None), None)
+    if low is not None and low.ge is not None and high is not None:
+        return f"{low.ge} to {high}"
+    words = [] if low is None else [f"at least {low.ge}" if low.ge is not None
+                                    else f"above {low.gt}"]
+    words += [] if high is None else [f"at most {high}"]
+    return ", ".join(words)
 
 
 def _default(field: msgspec.structs.FieldInfo) -> Any:
@@ -71,8 +96,7 @@ def _default(field: msgspec.structs.FieldInfo) -> Any:
 def add_field_flag(parser: argparse.ArgumentParser, field: FlatField) -> None:
     """`--field-name`, with the field's choices when its type is a `Literal` and its
     description and default as help; unset, it overrides nothing."""
-    shown = "" if field.default in (None, "") else f" (default: {field.default})"
-    help_ = (field.about + shown).replace("%", "%%")  # argparse formats help with %
+    help_ = field.help.replace("%", "%%")  # argparse formats help with %
     if field.type is bool:
         parser.add_argument(field.flag, dest=field.name, default=None, help=help_,
                             action=argparse.BooleanOptionalAction)

@@ -41,7 +41,8 @@ def _table(title: str, fields: list[FlatField]) -> str:
     rows = [f"## {title}\n", "| setting | environment | default | what it does |",
             "|---|---|---|---|"]
     rows += [f"| {_flags(field)} | `{ENV_PREFIX}{field.name.upper()}` | {_default(field)} | "
-             f"{_cell(field.about + _choices(field.type))} |" for field in fields]
+             f"{_cell(field.about + _range(field) + _choices(field.type))} |"
+             for field in fields]
     return "\n".join(rows) + "\n"
 
 
@@ -55,6 +56,10 @@ def _default(field: FlatField) -> str:
     if field.default is None or field.default == "":
         return ""
     return f"`{str(field.default).lower() if field.type is bool else field.default}`"
+
+
+def _range(field: FlatField) -> str:
+    return f" ({field.limits})" if field.limits else ""
 
 
 def _choices(kind: Any) -> str:

@@ -95,7 +95,9 @@ def test_a_settings_help_gives_its_default() -> None:
     parser = argparse.ArgumentParser()
     add_config_flags(parser, WorkerConfig)
     shown = " ".join(parser.format_help().split())
-    assert "--block-size BLOCK_SIZE tokens per KV block (default: 16)" in shown
+    assert "--block-size BLOCK_SIZE tokens per KV block (at least 1; default: 16)" in shown
+    assert "on CUDA, the share of device memory for weights + KV (above 0, at most 1; " \
+        "default: 0.9)" in shown
     assert "reuse the KV of prompt prefixes computed before (default: True)" in shown
 
 
