@@ -124,7 +124,9 @@ def auth_middleware(api_key: str | None) -> Any:
     return check
 
 
-_GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+# Each generation route and its `gen_ai.operation.name` (OpenTelemetry's GenAI conventions).
+_GENERATION_ROUTES = {"/v1/completions": "text_completion", "/v1/chat/completions": "chat",
+                      "/v1/responses": "chat"}
 _X_REQUEST_ID = re.compile(r"[!-~]{1,256}")  # visible ASCII: safe to send back in a header
 _X_REQUEST_ID_KEY = web.RequestKey("x_request_id", str)
 
@@ -170,6 +172,8 @@ def observe_middleware(metrics: GatewayMetrics, *, access_log: bool = False) -> 
                     tracing.span(__name__, "gateway.request", kind=SpanKind.SERVER,
                                  attributes={"http.request.method": request.method,
                                              "http.route": request.path,
+                                             "gen_ai.operation.name":
+                                                 _GENERATION_ROUTES[request.path],
                                              "halfmoon.x_request_id": request_id}) as span:
                 try:
                     response = await handler(request)

@@ -211,9 +211,12 @@ class Generator:
         progress = [_Progress() for _ in range(n)]
         error: HalfmoonError | None = None
         span = trace.get_current_span()  # the request's root span, when tracing
+        # What OpenTelemetry's GenAI conventions name, by their names (trace UIs and
+        # queries know them, as they do vLLM's); halfmoon's own under `halfmoon.`.
         span.set_attributes({"halfmoon.request_id": request_id,
-                             "halfmoon.prompt_tokens": len(parsed.prompt_token_ids),
-                             "halfmoon.max_tokens": parsed.sampling.max_tokens})
+                             "gen_ai.request.model": parsed.model,
+                             "gen_ai.request.max_tokens": parsed.sampling.max_tokens,
+                             "gen_ai.usage.input_tokens": len(parsed.prompt_token_ids)})
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
             # Before the request is queued: every other event of it comes after this one.
@@ -338,7 +341,7 @@ class Generator:
                 progress.finish_reason = finish
                 ctx.metrics.prompt_tokens.inc(len(parsed.prompt_token_ids))
                 ctx.metrics.cached_prompt_tokens.inc(progress.num_cached)
-                span.set_attribute("halfmoon.completion_tokens", len(generated))
+                span.set_attribute("gen_ai.usage.output_tokens", len(generated))
                 if delta.finish_reason is None:  # a stop string: decode still runs
                     await self._abort(request_id)
                 return

@@ -70,6 +70,11 @@ async def test_a_request_is_one_connected_trace_across_every_service_and_the_tra
     trace = trace_of(finished, "gateway.request")
     root = next(s for s in trace if s.name == "gateway.request")
     assert (root.attributes or {})["halfmoon.x_request_id"] == "client-trace-1"  # found by it
+    # The request as OpenTelemetry's GenAI conventions name it.
+    gen_ai = {k: v for k, v in (root.attributes or {}).items() if k.startswith("gen_ai.")}
+    assert gen_ai == {"gen_ai.operation.name": "text_completion", "gen_ai.request.model": MODEL,
+                      "gen_ai.request.max_tokens": 4, "gen_ai.usage.output_tokens": 4,
+                      "gen_ai.usage.input_tokens": body["usage"]["prompt_tokens"]}
     names = {s.name for s in trace}
     assert names >= {"gateway.request", "conductor.schedule", "prefill.request",
                      "kv.transfer", "decode.stream"}
