@@ -42,6 +42,10 @@ class FlatField:
         return "--" + self.name.replace("_", "-")
 
     @property
+    def variable(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
     def help(self) -> str:
         """Its `--help` line: what it does, its range and its default."""
         notes = [self.limits] if self.limits else []
@@ -150,7 +154,7 @@ def _named(problem: str, fields: Mapping[str, FlatField], cls: type[ServiceConfi
     if found is None or found.group(2) not in fields:
         return f"invalid {cls.__name__}: {problem}"
     field = fields[found.group(2)]
-    return f"invalid {field.flag} ({ENV_PREFIX}{field.name.upper()}): {found.group(1)}"
+    return f"invalid {field.flag} ({field.variable}): {found.group(1)}"
 
 
 def _read_toml(path: Path, cls: type[ServiceConfig], names: set[str]) -> dict[str, Any]:

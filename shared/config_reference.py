@@ -40,7 +40,7 @@ def render_reference() -> str:
 def _table(title: str, fields: list[FlatField]) -> str:
     rows = [f"## {title}\n", "| setting | environment | default | what it does |",
             "|---|---|---|---|"]
-    rows += [f"| {_flags(field)} | `{ENV_PREFIX}{field.name.upper()}` | {_default(field)} | "
+    rows += [f"| {_flags(field)} | `{field.variable}` | {_default(field)} | "
              f"{_cell(field.about + _range(field) + _choices(field.type))} |"
              for field in fields]
     return "\n".join(rows) + "\n"
