@@ -239,6 +239,9 @@ class Generator:
             span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc.message}")
             raise
         finally:
+            # Every choice's tokens, finished or not (a client that left was sent some).
+            span.set_attribute("gen_ai.usage.output_tokens",
+                               sum(len(p.generated) for p in progress))
             structlog.contextvars.unbind_contextvars("request_id")
             ctx.table.close_group(request_id)
             open_choices = [j for j in range(n) if progress[j].finish_reason is None]
@@ -341,7 +344,6 @@ class Generator:
                 progress.finish_reason = finish
                 ctx.metrics.prompt_tokens.inc(len(parsed.prompt_token_ids))
                 ctx.metrics.cached_prompt_tokens.inc(progress.num_cached)
-                span.set_attribute("gen_ai.usage.output_tokens", len(generated))
                 if delta.finish_reason is None:  # a stop string: decode still runs
                     await self._abort(request_id)
                 return

@@ -124,6 +124,20 @@ async def test_a_decode_worker_that_prefills_itself_joins_the_trace_under_the_co
     assert stream.parent is not None and stream.parent.span_id == schedule.context.span_id
 
 
+async def test_the_roots_output_tokens_count_every_choice(spans: InMemorySpanExporter,
+                                                           torch_stack: Stack) -> None:
+    status, body = await torch_stack.post("/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3,
+        "max_tokens": 4, "ignore_eos": True})
+    assert status == 200, body
+    await eventually(lambda: any(s.name == "gateway.request"
+                                 for s in spans.get_finished_spans()))
+    (root,) = [s for s in spans.get_finished_spans() if s.name == "gateway.request"]
+    attributes = root.attributes or {}
+    assert attributes["gen_ai.operation.name"] == "chat"
+    assert attributes["gen_ai.usage.output_tokens"] == body["usage"]["completion_tokens"] == 12
+
+
 async def test_a_request_that_lost_its_decode_worker_says_so_in_its_trace_and_events(
         spans: InMemorySpanExporter, nats_url: str) -> None:
     """A reader of the trace sees where the request moved, and a subscriber which worker
