@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, start_http_server
 
 from services.supervisor import CrashLoop, RestartPolicy, Supervisor
 from shared.config import ConductorConfig, GatewayConfig, ServiceConfig, WorkerConfig
-from shared.config_loading import FlatField, add_field_flag, flat_fields, load_config
+from shared.config_loading import C, FlatField, add_field_flag, flat_fields, load_config
 from shared.errors import ConfigError, ServiceStartFailed
 from shared.model_dir import BUILTIN_MODEL_NAME
 from shared.nats_client import redact
@@ -187,11 +187,22 @@ class UpOptions:
 def _check_settings(settings: list[tuple[str, object]]) -> None:
     """Read every role's config as its processes will (these settings over the environment),
     so that a bad value fails here, naming its flag, before NATS and a dozen processes
-    start only for one of them to exit with it."""
+    start only for one of them to exit with it; and check what no one process can: that
+    workers heartbeat at least twice within the time after which they are taken for lost
+    (else one late heartbeat fails their requests over)."""
     accepted = _role_settings()
-    for role, config in ROLE_CONFIGS.items():
-        load_config(config, env=os.environ,
-                    flags={name: value for name, value in settings if name in accepted[role]})
+
+    def read(role: str, config: type[C]) -> C:
+        return load_config(config, env=os.environ, flags={
+            name: value for name, value in settings if name in accepted[role]})
+
+    worker = read("prefill", WorkerConfig)  # decode reads the same settings
+    timeout_s = min(read("gateway", GatewayConfig).heartbeat_timeout_s,
+                    read("conductor", ConductorConfig).heartbeat_timeout_s)
+    if 2 * worker.heartbeat_interval_s > timeout_s:
+        raise ConfigError(f"--heartbeat-interval-s {worker.heartbeat_interval_s} must be at "
+                          f"most half of --heartbeat-timeout-s {timeout_s}: a worker is taken "
+                          "for lost after that long without a heartbeat")
 
 
 def _models(paths: list[str] | None) -> tuple[tuple[str, str | None], ...]:

@@ -354,7 +354,9 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         "the host this worker reports (default: the machine's host name)")] = None
     max_queue: Annotated[int, about(
         "prefill requests held at once; more are refused and placed elsewhere", ge=1)] = 256
-    heartbeat_interval_s: Annotated[float, about("how often the worker heartbeats", gt=0)] = 0.5
+    heartbeat_interval_s: Annotated[float, about(
+        "how often the worker heartbeats: at most half the gateway's and conductor's "
+        "--heartbeat-timeout-s (`halfmoon up` checks)", gt=0)] = 0.5
     compute_score: Annotated[float, about(
         "this worker's speed relative to the others (placement)", gt=0)] = 1.0
     zone: Annotated[str, about(

@@ -164,6 +164,15 @@ def test_up_refuses_a_bad_setting_before_it_starts_anything() -> None:
     assert result.stdout == ""  # no NATS, no service was started
 
 
+def test_up_refuses_heartbeats_too_sparse_for_the_timeout_that_loses_a_worker() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", "--heartbeat-timeout-s", "0.9"],
+        capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2
+    assert "--heartbeat-interval-s 0.5 must be at most half of --heartbeat-timeout-s 0.9" \
+        in result.stderr
+
+
 def test_model_init_writes_a_loadable_checkpoint(tmp_path: Path) -> None:
     target = tmp_path / "tiny"
     result = subprocess.run([sys.executable, "-m", "services.cli", "model", "init", str(target)],
