@@ -35,7 +35,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -172,6 +172,15 @@ def is_traced(ctx: otel_context.Context | None = None) -> bool:
         trace.get_current_span(ctx).get_span_context().trace_flags.sampled
 
 
+def recording_span() -> trace.Span | None:
+    """The current span if it records (a sampled request's), else None: for code that
+    describes its work on the span it runs under. One attribute read when tracing is off."""
+    if _provider is None:
+        return None
+    current = trace.get_current_span()
+    return current if current.is_recording() else None
+
+
 def continued_span(scope: str, name: str, parent: otel_context.Context | None = None,
                    **kwargs: Any) -> contextlib.AbstractContextManager[Any]:
     """`span`, for a request handed on by another service: made only under a sampled
@@ -213,16 +222,23 @@ def record_span(scope: str, name: str, start: float, end: float,
 
 def attached(ctx: otel_context.Context | None) -> contextlib.AbstractContextManager[Any]:
     """Make `ctx` current for the block; nothing when None (every NATS message passes here)."""
-    return _NO_SPAN if ctx is None else _attached(ctx)
+    return _NO_SPAN if ctx is None else _Attached(ctx)
 
 
-@contextlib.contextmanager
-def _attached(ctx: otel_context.Context) -> Iterator[None]:
-    token = otel_context.attach(ctx)
-    try:
-        yield
-    finally:
-        otel_context.detach(token)
+class _Attached:
+    """`attached`'s context manager: a class, as `_CurrentSpan`, not a generator's layers."""
+
+    __slots__ = ("_context", "_token")
+
+    def __init__(self, ctx: otel_context.Context) -> None:
+        self._context = ctx
+        self._token: object = None
+
+    def __enter__(self) -> None:
+        self._token = otel_context.attach(self._context)
+
+    def __exit__(self, *exc: object) -> None:
+        otel_context.detach(self._token)  # type: ignore[arg-type]
 
 
 def configure_tracing(service_name: str, instance_id: str, *, mode: str,

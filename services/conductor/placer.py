@@ -16,8 +16,6 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from opentelemetry import trace
-
 from services.conductor import assignment
 from services.conductor.assignment import Plan
 from services.conductor.model_loader import ModelLoader
@@ -151,9 +149,9 @@ class Placer:
         """Metrics, and the decision with its inputs on the schedule span."""
         self.metrics.placements.labels(self.config.policy, chosen.path,
                                        "true" if chosen.source else "false").inc()
-        if tracing.is_traced():
-            trace.get_current_span().set_attributes(
-                assignment.describe(chosen, prefix, num_candidates))
+        span = tracing.recording_span()
+        if span is not None:
+            span.set_attributes(assignment.describe(chosen, prefix, num_candidates))
 
 
 def _makes_span(send: assignment.Send) -> bool:

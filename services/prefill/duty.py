@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import nats.errors
 import structlog
-from opentelemetry import trace
 
 from engine.protocol import FirstToken, PrefillRequest, PrefillResult
 from services.duty import Duty, Handler
@@ -238,7 +237,7 @@ class PrefillDuty(Duty):
         started = time.perf_counter()
         layers: list[tuple[int, float]] = []  # (layer, when it completed), when tracing
         on_layer = stream.on_layer
-        if tracing.is_traced():
+        if tracing.recording_span() is not None:  # the request's, when traced
             def on_layer(layer: int, block_ids: list[int]) -> None:  # engine thread
                 layers.append((layer, time.perf_counter()))
                 if stream.on_layer is not None:
@@ -361,9 +360,9 @@ class PrefillDuty(Duty):
         self.metrics.queue_time.observe(done - started - compute_s)
         self.metrics.prefill_seconds.observe(done - started)
         self.metrics.observe_prompt(len(request.prompt_token_ids), result.num_cached_tokens)
-        if not tracing.is_traced():
+        span = tracing.recording_span()
+        if span is None:
             return
-        span = trace.get_current_span()
         span.set_attributes({
             "halfmoon.cached_tokens": result.num_cached_tokens,
             "halfmoon.computed_tokens": len(request.prompt_token_ids) - result.num_cached_tokens,

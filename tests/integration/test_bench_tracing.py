@@ -46,3 +46,16 @@ def test_tracing_cost_prints_each_windows_cpu_and_the_difference(variant: str) -
     assert all(len(values) == 2 and min(values) > 0 for values in windows.values())
     assert re.search(rf"^{variant} - off: [+-]\d+ us per request on \d+ \(\d\.\d{{3}}x\)",
                      done.stdout, re.MULTILINE)
+
+
+def test_tracing_calls_counts_what_each_tracing_call_site_adds() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.tracing_calls", "--requests", "10", "--concurrency", "2",
+         "--max-tokens", "4"],
+        capture_output=True, text=True, timeout=110, check=True)
+    totals = re.search(r"^calls per request: off (\d+), on (\d+)", done.stdout, re.MULTILINE)
+    assert totals is not None and int(totals[2]) > int(totals[1]) > 0
+    # The gateway's root span is among what tracing adds, named by the line that makes it.
+    root = re.search(r"^\s+\+(\d+\.\d) +span <- services/gateway/api\.py:\d+$", done.stdout,
+                     re.MULTILINE)
+    assert root is not None and float(root[1]) > 0
