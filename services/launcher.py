@@ -66,8 +66,9 @@ def passthrough_fields() -> dict[str, FlatField]:
     return fields
 
 
-def _role_settings() -> dict[str, set[str]]:
-    return {role: {f.name for f in flat_fields(config)} for role, config in ROLE_CONFIGS.items()}
+def _role_settings() -> dict[str, dict[str, FlatField]]:
+    return {role: {f.name: f for f in flat_fields(config)}
+            for role, config in ROLE_CONFIGS.items()}
 
 
 @dataclass(frozen=True)
@@ -173,15 +174,8 @@ class UpOptions:
     def flags_for(self, role: str) -> list[str]:
         """The command-line flags of this role's settings."""
         accepted = _role_settings()[role]
-        flags: list[str] = []
-        for name, value in self.settings:
-            if name in accepted:
-                flag = "--" + name.replace("_", "-")
-                if isinstance(value, bool):
-                    flags.append(flag if value else "--no-" + flag[2:])
-                else:
-                    flags += [flag, str(value)]
-        return flags
+        return [flag for name, value in self.settings if name in accepted
+                for flag in accepted[name].command_line(value)]
 
 
 def _check_settings(settings: list[tuple[str, object]]) -> None:

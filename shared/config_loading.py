@@ -42,6 +42,17 @@ class FlatField:
         return "--" + self.name.replace("_", "-")
 
     @property
+    def negated_flag(self) -> str:
+        """A boolean's "off" spelling, as `argparse.BooleanOptionalAction` makes it."""
+        return "--no-" + self.flag[2:]
+
+    def command_line(self, value: object) -> list[str]:
+        """The flags that set this setting to `value`."""
+        if isinstance(value, bool):
+            return [self.flag if value else self.negated_flag]
+        return [self.flag, str(value)]
+
+    @property
     def variable(self) -> str:
         return ENV_PREFIX + self.name.upper()
 

@@ -48,7 +48,7 @@ def _table(title: str, fields: list[FlatField]) -> str:
 
 def _flags(field: FlatField) -> str:
     if field.type is bool:
-        return f"`{field.flag}`, `--no-{field.flag[2:]}`"
+        return f"`{field.flag}`, `{field.negated_flag}`"
     return f"`{field.flag}`"
 
 
