@@ -203,8 +203,13 @@ class ConductorService(Service):
             # Not kept, the request would be placed anew: its prompt computed twice.
             return self.refusal(f"no decode worker for {request.request_id}: prefill worker "
                                 f"{message.prefill_worker_id} is not among the live workers")
+        # The failed worker again only when no other is alive: the bus may have failed, not
+        # it (a NATS restart), or its refusal may have passed; a dead one is not alive.
+        failed = message.failed_decode_worker_id
+        others = [w for w in self.workers.healthy("decode", model=request.model)
+                  if w.worker_id != failed]
         progress = assignment.Progress(kept={"prefill": message.prefill_worker_id},
-                                       excluded={message.failed_decode_worker_id})
+                                       excluded={failed} if others else set())
         try:
             chosen = await self.placer.place(request, progress)
         except HalfmoonError as exc:

@@ -66,6 +66,8 @@ if TYPE_CHECKING:
 
 COMMIT_TIMEOUT_S = 5.0
 MAX_HANDOFF_RETRIES = 2  # decode workers tried again with the KV prefill holds
+# Asking again for a decode worker while the KV is held: the first pause, doubling to the last.
+REPLACEMENT_PAUSES_S = (0.1, 1.0)
 LEASE_KINDS: tuple[KvLeaseKind, ...] = ("prefix_fetch", "prefill_hold")  # this role's holds
 
 
@@ -299,17 +301,38 @@ class PrefillDuty(Duty):
                           len(result.block_ids), hold_s)
         fresh: asyncio.Future[KvTarget] = asyncio.get_running_loop().create_future()
         self._targets[request_id] = (fresh, time.monotonic())
-        reply = await dispatch(self.nc, self.subjects.decode_replacement, DecodeReplacement(
+        await self._ask_for_decode(DecodeReplacement(
             request=request, prefill_worker_id=self.worker_id,
             failed_decode_worker_id=failed.decode_worker_id, reason=error.message), hold_s)
-        if not reply.is_accepted:
-            raise WorkerUnavailable(f"no other decode worker: {reply.reason}")
         stream = self.handoff.open(request_id, fresh)
         layout = self.engine.kv_layout()
         if stream.on_layer is not None and layout is not None:
             for layer in range(layout.num_layers):  # all of it is computed already
                 stream.on_layer(layer, result.block_ids)
         return stream
+
+    async def _ask_for_decode(self, replacement: DecodeReplacement, hold_s: float) -> None:
+        """Ask the conductors for another decode worker until one accepts, while the KV is
+        held: a handoff fails most often when the bus did (a NATS node restarting), and
+        then for a moment no conductor listens yet, or none has heard a decode worker back.
+        Raises `WorkerUnavailable` with the last answer once the hold is over."""
+        deadline = time.monotonic() + hold_s
+        pause_s, longest_s = REPLACEMENT_PAUSES_S
+        while True:
+            try:
+                reply = await dispatch(self.nc, self.subjects.decode_replacement, replacement,
+                                       max(deadline - time.monotonic(), pause_s))
+                if reply.is_accepted:
+                    return
+                reason = reply.reason
+            except WorkerUnavailable as exc:
+                reason = exc.message
+            if time.monotonic() + pause_s >= deadline:
+                raise WorkerUnavailable(f"no other decode worker: {reason}")
+            self.log.info("handoff.replacement_retry", request_id=replacement.request.request_id,
+                          reason=reason, pause_s=pause_s)
+            await asyncio.sleep(pause_s)
+            pause_s = min(2 * pause_s, longest_s)
 
     async def _commit(self, request: GenerateRequest, result: PrefillResult, stream: KvStream,
                       target: KvTarget) -> None:

@@ -3,12 +3,15 @@ with the same KV: the prompt is never computed twice, the client's output is unc
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 
+from services.conductor.service import ConductorService
 from services.decode.duty import DecodeDuty
 from services.worker import DecodeService
 from shared.messages import (
@@ -38,6 +41,25 @@ class RefusingDecodeDuty(DecodeDuty):
 
 class RefusingDecode(DecodeService):
     duty_types = {**DecodeService.duty_types, "decode": RefusingDecodeDuty}
+
+
+class RefusingOnceDecodeDuty(DecodeDuty):
+    """Implements the decode role; its first commit is refused after `before_refusal` ran
+    (a passing failure: the bus's, say, while a NATS node restarts)."""
+
+    before_refusal: Callable[[], Awaitable[None]] | None = None
+
+    async def _on_commit(self, message: KvCommitted) -> DispatchReply:
+        if self.before_refusal is None:
+            return await super()._on_commit(message)
+        before, self.before_refusal = self.before_refusal, None
+        await before()
+        self.abort(message.request_id)
+        return self.worker.refusal("simulated: a passing failure")
+
+
+class RefusingOnceDecode(DecodeService):
+    duty_types = {**DecodeService.duty_types, "decode": RefusingOnceDecodeDuty}
 
 
 def prefill_count(stack: Stack) -> float:
@@ -97,6 +119,45 @@ async def test_a_decode_worker_whose_transfer_listener_closed_is_bypassed(
         await deaf.stop()
         status, again = await stack.post("/v1/completions", body)
         assert first["choices"][0]["text"] == again["choices"][0]["text"]
+
+
+async def test_a_lone_decode_worker_whose_commit_failed_gets_the_kv_again(
+        nats_url: str, tiny_dir: Path) -> None:
+    """With no other decode worker alive, the one whose commit failed is asked again; and
+    the prefill worker asks for it again while it holds the KV, though for a moment no
+    conductor listens (this one was replaced as the commit failed)."""
+    worker = {"engine": "torch", "model_path": str(tiny_dir), "num_blocks": 256}
+    stack = Stack(nats_url, worker=worker, gateway_options={"model_path": str(tiny_dir)})
+    body: dict[str, Any] = {"model": MODEL, "prompt": "Once upon a time in a far land",
+                            "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    async with stack:
+        status, reference = await stack.post("/v1/completions", body)
+        assert status == 200, reference
+        await stack.decodes[0].stop()
+        stack.decodes[0] = RefusingOnceDecode(stack.decodes[0].config)
+        await stack.decodes[0].start()
+        await stack.wait_healthy()
+
+        async def replace_the_conductor() -> None:
+            await stack.conductor.stop()
+            asyncio.get_running_loop().call_later(0.5, lambda: started.append(
+                asyncio.ensure_future(stack.conductor.start())))
+            stack.conductor = ConductorService(stack.conductor.config)
+
+        started: list[asyncio.Future[Any]] = []
+        duty = stack.decodes[0].duty
+        assert isinstance(duty, RefusingOnceDecodeDuty)
+        duty.before_refusal = replace_the_conductor
+        async with subscriber(stack) as events:
+            status, again = await stack.post("/v1/completions", body)
+        assert status == 200, again
+        assert again["choices"][0]["text"] == reference["choices"][0]["text"]
+        assert duty.before_refusal is None and len(started) == 1  # it was refused once
+        (migrated,) = [e for e in events if e.kind == "migrated"]
+        lone = stack.decodes[0].worker_id
+        assert (migrated.lost_worker_id, migrated.decode_worker_id) == (lone, lone)
+        assert prefill_count(stack) == 2  # once per request: the KV was sent twice
+        await stack.wait_blocks_free(timeout_s=10)
 
 
 async def test_a_replacement_for_an_unknown_prefill_worker_is_refused_not_prefilled_anew(
