@@ -28,8 +28,10 @@ built-in model) instead of short ones, so a fault meets real prefill and KV hand
 
 Columns: requests, completed (200 and exactly the reference text), truncated (200, a prefix
 of it), wrong (200, anything else), errors by HTTP status, missing and duplicated tokens
-(against the reference; bytes of text with the torch engine), KV blocks still used and
-leases still held once the run is idle (leaked), requests placed twice (`twice`: more
+(against the reference; bytes of text with the torch engine), KV blocks and leases still
+held once the run is idle (`held`, `--settle-s` after the load: a reservation whose release
+a fault lost waits for its lease to expire, unrenewed, after `--kv-wait-timeout-s`), those
+still held once every lease could have expired (leaked), requests placed twice (`twice`: more
 `placed` events than the gateway placed them, from a conductor placing a delivery that was
 placed already), recovery seconds (fault to the first token of a request sent after it),
 TTFT p99 against the fault-free run.
@@ -60,10 +62,16 @@ import msgspec
 import nats
 
 from bench.control_path import MODEL
+from shared.config import WorkerConfig
+from shared.config_loading import flat_fields
 from shared.messages import KvLeaseEvent, RequestEvent, WorkerHeartbeat
 from shared.nats_client import subscribed
 from shared.nats_server import EmbeddedNatsServer, free_ports
 from shared.subjects import Subjects
+
+# Unrenewed, a KV lease expires after the workers' `--kv-wait-timeout-s` (not set here).
+LEASE_EXPIRY_S = next(f.default for f in flat_fields(WorkerConfig)
+                      if f.name == "kv_wait_timeout_s")
 
 SCENARIOS = ("none", "kill-prefill", "kill-decode", "kill-conductor", "stop-prefill",
              "pause-decode", "pause-prefill", "pause-conductor", "restart-nats",
@@ -96,6 +104,7 @@ class Row:
     own_affected: int = 0  # kill-gateway: the killed gateway's own requests not completed
     missing_tokens: int = 0
     duplicated_tokens: int = 0
+    held: tuple[int, int] = (0, 0)  # (KV blocks, leases) still held at the settle time
     leaked_blocks: int = 0
     leaked_leases: int = 0
     placed_twice: int = 0
@@ -165,6 +174,7 @@ class Cluster:
         self.placements: Counter[str] = Counter()
         self.replacements: Counter[str] = Counter()
         self._nc: nats.aio.client.Client | None = None
+        self.held_at_settle = (0, 0)
 
     @property
     def urls(self) -> list[str]:
@@ -232,6 +242,16 @@ class Cluster:
         await self._nc.subscribe(subjects.all_kv_lease_events, cb=on_lease)
         await subscribed(self._nc)  # a lease granted from now on is counted
 
+    async def settle(self, settle_s: float) -> None:
+        """Wait for the idle cluster's heartbeats, then, while any KV is still held, for the
+        leases to expire (a reservation whose release was lost is freed that way)."""
+        await asyncio.sleep(settle_s)
+        self.held_at_settle = self.leaked()
+        for _ in range(int((LEASE_EXPIRY_S + 2.0) / 0.5)):  # and a heartbeat or two
+            if not any(self.leaked()):
+                return
+            await asyncio.sleep(0.5)
+
     def placed_twice(self) -> int:
         """Requests placed more often than the gateway placed them (a conductor placing a
         delivery that was placed already): each ran twice for a while."""
@@ -239,13 +259,14 @@ class Cluster:
                    if count > 1 + self.replacements[request_id])
 
     def leaked(self) -> tuple[int, int]:
-        """(KV blocks still used by live workers, leases still held) once idle."""
+        """(KV blocks still used by live workers, leases still held) once idle. Lease events
+        are core NATS, at most once: one published as NATS restarts may never arrive, so a
+        lease is counted only while its owner uses blocks (every lease holds some)."""
         fresh = [b for b in self.heartbeats.values() if time.time() - b.sent_at_s < 3]
-        blocks = sum(b.num_total_blocks - b.num_free_blocks for b in fresh)
-        alive = {b.worker_id for b in fresh}
+        used = {b.worker_id: b.num_total_blocks - b.num_free_blocks for b in fresh}
         leases = sum(1 for (owner, _, _), held in self.leases.items() if held > 0
-                     and owner in alive)
-        return blocks, leases
+                     and used.get(owner, 0) > 0)
+        return sum(used.values()), leases
 
     async def stop(self) -> None:
         if self._nc is not None:
@@ -403,7 +424,7 @@ async def run_scenario(scenario: str, args: argparse.Namespace, prompts: list[st
         if scenario != "none":
             await inject(cluster, scenario)
         outcomes = await load
-        await asyncio.sleep(args.settle_s)  # heartbeats of an idle cluster
+        await cluster.settle(args.settle_s)
         return outcomes, cluster, fault_at
     finally:
         await cluster.stop()
@@ -448,6 +469,7 @@ def score(scenario: str, outcomes: list[Outcome], reference: dict[str, str],
             row.wrong += 1
             row.duplicated_tokens += max(0, len(got) - len(expected))
             row.missing_tokens += max(0, len(expected) - len(got))
+    row.held = cluster.held_at_settle
     row.leaked_blocks, row.leaked_leases = cluster.leaked()
     row.placed_twice = cluster.placed_twice()
     after = [o.sent_at + o.ttft_s for o in outcomes
@@ -462,16 +484,16 @@ def score(scenario: str, outcomes: list[Outcome], reference: dict[str, str],
 def print_table(rows: list[Row]) -> None:
     base = rows[0].ttft_p99_ms or 1.0
     print(f"{'scenario':<15} {'req':>4} {'ok':>4} {'own':>4} {'trunc':>5} {'wrong':>5} "
-          f"{'errors':<12} "
-          f"{'miss':>5} {'dup':>4} {'blocks':>6} {'leases':>6} {'twice':>5} {'recov s':>7} "
-          f"{'TTFT p99':>9} {'x ref':>6}")
+          f"{'errors':<12} {'miss':>5} {'dup':>4} {'held':>6} {'blocks':>6} {'leases':>6} "
+          f"{'twice':>5} {'recov s':>7} {'TTFT p99':>9} {'x ref':>6}")
     for r in rows:
         errors = ",".join(f"{k}:{v}" for k, v in sorted(r.errors.items())) or "-"
         recovery = f"{r.recovery_s:.2f}" if r.recovery_s is not None else "-"
+        held = "{}/{}".format(*r.held)
         print(f"{r.scenario:<15} {r.requests:>4} {r.completed:>4} {r.own_affected:>4} "
-              f"{r.truncated:>5} "
-              f"{r.wrong:>5} {errors:<12} {r.missing_tokens:>5} {r.duplicated_tokens:>4} "
-              f"{r.leaked_blocks:>6} {r.leaked_leases:>6} {r.placed_twice:>5} {recovery:>7} "
+              f"{r.truncated:>5} {r.wrong:>5} {errors:<12} {r.missing_tokens:>5} "
+              f"{r.duplicated_tokens:>4} {held:>6} {r.leaked_blocks:>6} {r.leaked_leases:>6} "
+              f"{r.placed_twice:>5} {recovery:>7} "
               f"{r.ttft_p99_ms:>7.1f}ms {r.ttft_p99_ms / base:>5.2f}x")
     for r in rows:
         for message, count in r.error_messages.most_common():
