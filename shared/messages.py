@@ -656,7 +656,8 @@ class RequestEvent(Message, frozen=True, kw_only=True):
                                  continuation is queued after a worker was lost; this
                                  event goes first, its `placed` after)
                       conductor  lost_worker_id, prefill and the new decode_worker_id (a
-                                 decode worker refused the KV: it went to another)
+                                 KV commit failed: the KV went to another decode worker, or
+                                 to the same one again when no other was alive)
 
     `source` is the publisher's instance id; `at_s` its wall clock (Unix seconds). Times
     are the gateway's view (what the client sees) unless the kind says otherwise."""
