@@ -304,6 +304,8 @@ class PrefillDuty(Duty):
         await self._ask_for_decode(DecodeReplacement(
             request=request, prefill_worker_id=self.worker_id,
             failed_decode_worker_id=failed.decode_worker_id, reason=error.message), hold_s)
+        # The asking may have taken most of the hold: the transfer gets a whole one.
+        self.leases.renew("prefill_hold", request_id, failed.decode_worker_id, hold_s)
         stream = self.handoff.open(request_id, fresh)
         layout = self.engine.kv_layout()
         if stream.on_layer is not None and layout is not None:
