@@ -25,15 +25,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import aiohttp
-from opentelemetry import propagate
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-from bench.tracing_cost import provider_for, window
+from bench.tracing_cost import stack_in_process, window
 from shared import tracing
 from shared.logs import configure_logging
-from shared.nats_server import EmbeddedNatsServer
-from tests.stack import Stack
 
 # Frames whose calls are tracing's: the outermost one met gets the count of all beneath it.
 TRACING_FILES = ("/opentelemetry/", "shared/tracing.py", "shared/lean_tracer.py")
@@ -79,28 +73,19 @@ def _where(frame: FrameType | None) -> str:
 
 
 async def count(args: argparse.Namespace) -> dict[str, CallCounter]:
-    propagate.set_global_textmap(TraceContextTextMapPropagator())  # as `configure_tracing`
-    provider = provider_for("on")
-    server = EmbeddedNatsServer()
-    server.start()
     counters: dict[str, CallCounter] = {}
-    try:
-        async with Stack(server.url) as stack, aiohttp.ClientSession() as session:
-            for mode in ("off", "on"):
-                if mode == "on":
-                    tracing.install(provider)
-                await window(session, stack.gateway.url, args)  # warm-up
-                counters[mode] = CallCounter()
-                sys.setprofile(counters[mode])
-                try:
-                    await window(session, stack.gateway.url, args)
-                finally:
-                    sys.setprofile(None)
-                provider.force_flush()
-    finally:
-        tracing.uninstall()
-        provider.shutdown()
-        server.stop()
+    async with stack_in_process("on") as (url, session, provider):
+        for mode in ("off", "on"):
+            if mode == "on":
+                tracing.install(provider)
+            await window(session, url, args)  # warm-up
+            counters[mode] = CallCounter()
+            sys.setprofile(counters[mode])
+            try:
+                await window(session, url, args)
+            finally:
+                sys.setprofile(None)
+            provider.force_flush()
     return counters
 
 

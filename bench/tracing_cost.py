@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 from opentelemetry import propagate
@@ -97,29 +98,39 @@ async def window(session: aiohttp.ClientSession, url: str, args: argparse.Namesp
     return (time.process_time() - started) / args.requests * 1e6
 
 
-async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
+@contextlib.asynccontextmanager
+async def stack_in_process(variant: str) -> AsyncIterator[
+        tuple[str, aiohttp.ClientSession, LeanTracerProvider]]:
+    """Every service in this process on a real nats-server: the gateway's URL, a client
+    session, and `variant`'s provider (tracing off until the caller installs it); all of it
+    stopped, and tracing uninstalled, after the block."""
     propagate.set_global_textmap(TraceContextTextMapPropagator())  # as `configure_tracing`
-    take_headers_apart(args.variant)
-    provider = provider_for(args.variant)
+    provider = provider_for(variant)
     server = EmbeddedNatsServer()
     server.start()
-    per_request: dict[str, list[float]] = {"off": [], args.variant: []}
     try:
         async with Stack(server.url) as stack, aiohttp.ClientSession() as session:
-            await window(session, stack.gateway.url, args)  # warm-up
-            for round_ in range(args.rounds):
-                order = ("off", args.variant) if round_ % 2 == 0 else (args.variant, "off")
-                for mode in order:
-                    if mode == "off":
-                        tracing.uninstall()
-                    else:
-                        tracing.install(provider)
-                    per_request[mode].append(await window(session, stack.gateway.url, args))
-                    provider.force_flush()
+            yield stack.gateway.url, session, provider
     finally:
         tracing.uninstall()
         provider.shutdown()
         server.stop()
+
+
+async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
+    take_headers_apart(args.variant)
+    per_request: dict[str, list[float]] = {"off": [], args.variant: []}
+    async with stack_in_process(args.variant) as (url, session, provider):
+        await window(session, url, args)  # warm-up
+        for round_ in range(args.rounds):
+            order = ("off", args.variant) if round_ % 2 == 0 else (args.variant, "off")
+            for mode in order:
+                if mode == "off":
+                    tracing.uninstall()
+                else:
+                    tracing.install(provider)
+                per_request[mode].append(await window(session, url, args))
+                provider.force_flush()
     return per_request
 
 
