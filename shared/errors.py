@@ -114,7 +114,13 @@ class KvNeverFits(CapacityExhausted):
 
 class KvShortage(CapacityExhausted):
     """No decode worker has KV room for the request now, though one would with its running
-    requests finished: the conductor holds the request a little before its 429."""
+    requests finished: the conductor holds the request a little before its 429, which tells
+    the client to try again in `RETRY_AFTER_S` (running requests finish all the time)."""
+
+    RETRY_AFTER_S = 1.0
+
+    def __init__(self, message: str, *, retry_after_s: float | None = RETRY_AFTER_S) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
 
 
 class SloViolation(CapacityExhausted):

@@ -342,6 +342,7 @@ async def test_kv_that_does_not_free_within_the_hold_ends_in_a_429(nats_url: str
             reply = await response.json()
             assert response.status == 429, reply
             assert "x-should-retry" not in response.headers  # worth trying again later
+            assert response.headers["Retry-After"] == "1"
         assert reply["error"]["code"] == "capacity_exhausted"
         assert "KV" in reply["error"]["message"]
         assert 1.0 <= asyncio.get_running_loop().time() - started < 4  # held, then refused
