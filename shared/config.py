@@ -134,8 +134,8 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
         "sim engines)")] = "model"
     sampling_defaults: Annotated[Literal["model", "openai"], about(
         "what a request that leaves temperature, top_p, top_k, min_p or repetition_penalty "
-        "out gets: the model's generation_config.json (as vLLM and SGLang do), or OpenAI's "
-        "defaults")] = "model"
+        "(or a chat request max_tokens) out gets: the model's generation_config.json (as "
+        "vLLM and SGLang do), or OpenAI's defaults")] = "model"
     models_dir: Annotated[str | None, about(
         "other models' files, one directory each by model name (`<dir>/<model>`), for models "
         "whose workers' own directories this gateway cannot read")] = None

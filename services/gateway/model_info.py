@@ -32,15 +32,17 @@ class SamplingDefaults:
     top_k: int | None = None
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    max_tokens: int | None = None  # `max_new_tokens`: a chat request's output, unless it says
 
 
 OPENAI_SAMPLING = SamplingDefaults()
 _SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
-                    "repetition_penalty": float}
+                    "repetition_penalty": float, "max_new_tokens": int}
+_AS_REQUEST_FIELD = {"max_new_tokens": "max_tokens"}
 _ALLOWED = {  # what a request may send (validation.py)
     "temperature": lambda v: 0.0 <= v <= 2.0, "top_p": lambda v: 0.0 < v <= 1.0,
     "top_k": lambda v: v > 0, "min_p": lambda v: 0.0 <= v <= 1.0,
-    "repetition_penalty": lambda v: 0.0 < v <= 2.0,
+    "repetition_penalty": lambda v: 0.0 < v <= 2.0, "max_tokens": lambda v: v > 0,
 }
 
 
@@ -52,8 +54,8 @@ def read_sampling_defaults(model_dir: Path) -> SamplingDefaults:
         return OPENAI_SAMPLING
     try:
         raw: dict[str, Any] = json.loads(path.read_text())
-        found = {name: kind(raw[name]) for name, kind in _SAMPLING_FIELDS.items()
-                 if raw.get(name) is not None}
+        found = {_AS_REQUEST_FIELD.get(name, name): kind(raw[name])
+                 for name, kind in _SAMPLING_FIELDS.items() if raw.get(name) is not None}
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         raise ConfigError(f"cannot read {path}: {exc}") from exc
     if found.get("top_k", 1) <= 0:  # 0 or -1: off, as in a request

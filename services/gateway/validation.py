@@ -185,7 +185,8 @@ def validate(
             param="max_tokens",
         )
     # A prompt-only request still runs one step: the prompt's logprobs come with it.
-    resolved = 1 if is_prompt_only else max_tokens or min(default_max_tokens or room, room)
+    default = default_max_tokens or limits.sampling_defaults.max_tokens or room
+    resolved = 1 if is_prompt_only else max_tokens or min(default, room)
     return ParsedRequest(
         model=request.model,
         prompt_token_ids=prompt_token_ids,

@@ -110,10 +110,10 @@ async def test_a_model_s_generation_config_sets_its_sampling_defaults(tmp_path: 
     config = json.loads((model / "generation_config.json").read_text())
     (model / "generation_config.json").write_text(json.dumps({
         **config, "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
-        "repetition_penalty": 1.05}))
+        "repetition_penalty": 1.05, "max_new_tokens": 512}))
     workers = WorkerDirectory(timeout_s=2.0)
     recommended = SamplingDefaults(temperature=0.7, top_p=0.8, top_k=20,
-                                   repetition_penalty=1.05)
+                                   repetition_penalty=1.05, max_tokens=512)
     assert (await catalog(tmp_path, workers).get("own")).limits.sampling_defaults \
         == recommended
     openai_only = await catalog(tmp_path, workers, sampling_defaults="openai").get("own")
@@ -122,7 +122,8 @@ async def test_a_model_s_generation_config_sets_its_sampling_defaults(tmp_path: 
 
 def test_sampling_defaults_a_request_could_not_send_are_left_out(tmp_path: Path) -> None:
     path = tmp_path / "generation_config.json"
-    path.write_text(json.dumps({"temperature": 3.0, "top_p": 0.9, "top_k": 0, "min_p": None}))
+    path.write_text(json.dumps({"temperature": 3.0, "top_p": 0.9, "top_k": 0, "min_p": None,
+                                "max_new_tokens": 0}))
     assert read_sampling_defaults(tmp_path) == SamplingDefaults(top_p=0.9)  # top_k 0: off
     path.write_text("{not json")
     with pytest.raises(ConfigError, match=r"generation_config\.json"):

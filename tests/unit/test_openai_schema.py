@@ -166,6 +166,24 @@ def test_default_max_tokens_is_capped_by_the_room_left() -> None:
     assert run(completion(), prompt=list(range(20))).sampling.max_tokens == 12
 
 
+def test_a_chat_request_without_max_tokens_gets_the_model_s_max_new_tokens() -> None:
+    """As vLLM reads `generation_config.json`: the default, within the room left; a request's
+    own `max_tokens`, and a completion's OpenAI default of 16, win over it."""
+    limits = Limits(model="m", max_model_len=32, vocab_size=258,
+                    sampling_defaults=SamplingDefaults(max_tokens=8))
+
+    def max_tokens(prompt: list[int], default: int | None = None, **fields: object) -> int:
+        request = ChatCompletionRequest(model="m", messages=[], **fields)  # type: ignore[arg-type]
+        return validate(request, prompt, limits, default_max_tokens=default,
+                        output=chat_output(request)).sampling.max_tokens
+
+    assert max_tokens([1, 2]) == 8
+    assert max_tokens(list(range(28))) == 4  # the room the context leaves
+    assert max_tokens([1, 2], max_tokens=20) == 20
+    assert max_tokens([1, 2], default=16) == 16
+    assert run(completion(), prompt=[1, 2]).sampling.max_tokens == 16  # no model default
+
+
 def test_token_ids_outside_the_vocabulary_are_refused() -> None:
     with pytest.raises(InvalidRequest, match=r"\[0, 258\)"):
         run(completion(), prompt=[1, 999])
