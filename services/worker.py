@@ -86,7 +86,7 @@ class WorkerService(Service):
         self._role: WorkerRole = role or config.role
         self._home_role = self._role  # the planner sends a worker it moved back here
         self.worker_id = config.worker_id or f"{self._role}-{uuid.uuid4().hex[:12]}"
-        self._started_at_s = time.time()  # this process's (or reload's) start: see heartbeat
+        self.started_at_s = time.time()  # this process's (or reload's) start: see heartbeat
         self._engine = engine
         # Built once the parts are assembled: the role's duty, and a duty of the role left
         # last while it finishes its work.
@@ -406,7 +406,7 @@ class WorkerService(Service):
             model_load_s=self._model_load_s,
             loading_model=self._loading.model if self._loading is not None else "",
             loading_role=self._loading.role if self._loading is not None else None,
-            started_at_s=self._started_at_s, max_model_len=stats.max_model_len,
+            started_at_s=self.started_at_s, max_model_len=stats.max_model_len,
         )
 
     async def _stop_intake(self) -> None:

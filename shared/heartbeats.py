@@ -114,6 +114,13 @@ class WorkerDirectory:
             key=lambda hb: hb.worker_id,
         )
 
+    def alive(self, role: WorkerRole, now_s: float | None = None) -> list[WorkerHeartbeat]:
+        """Live workers of `role`, draining ones too (they still hold what they serve)."""
+        now_s = self._now(now_s)
+        self._expire(now_s)
+        return [e.heartbeat for e in self._entries.values()
+                if e.heartbeat.role == role and self._is_fresh(e, now_s)]
+
     def models(self, now_s: float | None = None, *, is_alive: bool = False,
                is_on_disk: bool = False) -> set[str]:
         """The models workers serve: every one still remembered, or only live workers';

@@ -499,7 +499,9 @@ class RequestPlaced(Message, frozen=True, kw_only=True):
     moved on from (a late handoff retry, a conductor back from a partition) is ignored;
     so is one of an earlier JetStream `delivery` of the attempt than the placement it
     follows (a conductor that woke after another had placed the request again). `delivery`
-    0: a decode side placed again after a failed handoff (or an older conductor)."""
+    0: a decode side placed again after a failed handoff (or an older conductor), or a
+    decode worker's answer to an `is_unplaced` `StreamResume` (the decode worker itself as
+    the prefill side once the KV is in, or a colocated request)."""
 
     request_id: str
     prefill_worker_id: str
@@ -601,10 +603,12 @@ class KvLeaseRenewal(Message, frozen=True, kw_only=True):
 
 
 class ResumePoint(msgspec.Struct, frozen=True, kw_only=True):
-    """One stream to resume: the output index of the first token the gateway still lacks."""
+    """One stream to resume: the output index of the first token the gateway still lacks,
+    and the attempt of the request it follows (`GenerateRequest.attempt`)."""
 
     request_id: str
     next_index: int
+    attempt: int = 0
 
 
 class StreamResume(Message, frozen=True, kw_only=True):
@@ -612,10 +616,17 @@ class StreamResume(Message, frozen=True, kw_only=True):
     made no progress for a while, so token batches may have been lost (core NATS is at most
     once, e.g. across a NATS restart): send every token from `next_index` on again, as a
     `TokenBatch` to `reply_subject`. Idempotent: the gateway drops what it already has, and
-    a worker that holds nothing newer sends nothing."""
+    a worker that holds nothing newer sends nothing.
+
+    `is_unplaced`: the gateway has no placement for these streams either (its `RequestPlaced`
+    may have been lost with the rest, as when the gateway's own connection dropped) and asks
+    every decode worker: one that holds a stream, on the attempt its point names, announces
+    itself with a `RequestPlaced` (`delivery` 0) and then sends the tokens; one that does not
+    hold it says nothing (the request may still wait in the queue)."""
 
     reply_subject: str
     points: list[ResumePoint]
+    is_unplaced: bool = False
 
 
 class ShedLoad(Message, frozen=True, kw_only=True):

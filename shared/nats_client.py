@@ -369,9 +369,11 @@ STREAM_ACK_WAIT_S = 2.0
 # How long a service at start-up waits for JetStream to answer for its streams and buckets:
 # a cluster that starts with it elects its meta leader first (seconds).
 ASSET_WAIT_S = 30.0
+# (`OutboundBufferLimitError`: the client is reconnecting and its buffer for what it sends
+# meanwhile is full; the same call goes through once it is back.)
 UNANSWERED_ERRORS = (nats.errors.TimeoutError, nats.errors.NoRespondersError,
-               nats.errors.ConnectionReconnectingError, nats.js.errors.NoStreamResponseError,
-               nats.js.errors.ServiceUnavailableError)
+               nats.errors.ConnectionReconnectingError, nats.errors.OutboundBufferLimitError,
+               nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError)
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -14,7 +14,9 @@ A request's life here:
      per gateway per step (several where one would pass NATS' payload limit:
      `shared.token_batches`). Finished requests leave the batch and free their blocks.
   4. `StreamResume` (from a gateway whose stream stalled, e.g. across a NATS restart): the
-     tokens sent since the index it names go out again (`sent_tokens`).
+     tokens sent since the index it names go out again (`sent_tokens`). Asked among every
+     decode worker (the gateway never heard where the request went), one held here is
+     announced first (`RequestPlaced`).
   5. `ShedLoad` (from the planner, when this worker runs more than its share while others
      have room): the running requests with the most tokens still owed leave here; each
      one's gateway hears `moved` after every token sent, and places the rest anew.
@@ -36,16 +38,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
-from opentelemetry.trace import Span, StatusCode
 
 from engine.protocol import DecodeRequest, PrefillRequest, TokenOutput
 from services.decode import orphans
 from services.decode.orphans import OrphanFinder
 from services.decode.sent_tokens import SentTokens
+from services.decode.spans import DecodeSpans
 from services.duty import Duty, Handler
 from services.kv_leases import Lease
 from services.superseded import Mark
-from shared import tracing
 from shared.errors import (
     ErrorCode,
     HalfmoonError,
@@ -63,6 +64,8 @@ from shared.messages import (
     KvLeaseRenewal,
     KvTarget,
     RequestFailed,
+    RequestPlaced,
+    ResumePoint,
     ShedLoad,
     StreamResume,
     TokenDelta,
@@ -89,61 +92,6 @@ class Reservation:
     block_ids: list[int]
     readied: asyncio.Task[InvalidRequest | None]  # `DecodeService._ready`
     commit: KvCommitted | None = None  # the KV is in; joins once readied
-
-
-class DecodeSpans:
-    """Each running request's `decode.stream` span (join to last token), a child of the
-    context current at the join: the prefill side's `kv.transfer` (or `prefill.request` when
-    no KV moved), from `KvCommitted`'s headers. The
-    reservation and the first step are events on it, not spans of their own: tracing at
-    100 % costs per span. Nothing is kept when not tracing."""
-
-    def __init__(self) -> None:
-        self._open: dict[str, tuple[Span, bool]] = {}  # request id -> (span, first step seen)
-
-    def start(self, request_id: str, worker_id: str, lease: Lease | None = None) -> None:
-        if not tracing.is_traced():
-            return
-        stream = tracing.tracer(__name__).start_span("decode.stream", attributes={
-            "halfmoon.request_id": request_id, "halfmoon.worker": worker_id})
-        if lease is not None:  # the reservation, as its lease records it
-            waited_ns = int((time.monotonic() - lease.granted_at) * 1e9)
-            stream.add_event("reserved", {
-                "halfmoon.reserved_blocks": lease.num_blocks,
-                "halfmoon.prefill_worker": lease.party,
-            }, timestamp=time.time_ns() - waited_ns)
-        self._open[request_id] = (stream, False)
-
-    def step(self, output: TokenOutput) -> None:
-        entry = self._open.get(output.request_id)
-        if entry is None:
-            return
-        stream, is_first_seen = entry
-        if not is_first_seen:
-            stream.add_event("first_step")
-            self._open[output.request_id] = (stream, True)
-        if output.finish_reason is not None:
-            stream.set_attributes({"halfmoon.output_tokens": output.index + 1,
-                                   "halfmoon.finish_reason": output.finish_reason})
-            self.end(output.request_id)
-
-    def end(self, request_id: str, error: str | None = None) -> None:
-        entry = self._open.pop(request_id, None)
-        if entry is None:
-            return
-        stream, _ = entry
-        if error is not None:
-            stream.set_status(StatusCode.ERROR, error)
-        stream.end()
-
-    def abort(self, request_id: str) -> None:
-        """Told to stop (the client gone, a stop string hit, placed again, no one
-        listening): an `aborted` event, no failure of decode's own. Whoever decided it says
-        on its own span whether it was one."""
-        entry = self._open.get(request_id)
-        if entry is not None:
-            entry[0].add_event("aborted")
-            self.end(request_id)
 
 
 class DecodeDuty(Duty):
@@ -421,20 +369,58 @@ class DecodeDuty(Duty):
         """A gateway may have lost token batches: send them again (it drops duplicates). A
         stream this worker does not hold at all is handed back (`RequestMoved`), so the
         gateway places the rest elsewhere instead of waiting on it to its timeout: its run
-        here was stopped (by an abort meant for another placement of it), or never came."""
-        items = [delta for point in message.points
-                 if (delta := self._sent.resend(point)) is not None]
-        if items:
-            for batch in encoded_batches(self.worker_id, items, self.nc.max_payload):
-                await self.nc.publish(message.reply_subject, batch)
-            self.log.info("decode.resent", num_requests=len(items),
-                          num_tokens=sum(len(d.token_ids) for d in items))
+        here was stopped (by an abort meant for another placement of it), or never came.
+        Asked among every decode worker (`is_unplaced`), it answers only for what it holds."""
+        if message.is_unplaced:
+            await self._announce(message)
+            return
+        await self._resend(message.reply_subject, message.points)
         for point in message.points:
             if not self._holds(point.request_id):
                 self.log.warning("request.not_held", request_id=point.request_id)
                 await self.nc.publish(message.reply_subject, encode(RequestFailed(
                     request_id=point.request_id, code=ErrorCode.MOVED, worker_id=self.worker_id,
                     message=f"decode worker {self.worker_id} does not hold the request")))
+
+    async def _resend(self, reply_subject: str, points: list[ResumePoint]) -> None:
+        items = [delta for point in points if (delta := self._sent.resend(point)) is not None]
+        if items:
+            for batch in encoded_batches(self.worker_id, items, self.nc.max_payload):
+                await self.nc.publish(reply_subject, batch)
+            self.log.info("decode.resent", num_requests=len(items),
+                          num_tokens=sum(len(d.token_ids) for d in items))
+
+    async def _announce(self, message: StreamResume) -> None:
+        """The streams of `message` held here, on the attempt the gateway follows: where
+        they run (`RequestPlaced`), then their tokens again."""
+        held = [point for point in message.points
+                if self._held_attempt(point.request_id) == point.attempt]
+        for point in {request_of(point.request_id): point for point in held}.values():
+            await self.nc.publish(message.reply_subject, encode(self._placement(point)))
+        if held:
+            self.log.info("decode.announced", num_streams=len(held))
+        await self._resend(message.reply_subject, held)
+
+    def _held_attempt(self, stream_id: str) -> int | None:
+        """Which attempt of a stream this worker holds (or finished lately), if any."""
+        held = self._attempt_held(request_of(stream_id))
+        if held is None and (sent := self._sent.request(stream_id)) is not None:
+            held = sent.attempt
+        return held
+
+    def _placement(self, point: ResumePoint) -> RequestPlaced:
+        """Where a stream held here runs: on this worker, and on the prefill worker its KV
+        still waits for (else this one: nothing of the request is elsewhere)."""
+        request_id, started_at_s = request_of(point.request_id), self.worker.started_at_s
+        reservation = self._reservations.get(request_id)
+        prefill_id = reservation.prefill_worker_id \
+            if reservation is not None and reservation.commit is None else self.worker_id
+        return RequestPlaced(
+            request_id=request_id, prefill_worker_id=prefill_id,
+            decode_worker_id=self.worker_id, decode_started_at_s=started_at_s,
+            prefill_started_at_s=started_at_s if prefill_id == self.worker_id
+            else self._prefills.started_at_s(prefill_id),
+            attempt=point.attempt)
 
     def _holds(self, stream_id: str) -> bool:
         """Whether this worker holds a stream (a choice's, or the request's): reserved,

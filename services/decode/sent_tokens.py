@@ -67,6 +67,10 @@ class SentTokens:
     def has(self, request_id: str) -> bool:
         return request_id in self._streams
 
+    def request(self, request_id: str) -> GenerateRequest | None:
+        stream = self._streams.get(request_id)
+        return None if stream is None else stream.request
+
     def drop(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 

@@ -69,6 +69,10 @@ class RequestStream:
         """The output index of the first token not yet delivered in order."""
         return self._next_index
 
+    def resume_point(self) -> ResumePoint:
+        return ResumePoint(request_id=self.request_id, next_index=self._next_index,
+                           attempt=self.attempt)
+
     def fail(self, error: HalfmoonError) -> None:
         self._queue.put_nowait(error)
 
@@ -243,19 +247,29 @@ class StreamTable:
 
     def stalled(self, after_s: float, now_s: float | None = None
                 ) -> dict[str, list[ResumePoint]]:
-        """Streams with no new token for `after_s` (and not asked about within `after_s`),
-        by their decode worker: where to resume each; marks them asked."""
-        now_s = time.monotonic() if now_s is None else now_s
+        """Placed streams with no new token for `after_s` (and not asked about within
+        `after_s`), by their decode worker: where to resume each; marks them asked."""
         points: dict[str, list[ResumePoint]] = defaultdict(list)
-        for stream in self._streams.values():
-            placement = stream.placement
-            if placement is None or stream.is_finished \
-                    or now_s - max(stream.progressed_at, stream.resumed_at) < after_s:
-                continue
-            stream.resumed_at = now_s
-            points[placement.decode_worker_id].append(
-                ResumePoint(request_id=stream.request_id, next_index=stream.next_index))
+        for stream in self._due(after_s, now_s, is_placed=True):
+            if (placement := stream.placement) is not None:
+                points[placement.decode_worker_id].append(stream.resume_point())
         return points
+
+    def unplaced(self, after_s: float, now_s: float | None = None) -> list[ResumePoint]:
+        """Streams with no placement and no new token for `after_s` (and not asked about
+        within `after_s`): still queued, or placed with the news lost (`is_unplaced`
+        `StreamResume`); marks them asked."""
+        return [stream.resume_point() for stream in self._due(after_s, now_s, is_placed=False)]
+
+    def _due(self, after_s: float, now_s: float | None, *, is_placed: bool
+             ) -> list[RequestStream]:
+        now_s = time.monotonic() if now_s is None else now_s
+        due = [stream for stream in self._streams.values()
+               if (stream.placement is not None) == is_placed and not stream.is_finished
+               and now_s - max(stream.progressed_at, stream.resumed_at) >= after_s]
+        for stream in due:
+            stream.resumed_at = now_s
+        return due
 
     def fail_all(self, error: HalfmoonError) -> None:
         for stream in self._streams.values():

@@ -45,6 +45,7 @@ from shared.messages import (
     GatewayEvent,
     OpenStreams,
     OpenStreamsQuery,
+    ResumePoint,
     StreamQuery,
     StreamResume,
     StreamStatus,
@@ -62,6 +63,10 @@ from shared.service import Service
 
 # OpenAI's legacy completions endpoint defaults to 16 new tokens; chat fills the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# A stream with no placement and no token is asked for among every decode worker after this
+# many `resume_after_s`: it usually waits in the queue (placement not lost, only not made).
+UNPLACED_RESUME_FACTOR = 4
+RESUME_POINTS_PER_MESSAGE = 2000  # under 200 KB: within any NATS server's max_payload
 
 
 class GatewayService(Service):
@@ -174,7 +179,8 @@ class GatewayService(Service):
     async def _watch_workers(self) -> None:
         """Fail over requests whose worker stopped heartbeating while our NATS server answers
         us (their readers place them again as continuations); ask decode workers to resend
-        what stalled streams may have lost."""
+        what stalled streams may have lost, and every decode worker where a stream is whose
+        placement this gateway never heard of (lost with its connection, say)."""
         interval_s = min(self.config.heartbeat_timeout_s, self.config.resume_after_s) / 4
         while True:
             await self._sleep_judging_on_time(interval_s)
@@ -182,10 +188,19 @@ class GatewayService(Service):
             if self.table.has_lost(*judging) and await self._may_judge_silence():
                 self.table.fail_lost(*judging)
             for worker_id, points in self.table.stalled(self.config.resume_after_s).items():
-                with contextlib.suppress(nats.errors.Error):
-                    await self.nc.publish(self.subjects.stream_resume(worker_id), encode(
-                        StreamResume(reply_subject=self.subjects.gateway(self.gateway_id),
-                                     points=points)))
+                await self._resume(worker_id, points)
+            unplaced = self.table.unplaced(UNPLACED_RESUME_FACTOR * self.config.resume_after_s)
+            for worker in self.workers.alive("decode") if unplaced else ():
+                await self._resume(worker.worker_id, unplaced, is_unplaced=True)
+
+    async def _resume(self, worker_id: str, points: list[ResumePoint], *,
+                      is_unplaced: bool = False) -> None:
+        reply_subject = self.subjects.gateway(self.gateway_id)
+        for start in range(0, len(points), RESUME_POINTS_PER_MESSAGE):
+            with contextlib.suppress(nats.errors.Error):
+                await self.nc.publish(self.subjects.stream_resume(worker_id), encode(
+                    StreamResume(reply_subject=reply_subject, is_unplaced=is_unplaced,
+                                 points=points[start:start + RESUME_POINTS_PER_MESSAGE])))
 
     def _worker_views(self) -> list[WorkerDirectory]:
         return [self.workers]

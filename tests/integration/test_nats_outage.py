@@ -14,9 +14,10 @@ from nats.aio.msg import Msg
 from engine.fake_engine import fake_completion
 from services.gateway.tokenizer import ByteTokenizer
 from shared.heartbeats import WorkerDirectory
+from shared.messages import GatewayEvent
 from shared.nats_client import ServerProbe, connect, read_registry, subscribed
 from shared.nats_server import EmbeddedNatsServer
-from tests.stack import Stack
+from tests.stack import Stack, eventually
 from tests.unit.test_placement import worker
 
 pytestmark = pytest.mark.e2e
@@ -80,6 +81,32 @@ async def _streams_through(server: EmbeddedNatsServer,
             expected = TOKENIZER.decode(fake_completion(TOKENIZER.encode(prompt), None, 80))
             assert body["choices"][0]["text"] == expected
     return stack
+
+
+async def test_a_gateway_that_missed_where_its_requests_went_finds_them(nats_url: str) -> None:
+    """The gateway hears nothing on its own subject for a while (as when its connection
+    dropped under load: no `RequestPlaced`, no token): one request finishes meanwhile, one is
+    half done. Asked among every decode worker (`StreamResume.is_unplaced`), the one that
+    holds them says where they run and sends their tokens again: both complete exactly,
+    where both waited to the request timeout (504) before."""
+    async with Stack(nats_url, num_decode=2, worker={"fake_token_delay_s": 0.03},
+                     gateway_options={"resume_after_s": 0.25}) as stack:
+        gateway = stack.gateway
+        reply_subject = gateway.subjects.gateway(gateway.gateway_id)
+        (deaf,) = [sub for sub in gateway.nc._subs.values() if sub.subject == reply_subject]
+        await deaf.unsubscribe()
+        lengths = {"missed, short": 8, "missed, long": 120}
+        requests = [asyncio.create_task(stack.post("/v1/completions", {
+            "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}))
+            for prompt, max_tokens in lengths.items()]
+        await eventually(lambda: sum(d.engine.stats().num_running for d in stack.decodes) == 1)
+        await gateway.serve(reply_subject, GatewayEvent, gateway._on_event)  # hears again
+        results = await asyncio.wait_for(asyncio.gather(*requests), 20)
+        for (prompt, max_tokens), (status, body) in zip(lengths.items(), results, strict=True):
+            assert status == 200, body
+            expected = fake_completion(TOKENIZER.encode(prompt), None, max_tokens)
+            assert body["choices"][0]["text"] == TOKENIZER.decode(expected)
+        assert gateway.metrics.failovers._value.get() == 0  # type: ignore[attr-defined]
 
 
 async def test_lost_jetstream_assets_are_declared_again(nats_url: str) -> None:

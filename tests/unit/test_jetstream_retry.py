@@ -11,6 +11,7 @@ from shared.nats_client import answered, is_transient
 
 @pytest.mark.parametrize("exc", [
     nats.errors.TimeoutError(), nats.js.errors.NoStreamResponseError(),
+    nats.errors.OutboundBufferLimitError(),  # reconnecting, with its send buffer full
     nats.js.errors.ServiceUnavailableError(code=503), nats.js.errors.ServerError(code=500),
     nats.js.errors.APIError(code=None), nats.js.errors.APIError(code=408)])
 def test_unanswered_calls_and_server_side_refusals_are_transient(exc: Exception) -> None:

@@ -59,3 +59,18 @@ def test_the_gateway_asks_each_decode_worker_about_its_stalled_streams_once_per_
         "d": [ResumePoint(request_id="r", next_index=1)]}
     assert table.stalled(after_s=1.0, now_s=at + 2.0) == {}  # asked 0.5 s ago
     assert table.stalled(after_s=1.0, now_s=at + 2.6) != {}
+
+
+def test_streams_without_a_placement_are_asked_for_apart_on_the_attempt_they_follow() -> None:
+    table = StreamTable()
+    placed, unplaced = table.open("placed"), table.open("unplaced")
+    table.dispatch(RequestPlaced(request_id="placed", prefill_worker_id="p",
+                                 decode_worker_id="d"))
+    unplaced.attempt = 1  # failed over once: its new placement not heard of yet
+    at = max(placed.progressed_at, unplaced.progressed_at)
+    assert table.unplaced(after_s=4.0, now_s=at + 1.5) == []
+    assert table.unplaced(after_s=4.0, now_s=at + 4.5) == [
+        ResumePoint(request_id="unplaced", next_index=0, attempt=1)]
+    assert table.unplaced(after_s=4.0, now_s=at + 5.0) == []  # asked 0.5 s ago
+    assert table.stalled(after_s=1.0, now_s=at + 5.0) == {
+        "d": [ResumePoint(request_id="placed", next_index=0)]}  # never among the unplaced
