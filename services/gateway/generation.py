@@ -6,6 +6,7 @@ gone, stop string, error) publishes an `AbortRequest`, so every block downstream
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
@@ -56,6 +57,11 @@ _COMMAND_WRAPPING_BYTES = 4096
 
 # Continuations per request after lost workers; past this the client gets the error.
 MAX_FAILOVERS = 2
+# Requests being queued (published into the request stream, its acknowledgement awaited) at
+# once; the rest wait their turn. A burst of thousands, all waiting, kept this process so busy
+# that acknowledgements already in its socket were read after their 2 s wait had run out, and
+# each retry added to the pile: past 15 s of them the request got a 503.
+MAX_QUEUEING = 512
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,8 @@ class GeneratorContext:
     events: EventPublisher
     redeclare_requests: Redeclare | None = None  # the request stream, when it is gone
     status_subject: str = ""  # where this gateway answers `StreamQuery`, `OpenStreamsQuery`
+    queueing: asyncio.Semaphore = field(
+        default_factory=lambda: asyncio.Semaphore(MAX_QUEUEING))
 
 
 class _TokenClock:
@@ -390,9 +398,10 @@ class Generator:
                 "the prompt, or raise max_payload")
         message_id = request_id if attempt == 0 else f"{request_id}/{attempt}"
         try:
-            await publish_to_stream(ctx.js, ctx.subjects.requests, payload,
-                                    msg_id=message_id, headers=tracing.inject(),
-                                    redeclare=ctx.redeclare_requests)
+            async with ctx.queueing:
+                await publish_to_stream(ctx.js, ctx.subjects.requests, payload,
+                                        msg_id=message_id, headers=tracing.inject(),
+                                        redeclare=ctx.redeclare_requests)
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             raise WorkerUnavailable(f"cannot queue the request: {str(exc) or repr(exc)}") from exc
 

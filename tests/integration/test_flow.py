@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from services.conductor.service import ConductorService
+from services.gateway import generation
 from services.worker import DecodeService, PrefillService
 from shared.config import WorkerConfig
 from shared.config_loading import load_config
@@ -180,3 +181,32 @@ async def test_a_gateway_clock_running_behind_does_not_expire_its_requests(
             deltas += decoder.decode(msg.data).items
     assert sum(len(delta.token_ids) for delta in deltas) == 3
     await stack.wait_blocks_free()
+
+
+async def test_a_burst_past_the_gateway_s_queueing_limit_waits_its_turn(
+        nats_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most `MAX_QUEUEING` requests are being published into the request stream at once
+    (2 here); the others wait for a turn, and every one is served."""
+    monkeypatch.setattr(generation, "MAX_QUEUEING", 2)
+    async with Stack(nats_url) as stack:
+        queueing = stack.gateway.generator._ctx.queueing
+        publishing = [0, 0]  # now, most at once
+        acquire, release = queueing.acquire, queueing.release
+
+        async def counted_acquire() -> bool:
+            taken = await acquire()
+            publishing[0] += 1
+            publishing[1] = max(publishing)
+            return taken
+
+        def counted_release() -> None:
+            publishing[0] -= 1
+            release()
+
+        monkeypatch.setattr(queueing, "acquire", counted_acquire)
+        monkeypatch.setattr(queueing, "release", counted_release)
+        body = {"model": MODEL, "prompt": "burst", "max_tokens": 4}
+        replies = await asyncio.gather(*(stack.post("/v1/completions", body)
+                                         for _ in range(16)))
+        assert [status for status, _ in replies] == [200] * 16
+        assert publishing == [0, 2]  # the limit reached, never passed
