@@ -105,14 +105,9 @@ class WorkerDirectory:
                 model: str | None = None) -> list[WorkerHeartbeat]:
         """Healthy workers of `role` (serving `model`, if given), ordered by worker id (a
         stable order for placement)."""
-        now_s = self._now(now_s)
-        self._expire(now_s)
-        return sorted(
-            (e.heartbeat for e in self._entries.values()
-             if e.heartbeat.role == role and not e.heartbeat.is_draining
-             and (model is None or e.heartbeat.model == model) and self._is_fresh(e, now_s)),
-            key=lambda hb: hb.worker_id,
-        )
+        return sorted((hb for hb in self.alive(role, now_s) if not hb.is_draining
+                       and (model is None or hb.model == model)),
+                      key=lambda hb: hb.worker_id)
 
     def alive(self, role: WorkerRole, now_s: float | None = None) -> list[WorkerHeartbeat]:
         """Live workers of `role`, draining ones too (they still hold what they serve)."""
