@@ -34,6 +34,7 @@ from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.util.types import Attributes, AttributeValue
@@ -78,6 +79,14 @@ class LeanTracer(trace.Tracer):
         self._new_trace_id = provider.id_generator.generate_trace_id
         self._random_trace_ids = getattr(provider.id_generator, "is_trace_id_random",
                                          lambda: False)()
+        # Every root sampled, the sampler adding nothing (parent-based over always-on, as
+        # halfmoon's provider is at 100 %): the flags, decided once, without the three
+        # lookups of the current span that asking the sampler costs each root.
+        every_root = isinstance(self._sampler, ParentBased) and \
+            getattr(self._sampler, "_root", None) is ALWAYS_ON
+        self._root_flags = TraceFlags(
+            TraceFlags.SAMPLED | (_RANDOM_TRACE_ID if self._random_trace_ids else 0)
+        ) if every_root else None
         self._processor = processor
         self._limits = limits
         self.resource: Resource = provider.resource
@@ -88,10 +97,22 @@ class LeanTracer(trace.Tracer):
                    links: Sequence[Link] | None = (), start_time: int | None = None,
                    record_exception: bool = True, set_status_on_exception: bool = True,
                    ) -> trace.Span:
-        parent: SpanContext | None = trace.get_current_span(context).get_span_context()
+        return self.start_child(name, trace.get_current_span(context).get_span_context(),
+                                context, kind, attributes, links, start_time)
+
+    def start_child(self, name: str, parent: SpanContext | None,
+                    context: otel_context.Context | None = None,
+                    kind: SpanKind = SpanKind.INTERNAL, attributes: Attributes = None,
+                    links: Sequence[Link] | None = (), start_time: int | None = None,
+                    ) -> trace.Span:
+        """`start_span` under `parent` (`context`'s span's, already looked up), a root when
+        that is None or invalid."""
         if parent is not None and parent.is_valid:
             trace_id, flags = parent.trace_id, parent.trace_flags
             trace_state, recording = parent.trace_state, flags.sampled
+        elif self._root_flags is not None:
+            parent, trace_id = None, self._new_trace_id()
+            flags, trace_state, recording = self._root_flags, None, True
         else:
             parent = None
             trace_id = self._new_trace_id()

@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 import msgspec
 import nats.errors
 import nats.js.errors
-from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, PubAck, RetentionPolicy, StorageType, StreamConfig
 from nats.js.kv import KeyValue
@@ -35,6 +34,7 @@ from shared.messages import (
     StreamStatus,
     WorkerHeartbeat,
 )
+from shared.nats_headers import NatsClient
 from shared.subjects import Subjects
 
 T = TypeVar("T")

@@ -50,7 +50,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from shared import span_encoding
 from shared.errors import ConfigError
-from shared.lean_tracer import LeanTracerProvider
+from shared.lean_tracer import LeanTracer, LeanTracerProvider
 from shared.logs import get_logger
 
 log = get_logger(__name__)
@@ -185,7 +185,23 @@ def continued_span(scope: str, name: str, parent: otel_context.Context | None = 
                    **kwargs: Any) -> contextlib.AbstractContextManager[Any]:
     """`span`, for a request handed on by another service: made only under a sampled
     trace (`parent`'s, else the current one), never a root; else a no-op."""
-    return span(scope, name, parent, **kwargs) if is_traced(parent) else _NO_SPAN
+    started = continued(scope, name, parent, **kwargs)
+    return _NO_SPAN if started is None else _CurrentSpan(started)
+
+
+def continued(scope: str, name: str, parent: otel_context.Context | None = None,
+              **kwargs: Any) -> trace.Span | None:
+    """`continued_span`'s span, started but not made current (the caller ends it), or
+    None: a child only of a sampled trace."""
+    if _provider is None:
+        return None
+    under = trace.get_current_span(parent).get_span_context()
+    if not under.trace_flags.sampled:
+        return None
+    chosen = tracer(scope)
+    if isinstance(chosen, LeanTracer):  # the span under `parent` looked up once, not twice
+        return chosen.start_child(name, under, parent, **kwargs)
+    return chosen.start_span(name, context=parent, **kwargs)
 
 
 def inject() -> dict[str, str] | None:

@@ -22,10 +22,10 @@ class DecodeSpans:
         self._open: dict[str, tuple[Span, bool]] = {}  # request id -> (span, first step seen)
 
     def start(self, request_id: str, worker_id: str, lease: Lease | None = None) -> None:
-        if not tracing.is_traced():
-            return
-        stream = tracing.tracer(__name__).start_span("decode.stream", attributes={
+        stream = tracing.continued(__name__, "decode.stream", attributes={
             "halfmoon.request_id": request_id, "halfmoon.worker": worker_id})
+        if stream is None:
+            return
         if lease is not None:  # the reservation, as its lease records it
             waited_ns = int((time.monotonic() - lease.granted_at) * 1e9)
             stream.add_event("reserved", {

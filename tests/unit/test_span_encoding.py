@@ -191,6 +191,28 @@ def test_a_span_is_current_in_its_block_and_a_child_of_the_given_parent(
     assert inner.parent is not None and inner.parent.span_id == finished.context.span_id
 
 
+def test_a_continued_span_is_made_only_as_the_child_of_a_sampled_trace(
+        recorded: InMemorySpanExporter) -> None:
+    with tracing.continued_span("test", "orphan") as orphan:  # nothing current: no root
+        assert orphan is None
+    unsampled = trace.set_span_in_context(NonRecordingSpan(SpanContext(
+        trace_id=7, span_id=8, is_remote=True, trace_flags=TraceFlags(TraceFlags.DEFAULT))))
+    assert tracing.continued("test", "unsampled", parent=unsampled) is None
+    parent = trace.set_span_in_context(NonRecordingSpan(REMOTE_PARENT))
+    with tracing.continued_span("test", "handed.on", parent=parent,
+                                attributes={"halfmoon.request_id": "r-1"}) as span:
+        assert trace.get_current_span() is span
+        with tracing.attached(parent):  # under what is current, and not made current
+            side = tracing.continued("test", "side")
+        assert side is not None and trace.get_current_span() is span
+        side.end()
+    first, second = recorded.get_finished_spans()
+    assert (first.name, second.name) == ("side", "handed.on")
+    assert first.parent == second.parent == REMOTE_PARENT
+    assert first.context.trace_id == REMOTE_PARENT.trace_id
+    assert dict(second.attributes or {}) == {"halfmoon.request_id": "r-1"}
+
+
 def test_an_exception_leaving_a_span_is_recorded_as_its_error(
         recorded: InMemorySpanExporter) -> None:
     with pytest.raises(ValueError, match="bad"), tracing.span("test", "failing"):
