@@ -113,6 +113,11 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
         "the bearer token every /v1 request must carry (default: none asked)")] = None
     cors_origins: Annotated[str | None, about(
         "origins whose browser pages may call /v1 (CORS), comma-separated, or `*`")] = None
+    client_trace_context: Annotated[bool, about(
+        "continue the trace a request's W3C trace context (`traceparent`) names, as HTTP "
+        "servers instrumented with OpenTelemetry do: its spans join the client's trace, and "
+        "the client's sampled flag decides whether it is traced; off: every trace starts "
+        "at the gateway, sampled by --trace-sample-ratio")] = True
     # Off by default: under `halfmoon up` each line costs the control path ~5 % throughput.
     access_log: Annotated[bool, about(
         "one `http.request` log line per generation request (method, path, status, "

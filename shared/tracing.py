@@ -1,6 +1,7 @@
 """OpenTelemetry tracing: process set-up, context over NATS and the transfer engine, spans.
 
-One trace per request: the gateway's span is the root; its context rides in the headers of
+One trace per request: the gateway's span is its root (or, for a client that sent W3C trace
+context, a child of the client's span: `client_context`); its context rides in the headers of
 the NATS messages that hand the request on (into the request stream, each command to a
 worker, the KV commit; W3C `traceparent`, through OpenTelemetry's global propagator, never
 hand-built; trace context alone unless `OTEL_PROPAGATORS` says more), never in a reply, so
@@ -219,6 +220,18 @@ def extract(headers: Mapping[str, str] | None) -> otel_context.Context | None:
     if _provider is None or not headers:
         return None
     return propagate.extract(headers)
+
+
+def client_context(headers: Mapping[str, str]) -> otel_context.Context | None:
+    """The trace context an HTTP client sent (`traceparent`, or whatever the global
+    propagator reads), or None: tracing off, or none of the propagator's headers sent (a
+    lookup per header name, not a parse). A malformed one is ignored: the trace starts here."""
+    if _provider is None:
+        return None
+    propagator = propagate.get_global_textmap()
+    if not any(name in headers for name in propagator.fields):
+        return None
+    return propagator.extract(headers)
 
 
 def unix_ns(perf_counter_s: float) -> int:

@@ -55,6 +55,7 @@ class GatewayBackend(Protocol):
 
     api_key: str | None
     access_log: bool
+    client_trace_context: bool
     cors_origins: frozenset[str]
     generator: Generator
     metrics: GatewayMetrics
@@ -148,8 +149,10 @@ async def _send_x_request_id(request: web.Request, response: web.StreamResponse)
         response.headers["x-request-id"] = x_request_id(request)
 
 
-def observe_middleware(metrics: GatewayMetrics, *, access_log: bool = False) -> Any:
-    """The request's root span (`gateway.request`, the trace every other service joins), the
+def observe_middleware(metrics: GatewayMetrics, *, access_log: bool = False,
+                       client_trace_context: bool = True) -> Any:
+    """The request's root span (`gateway.request`, the trace every other service joins; with
+    `client_trace_context`, a child of the span a client's `traceparent` names), the
     request counters and, with `access_log`, one `http.request` log line when it ends (a
     stream: when its last event left), around everything else: they see the final status.
 
@@ -167,9 +170,10 @@ def observe_middleware(metrics: GatewayMetrics, *, access_log: bool = False) -> 
         request_id = x_request_id(request)
         started = time.perf_counter()
         cancelled: asyncio.CancelledError | None = None
+        client = tracing.client_context(request.headers) if client_trace_context else None
         try:
             with structlog.contextvars.bound_contextvars(x_request_id=request_id), \
-                    tracing.span(__name__, "gateway.request", kind=SpanKind.SERVER,
+                    tracing.span(__name__, "gateway.request", client, kind=SpanKind.SERVER,
                                  attributes={"http.request.method": request.method,
                                              "http.route": request.path,
                                              "gen_ai.operation.name":
@@ -207,7 +211,8 @@ def build_app(backend: GatewayBackend) -> web.Application:
     cors = Cors(backend.cors_origins)
     app = web.Application(
         middlewares=[cors.preflight,
-                     observe_middleware(backend.metrics, access_log=backend.access_log),
+                     observe_middleware(backend.metrics, access_log=backend.access_log,
+                                        client_trace_context=backend.client_trace_context),
                      error_middleware, auth_middleware(backend.api_key)],
         client_max_size=16 * 1024 * 1024,
     )

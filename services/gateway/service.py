@@ -82,6 +82,7 @@ class GatewayService(Service):
         self._tokenizer = tokenizer
         self.api_key = config.api_key
         self.access_log = config.access_log
+        self.client_trace_context = config.client_trace_context
         self.cors_origins = parse_origins(config.cors_origins)
         self.table = StreamTable()
         self.workers = WorkerDirectory(timeout_s=config.heartbeat_timeout_s)

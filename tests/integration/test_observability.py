@@ -292,6 +292,69 @@ async def test_with_tracing_off_no_span_is_made_and_no_header_sent(stack: Stack)
     assert status == 200
 
 
+CLIENT_TRACE_ID, CLIENT_SPAN_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7
+
+
+def client_traceparent(flags: str) -> dict[str, str]:
+    """The headers of a client whose own span (an app instrumented with OpenTelemetry) is
+    calling: W3C trace context."""
+    return {"traceparent": f"00-{CLIENT_TRACE_ID:032x}-{CLIENT_SPAN_ID:016x}-{flags}",
+            "tracestate": "app=1"}
+
+
+async def test_a_client_s_trace_context_is_continued_through_every_service(
+        spans: InMemorySpanExporter, stack: Stack) -> None:
+    status, body = await stack.post("/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                        "max_tokens": 3},
+                                    headers=client_traceparent("01"))
+    assert status == 200, body
+    await eventually(lambda: {"gateway.request", "decode.stream"} <= {
+        s.name for s in spans.get_finished_spans()})
+    trace = list(spans.get_finished_spans())
+    assert {s.context.trace_id for s in trace} == {CLIENT_TRACE_ID}
+    (root,) = [s for s in trace if s.name == "gateway.request"]
+    assert root.parent is not None and root.parent.span_id == CLIENT_SPAN_ID
+    assert root.parent.is_remote and root.context.trace_state.get("app") == "1"
+    ids = {s.context.span_id for s in trace}
+    assert [s.name for s in trace if s.parent.span_id not in ids] == ["gateway.request"]
+    assert {s.name for s in trace} >= {"conductor.schedule", "prefill.request",
+                                       "decode.stream"}
+
+
+async def test_a_client_that_does_not_sample_its_trace_leaves_no_span(
+        spans: InMemorySpanExporter, stack: Stack) -> None:
+    status, body = await stack.post("/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                        "max_tokens": 3},
+                                    headers=client_traceparent("00"))
+    assert status == 200, body
+    await asyncio.sleep(0.2)  # a span would have ended with the stream
+    assert spans.get_finished_spans() == ()
+
+
+async def test_a_malformed_client_trace_context_starts_a_trace_at_the_gateway(
+        spans: InMemorySpanExporter, stack: Stack) -> None:
+    status, body = await stack.post("/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                        "max_tokens": 3},
+                                    headers={"traceparent": "00-not-a-trace-01"})
+    assert status == 200, body
+    await eventually(lambda: any(s.name == "gateway.request"
+                                 for s in spans.get_finished_spans()))
+    (root,) = [s for s in spans.get_finished_spans() if s.name == "gateway.request"]
+    assert root.parent is None
+
+
+async def test_a_gateway_told_not_to_continue_clients_traces_starts_its_own(
+        spans: InMemorySpanExporter, nats_url: str) -> None:
+    async with Stack(nats_url, gateway_options={"client_trace_context": False}) as stack:
+        status, body = await stack.post("/v1/completions", {
+            "model": MODEL, "prompt": "hi", "max_tokens": 3}, headers=client_traceparent("00"))
+        assert status == 200, body
+        await eventually(lambda: any(s.name == "gateway.request"
+                                     for s in spans.get_finished_spans()))
+    (root,) = [s for s in spans.get_finished_spans() if s.name == "gateway.request"]
+    assert root.parent is None and root.context.trace_id != CLIENT_TRACE_ID
+
+
 class DeclineTheGateway(Sampler):
     """Samples every root but the gateway's: a request the gateway did not sample would
     show any span made for it elsewhere, as a root of its own."""
