@@ -302,12 +302,15 @@ def client_traceparent(flags: str) -> dict[str, str]:
             "tracestate": "app=1"}
 
 
+async def complete_with(stack: Stack, headers: dict[str, str]) -> None:
+    status, body = await stack.post("/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                        "max_tokens": 3}, headers=headers)
+    assert status == 200, body
+
+
 async def test_a_client_s_trace_context_is_continued_through_every_service(
         spans: InMemorySpanExporter, stack: Stack) -> None:
-    status, body = await stack.post("/v1/completions", {"model": MODEL, "prompt": "hi",
-                                                        "max_tokens": 3},
-                                    headers=client_traceparent("01"))
-    assert status == 200, body
+    await complete_with(stack, client_traceparent("01"))
     await eventually(lambda: {"gateway.request", "decode.stream"} <= {
         s.name for s in spans.get_finished_spans()})
     trace = list(spans.get_finished_spans())
@@ -323,20 +326,14 @@ async def test_a_client_s_trace_context_is_continued_through_every_service(
 
 async def test_a_client_that_does_not_sample_its_trace_leaves_no_span(
         spans: InMemorySpanExporter, stack: Stack) -> None:
-    status, body = await stack.post("/v1/completions", {"model": MODEL, "prompt": "hi",
-                                                        "max_tokens": 3},
-                                    headers=client_traceparent("00"))
-    assert status == 200, body
+    await complete_with(stack, client_traceparent("00"))
     await asyncio.sleep(0.2)  # a span would have ended with the stream
     assert spans.get_finished_spans() == ()
 
 
 async def test_a_malformed_client_trace_context_starts_a_trace_at_the_gateway(
         spans: InMemorySpanExporter, stack: Stack) -> None:
-    status, body = await stack.post("/v1/completions", {"model": MODEL, "prompt": "hi",
-                                                        "max_tokens": 3},
-                                    headers={"traceparent": "00-not-a-trace-01"})
-    assert status == 200, body
+    await complete_with(stack, {"traceparent": "00-not-a-trace-01"})
     await eventually(lambda: any(s.name == "gateway.request"
                                  for s in spans.get_finished_spans()))
     (root,) = [s for s in spans.get_finished_spans() if s.name == "gateway.request"]
@@ -346,9 +343,7 @@ async def test_a_malformed_client_trace_context_starts_a_trace_at_the_gateway(
 async def test_a_gateway_told_not_to_continue_clients_traces_starts_its_own(
         spans: InMemorySpanExporter, nats_url: str) -> None:
     async with Stack(nats_url, gateway_options={"client_trace_context": False}) as stack:
-        status, body = await stack.post("/v1/completions", {
-            "model": MODEL, "prompt": "hi", "max_tokens": 3}, headers=client_traceparent("00"))
-        assert status == 200, body
+        await complete_with(stack, client_traceparent("00"))
         await eventually(lambda: any(s.name == "gateway.request"
                                      for s in spans.get_finished_spans()))
     (root,) = [s for s in spans.get_finished_spans() if s.name == "gateway.request"]
