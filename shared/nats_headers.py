@@ -1,6 +1,6 @@
 """nats-py's client with a leaner parser of message header blocks.
 
-Every message that carries headers passes `Client._parse_header_lines` (nats-py 2.16+):
+Every message that carries headers passes `Client._parse_header_lines` (nats-py 2.16 here):
 with tracing on, that is every message that hands a request on (W3C `traceparent`), and
 JetStream publishes (`Nats-Msg-Id`). Its check that a header name holds no whitespace is a
 generator over the name's characters, about 25 Python calls a line of the ~35 the whole
