@@ -191,8 +191,9 @@ class GatewayService(Service):
             for worker_id, points in self.table.stalled(self.config.resume_after_s).items():
                 await self._resume(worker_id, points)
             unplaced = self.table.unplaced(UNPLACED_RESUME_FACTOR * self.config.resume_after_s)
-            for worker in self.workers.alive("decode") if unplaced else ():
-                await self._resume(worker.worker_id, unplaced, is_unplaced=True)
+            if unplaced:
+                for worker in self.workers.alive("decode"):
+                    await self._resume(worker.worker_id, unplaced, is_unplaced=True)
 
     async def _resume(self, worker_id: str, points: list[ResumePoint], *,
                       is_unplaced: bool = False) -> None:
