@@ -114,6 +114,7 @@ class Progress:
     kept: dict[WorkerRole, str] = field(default_factory=dict)
     excluded: set[str] = field(default_factory=set)
     num_attempts: int = 0
+    num_sent: int = 0  # commands sent, each recorded with its reply (or why none came)
     delivery: int = 0  # the JetStream delivery of the request placed (0: from none)
     # Workers that may hold the request though they are no longer part of its placement,
     # not yet told (each alone) to drop it: see `record`.
@@ -125,6 +126,7 @@ class Progress:
         kept: it never named its blocks to the new one. It, and a worker that never answered
         (it may have accepted late), is given up."""
         worker_id = send.worker.worker_id
+        self.num_sent += 1
         if isinstance(reply, DispatchReply) and reply.is_accepted:
             self.kept[send.role] = worker_id
             return True

@@ -124,6 +124,7 @@ class ConductorService(Service):
             self.log.warning("request.expired", request_id=request.request_id, age_s=age_s)
             await msg.ack()
             return
+        progress = assignment.Progress(delivery=msg.metadata.num_delivered)
         try:
             if msg.metadata.num_delivered > 1 and not await self.redeliveries.may_place(
                     self.nc, request, msg, in_hand.is_lapsed):
@@ -135,9 +136,8 @@ class ConductorService(Service):
                                             "halfmoon.policy": self.config.policy,
                                             **redelivery.span_attributes(request, msg)}), \
                     structlog.contextvars.bound_contextvars(request_id=request.request_id):
-                chosen = await self.placer.place(
-                    request, assignment.Progress(delivery=msg.metadata.num_delivered),
-                    is_current=lambda: not in_hand.is_lapsed())
+                chosen = await self.placer.place(request, progress,
+                                                 is_current=lambda: not in_hand.is_lapsed())
             if in_hand.is_lapsed():  # its commands went out in time, not the gateway's word
                 raise Lapsed
             await self._announce(request, chosen, time.perf_counter() - started,
@@ -149,9 +149,11 @@ class ConductorService(Service):
             if in_hand.is_lapsed():  # its abort, hold or refusal is the next delivery's
                 self._let_go(request)
                 return
-            # Any side that accepted, and any command still on its way: the next delivery's.
-            await self._abort(request.request_id, exc.message, attempt=request.attempt,
-                              before_delivery=msg.metadata.num_delivered + 1)
+            # What this delivery sent is dropped (a side that accepted, a command still on
+            # its way); one refused before any command went out has nothing to drop.
+            if progress.num_sent:
+                await self._abort(request.request_id, exc.message, attempt=request.attempt,
+                                  before_delivery=msg.metadata.num_delivered + 1)
             delay_s = holding.retry_delay_s(exc, self.config, self.placer.rules.slo.ttft_s,
                                             age_s=holding.age_s(request, msg),
                                             num_delivered=msg.metadata.num_delivered)

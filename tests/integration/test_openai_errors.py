@@ -6,10 +6,14 @@ import asyncio
 from typing import Any
 
 import aiohttp
+import msgspec
 import openai
 import pytest
+from nats.aio.msg import Msg
 
 from services.worker import DecodeService
+from shared.messages import AbortRequest
+from shared.nats_client import subscribed
 from tests.stack import Stack, eventually
 
 pytestmark = pytest.mark.e2e
@@ -330,12 +334,22 @@ async def test_a_request_waits_for_kv_that_running_requests_will_free(nats_url: 
 
 
 async def test_kv_that_does_not_free_within_the_hold_ends_in_a_429(nats_url: str) -> None:
+    """Held, then refused; and while held, the request was never sent to a worker, so no
+    worker was told to drop it (before, each delivery broadcast an abort to all of them)."""
     async with Stack(nats_url, worker={"fake_token_delay_s": 0.05},
                      decode_options={"num_blocks": 12},
                      conductor_options={"kv_short_hold_s": 1.5}) as stack:
         body = {**GOOD, "prompt": "x" * 85, "max_tokens": 100}  # runs ~5 s, holds 7 blocks
         running = asyncio.create_task(stack.post("/v1/completions", body))
         await eventually(lambda: stack.decodes[0].engine.stats().num_running == 1)
+        aborts: list[AbortRequest] = []
+        decoder = msgspec.json.Decoder(AbortRequest)
+
+        async def on_abort(msg: Msg) -> None:
+            aborts.append(decoder.decode(msg.data))
+
+        await stack.gateway.nc.subscribe(stack.gateway.subjects.abort, cb=on_abort)
+        await subscribed(stack.gateway.nc)
         started = asyncio.get_running_loop().time()
         async with aiohttp.ClientSession() as session, session.post(
                 f"{stack.base_url}/completions", json={**body, "max_tokens": 2}) as response:
@@ -346,6 +360,8 @@ async def test_kv_that_does_not_free_within_the_hold_ends_in_a_429(nats_url: str
         assert reply["error"]["code"] == "capacity_exhausted"
         assert "KV" in reply["error"]["message"]
         assert 1.0 <= asyncio.get_running_loop().time() - started < 4  # held, then refused
+        # The gateway's own abort of the request it gave up on, and nothing from the conductor.
+        assert [abort.reason for abort in aborts] == ["gateway"]
         running.cancel()
 
 

@@ -111,6 +111,14 @@ def test_a_worker_that_never_answered_is_given_up_and_a_plain_refusal_is_not() -
     assert progress.take_given_up() == ["d1"]  # it may have accepted late
     assert progress.take_given_up() == []
     assert progress.excluded == {"p1", "d1"}
+    assert progress.num_sent == 2  # refused or unanswered, each was sent
+
+
+def test_nothing_is_counted_sent_before_a_reply_is_recorded() -> None:
+    progress = Progress()
+    assignment.plan(REQUEST, view(worker("p1"), worker("d1", "decode")), progress, Rules(),
+                    prefix=None, turn=0)
+    assert progress.num_attempts == 1 and progress.num_sent == 0
 
 
 def test_a_kept_side_whose_heartbeats_vanished_is_chosen_again() -> None:
