@@ -199,7 +199,8 @@ class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):
         "back (a restart, a healed partition, a NATS node lost) before its 503", ge=0)] = 5.0
     kv_short_hold_s: Annotated[float, about(
         "a request that finds no decode worker with KV room waits this long (at most the "
-        "TTFT SLO) for blocks to free before its 429; 0: refuse at once", ge=0)] = 5.0
+        "TTFT SLO), in its model's line, for blocks to free before its 429; 0: refuse at "
+        "once", ge=0)] = 30.0
     policy: Annotated[PrefillPolicy, about("how a prefill worker is chosen")] = "cache-aware"
     ttft_slo_ms: Annotated[Positive | None, about(
         "reject a request (429) when the best predicted time to first token exceeds "

@@ -167,6 +167,13 @@ class _CurrentSpan:
             self._span.end()
 
 
+def within(span: trace.Span | None) -> contextlib.AbstractContextManager[Any]:
+    """Make a span from `continued` current for the block without ending it (its owner
+    ends it when the work it describes is done, which may span several blocks); nothing
+    when None."""
+    return _NO_SPAN if span is None else _Attached(trace.set_span_in_context(span))
+
+
 def is_traced(ctx: otel_context.Context | None = None) -> bool:
     """Whether `ctx`'s span (else the current one) belongs to a sampled trace."""
     return _provider is not None and \

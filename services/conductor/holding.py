@@ -3,10 +3,11 @@
 Some placement failures clear up on their own: no healthy worker of a role (a restart, a
 healed partition, a NATS node lost, a worker loading the model: `model_loads`) or no decode
 worker with KV room (running requests' growth filled the pools; they finish and free it).
-Such a request is not refused at once: the conductor naks its JetStream delivery with a
-delay, and the queue delivers it again, until its hold is spent; then the error goes to the
-client (503, or 429). Anything else
-(a refusal by every worker, an SLO the best choice breaks) is answered at once.
+Such a request is not refused at once, until its hold is spent; then the error goes to the
+client (503, or 429). Waiting for a worker, the conductor naks its JetStream delivery with a
+delay, and the queue delivers it again; waiting for KV, it keeps the delivery and the
+request waits in its model's line (`kv_lines`). Anything else (a refusal by every worker,
+an SLO the best choice breaks) is answered at once.
 """
 
 from __future__ import annotations
@@ -26,16 +27,21 @@ MAX_DELIVER = 8  # deliveries of one request message before JetStream drops it
 
 
 def hold_s(error: HalfmoonError, config: ConductorConfig, ttft_slo_s: float | None) -> float:
-    """How long, from its creation, a request that failed this way may wait in the queue;
-    a KV shortage never past the TTFT SLO (the answer would come too late anyway)."""
+    """How long, from its creation, a request that failed this way may wait."""
     if isinstance(error, ModelLoading):
         return config.no_worker_hold_s + error.load_s
     if isinstance(error, NoHealthyWorker):
         return config.no_worker_hold_s
     if isinstance(error, KvShortage):
-        hold = config.kv_short_hold_s
-        return hold if ttft_slo_s is None else min(hold, ttft_slo_s)
+        return kv_hold_s(config, ttft_slo_s)
     return 0.0
+
+
+def kv_hold_s(config: ConductorConfig, ttft_slo_s: float | None) -> float:
+    """How long, from its creation, a request may wait for decode KV room (in its model's
+    line: `kv_lines`); never past the TTFT SLO (the answer would come too late anyway)."""
+    hold = config.kv_short_hold_s
+    return hold if ttft_slo_s is None else min(hold, ttft_slo_s)
 
 
 def delay_s(hold: float) -> float:

@@ -2,13 +2,13 @@
 
 Conductor replicas share the consumer, so JetStream delivers each request to one of them.
 Each replica keeps `num_fetchers` pulls open and hands every message to `handle` (which
-acks, naks or terms it), telling JetStream every second that a message is still in hand; a
-replica that dies with messages unacked has them delivered again after `ack_wait`, and so
-does a delivery lost on its way (into a connection a partition cut off). `ack_wait` is short
-for that, long enough for an ack held while the conductor reconnects. While the stream's
-leader moves (a NATS node lost) a pull fails and is tried again; pulls failing for longer
-declare the stream and the consumer again (they may be gone: deleted, or lost with a server
-that restarted without its store).
+acks, naks or terms it, or keeps it past its return: `InHand.keep`), telling JetStream every
+second that a message is still in hand; a replica that dies with messages unacked has them
+delivered again after `ack_wait`, and so does a delivery lost on its way (into a connection
+a partition cut off). `ack_wait` is short for that, long enough for an ack held while the
+conductor reconnects. While the stream's leader moves (a NATS node lost) a pull fails and is
+tried again; pulls failing for longer declare the stream and the consumer again (they may be
+gone: deleted, or lost with a server that restarted without its store).
 """
 
 from __future__ import annotations
@@ -144,7 +144,8 @@ class RequestIntake:
                 try:
                     await self._handle(message, in_hand)
                 finally:
-                    in_hand.stop()
+                    if not in_hand.is_kept:
+                        in_hand.stop()
                     self.num_in_hand -= 1
 
     def _say_in_progress(self, message: Msg) -> None:
@@ -178,6 +179,12 @@ class InHand:
         self._said_at = delivered_by  # JetStream's ack wait started then or later
         self._has_lapsed = False
         self._timer = self._loop.call_later(IN_PROGRESS_EVERY_S, self._tick)
+        self.is_kept = False
+
+    def keep(self) -> None:
+        """The handler keeps the message past its return (waiting for KV room): the word
+        goes on until the handler's own `stop()`, and the fetch loop pulls the next."""
+        self.is_kept = True
 
     def is_lapsed(self) -> bool:
         """Whether JetStream went most of its ack wait without word from us (this process

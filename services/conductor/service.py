@@ -1,16 +1,17 @@
 """The conductor: takes requests off the JetStream work queue and places them.
 
-Replicas share one durable pull consumer (`intake`), so each request is placed once. Per request:
-pick a prefill and a decode worker from live heartbeats (or one decode worker that prefills
-it itself), send their commands at the same time, and ack the request once every side
-accepted (`placer`, over the pure decisions of `assignment`, `placement`, `cost_model`).
-When one side refuses or is gone, only that side is placed again (up to
-`max_placement_attempts`), the accepted side is kept; when placement is impossible
-the gateway gets `RequestFailed` (429 for capacity, 503 for no workers) and any accepted
-side is aborted; a request for a model no worker of a role serves is held while one loads it
-(`model_loader`). A request JetStream delivers again may have been placed already: its
-gateway is asked first (`redelivery`). The global prefix index follows the workers' KV
-events (`prefix_follower`).
+Replicas share one durable pull consumer (`intake`), so each request is placed once. Per
+request: pick a prefill and a decode worker from live heartbeats (or one decode worker that
+prefills it itself), send their commands at the same time, and ack the request once every
+side accepted (`placer`, over the pure decisions of `assignment`, `placement`,
+`cost_model`). When one side refuses or is gone, only that side is placed again (up to
+`max_placement_attempts`), the accepted side is kept; when placement is impossible the
+gateway gets `RequestFailed` (429 for capacity, 503 for no workers) and any accepted side is
+aborted; a request for a model no worker of a role serves is held while one loads it
+(`model_loader`), one that finds no decode KV room waits in its model's line (`kv_lines`),
+and what the conductor sends goes through its `outbox`. A request JetStream delivers again
+may have been placed already: its gateway is asked first (`redelivery`). The global prefix
+index follows the workers' KV events (`prefix_follower`).
 """
 
 from __future__ import annotations
@@ -19,37 +20,35 @@ import contextlib
 import time
 import uuid
 from collections import Counter
-from typing import Any
 
 import msgspec
 import nats.errors
 import structlog
 from nats.aio.msg import Msg
+from opentelemetry.trace import Span, StatusCode
 
 from services.conductor import assignment, holding, redelivery
-from services.conductor.assignment import Plan
 from services.conductor.intake import InHand, RequestIntake
+from services.conductor.kv_lines import KvLines, Waiter
 from services.conductor.model_loader import ModelLoader
+from services.conductor.outbox import Outbox
 from services.conductor.placer import Lapsed, Placer
 from services.conductor.planning import PlanningLoop
 from services.conductor.prefix_follower import STREAM_CHECK_S, PrefixIndexFollower
 from services.conductor.prefix_index import PrefixIndex
 from shared import tracing
 from shared.config import ConductorConfig
-from shared.errors import HalfmoonError, SloViolation
+from shared.errors import HalfmoonError, KvShortage, SloViolation
 from shared.heartbeats import WorkerDirectory
 from shared.messages import (
-    AbortRequest,
     DecodeReplacement,
     DispatchReply,
     GenerateRequest,
-    RequestFailed,
-    RequestPlaced,
     WorkerHeartbeat,
     request_failed,
 )
 from shared.metrics import ConductorMetrics
-from shared.nats_client import dispatch, encode, read_registry
+from shared.nats_client import read_registry
 from shared.service import Service
 
 _request_decoder = msgspec.json.Decoder(GenerateRequest)
@@ -70,17 +69,21 @@ class ConductorService(Service):
         self.intake: RequestIntake | None = None
         self.prefix_follower: PrefixIndexFollower | None = None
         self.planning: PlanningLoop | None = None  # --planner slo
+        self.outbox = Outbox(self, self.metrics, config.dispatch_timeout_s)
         self.model_loader = ModelLoader(self.subjects, self.workers, config, self.instance_id,
-                                        self._dispatch, self.spawn)
+                                        self.outbox.dispatch, self.spawn)
         self.placer = Placer(config, self.subjects, self.workers, self.prefix_index,
-                             self.model_loader, self.metrics, self._dispatch, self._abort)
-        self.redeliveries = redelivery.Redeliveries(self.metrics, self._abort,
-                                                    self._tell_gateway)
+                             self.model_loader, self.metrics, self.outbox.dispatch,
+                             self.outbox.abort)
+        self.kv_lines = KvLines()  # requests waiting for decode KV room, by model
+        self.redeliveries = redelivery.Redeliveries(self.metrics, self.outbox.abort,
+                                                    self.outbox.tell_gateway)
         # Gauges read at scrape time, not kept up to date on every heartbeat.
         for role in ("prefill", "decode"):
             self.metrics.workers.labels(role).set_function(
                 lambda role=role: len(self.workers.healthy(role)))
         self.metrics.prefix_index_blocks.set_function(lambda: len(self.prefix_index))
+        self.metrics.kv_waiting.set_function(lambda: len(self.kv_lines))
 
     async def _setup(self) -> None:
         await self.serve(self.subjects.all_heartbeats, WorkerHeartbeat, self._on_heartbeat)
@@ -110,10 +113,13 @@ class ConductorService(Service):
         self.workers.observe(heartbeat)
         self.placer.observe(heartbeat)
         self.model_loader.observe(heartbeat)
+        if heartbeat.role == "decode":  # it may have freed blocks
+            self.kv_lines.wake_head(heartbeat.model)
 
     async def _handle(self, msg: Msg, in_hand: InHand) -> None:
         """Error boundary: decode -> place -> ack; invalid -> term; unexpected -> nak; held
-        past its ack wait -> nothing more (its delivery again decides)."""
+        past its ack wait -> nothing more (its delivery again decides); no KV room -> in
+        its model's line (`kv_lines`), the delivery kept in hand."""
         try:
             request = _request_decoder.decode(msg.data)
         except msgspec.DecodeError as exc:
@@ -124,70 +130,108 @@ class ConductorService(Service):
             self.log.warning("request.expired", request_id=request.request_id, age_s=age_s)
             await msg.ack()
             return
-        progress = assignment.Progress(delivery=msg.metadata.num_delivered)
         try:
             if msg.metadata.num_delivered > 1 and not await self.redeliveries.may_place(
                     self.nc, request, msg, in_hand.is_lapsed):
                 return
+        except Lapsed:
+            self._let_go(request)
+            return
+        except Exception as exc:
+            self.log.error("request.place_failed", request_id=request.request_id, exc_info=exc)
+            await msg.nak(delay=0.5)
+            return
+        schedule = tracing.continued(__name__, "conductor.schedule",
+                                     parent=tracing.extract(msg.headers), attributes={
+                                         "halfmoon.request_id": request.request_id,
+                                         "halfmoon.policy": self.config.policy,
+                                         **redelivery.span_attributes(request, msg)})
+        # A model with requests waiting for KV: the blocks that free are theirs first.
+        if not self.kv_lines.has_line(request.model) and \
+                await self._place(request, msg, in_hand, schedule):
+            if schedule is not None:
+                schedule.end()
+            return
+        in_hand.keep()
+        self.metrics.kv_waits.inc()
+        waiter = self.kv_lines.join(request.model, request.request_id)
+        self.spawn(self._wait_for_kv(request, msg, in_hand, waiter, schedule), "kv-line")
+
+    async def _place(self, request: GenerateRequest, msg: Msg, in_hand: InHand,
+                     schedule: Span | None) -> bool:
+        """Place the delivery and settle it: ack; on failure hold it (nak) or refuse it.
+        False, with nothing settled, when it found no decode worker with KV room and may
+        wait for some."""
+        progress = assignment.Progress(delivery=msg.metadata.num_delivered)
+        try:
             started = time.perf_counter()
-            with tracing.continued_span(__name__, "conductor.schedule",
-                                        parent=tracing.extract(msg.headers), attributes={
-                                            "halfmoon.request_id": request.request_id,
-                                            "halfmoon.policy": self.config.policy,
-                                            **redelivery.span_attributes(request, msg)}), \
+            with tracing.within(schedule), \
                     structlog.contextvars.bound_contextvars(request_id=request.request_id):
                 chosen = await self.placer.place(request, progress,
                                                  is_current=lambda: not in_hand.is_lapsed())
             if in_hand.is_lapsed():  # its commands went out in time, not the gateway's word
                 raise Lapsed
-            await self._announce(request, chosen, time.perf_counter() - started,
-                                 delivery=msg.metadata.num_delivered)
+            await self.outbox.announce(request, chosen, time.perf_counter() - started,
+                                       delivery=msg.metadata.num_delivered)
         except Lapsed:
             self._let_go(request)
-            return
+            return True
         except HalfmoonError as exc:
             if in_hand.is_lapsed():  # its abort, hold or refusal is the next delivery's
                 self._let_go(request)
-                return
+                return True
+            age_s = holding.age_s(request, msg)
+            ttft_slo_s = self.placer.rules.slo.ttft_s
+            waits = isinstance(exc, KvShortage) and not self.kv_lines.is_closed and \
+                age_s < holding.kv_hold_s(self.config, ttft_slo_s)
             # What this delivery sent is dropped (a side that accepted, a command still on
-            # its way); one refused before any command went out has nothing to drop.
+            # its way: the next delivery's, unless it waits to try again in this one); one
+            # refused before any command went out has nothing to drop.
             if progress.num_sent:
-                await self._abort(request.request_id, exc.message, attempt=request.attempt,
-                                  before_delivery=msg.metadata.num_delivered + 1)
-            delay_s = holding.retry_delay_s(exc, self.config, self.placer.rules.slo.ttft_s,
-                                            age_s=holding.age_s(request, msg),
+                await self.outbox.abort(
+                    request.request_id, exc.message, attempt=request.attempt,
+                    before_delivery=0 if waits else msg.metadata.num_delivered + 1)
+            if waits:
+                if schedule is not None:
+                    schedule.add_event("kv_short", {"halfmoon.reason": exc.message})
+                return False
+            _failed(schedule, exc)
+            delay_s = holding.retry_delay_s(exc, self.config, ttft_slo_s, age_s=age_s,
                                             num_delivered=msg.metadata.num_delivered)
             if delay_s is not None:
                 self.log.info("request.held", reason=exc.message)
                 self.redeliveries.held.note(request.request_id)
                 await msg.nak(delay=delay_s)  # JetStream delivers it again then
-                return
+                return True
             await self._reject(request, exc)
         except Exception as exc:
+            _failed(schedule, exc)
             self.log.error("request.place_failed", request_id=request.request_id, exc_info=exc)
             await msg.nak(delay=0.5)
-            return
+            return True
         await msg.ack()
+        return True
 
-    async def _announce(self, request: GenerateRequest, chosen: Plan, placement_s: float, *,
-                        delivery: int) -> None:
-        """Tell the request's gateway, and anyone listening, where it runs."""
-        prefill_id, decode_id = chosen.prefill.worker_id, chosen.decode.worker_id
-        self.metrics.placement_seconds.observe(placement_s)
-        await self._tell_placed(request, chosen, delivery)
-        await self.events.request(
-            "placed", request.request_id, model=request.model,
-            num_prompt_tokens=len(request.prompt_token_ids), prefill_worker_id=prefill_id,
-            decode_worker_id=decode_id, placement_s=placement_s, path=chosen.path)
+    async def _wait_for_kv(self, request: GenerateRequest, msg: Msg, in_hand: InHand,
+                           waiter: Waiter, schedule: Span | None) -> None:
+        """In the model's line until placed or settled otherwise (refused once its KV hold
+        is spent); handed back to the queue if the conductor stops first."""
+        async def try_again() -> bool:
+            if in_hand.is_lapsed():
+                self._let_go(request)
+                return True
+            return await self._place(request, msg, in_hand, schedule)
 
-    async def _tell_placed(self, request: GenerateRequest, chosen: Plan,
-                           delivery: int = 0) -> None:
-        await self.nc.publish(request.reply_subject, encode(RequestPlaced(
-            request_id=request.request_id, prefill_worker_id=chosen.prefill.worker_id,
-            decode_worker_id=chosen.decode.worker_id,
-            prefill_started_at_s=chosen.prefill.started_at_s,
-            decode_started_at_s=chosen.decode.started_at_s, attempt=request.attempt,
-            delivery=delivery)))
+        hold_s = holding.kv_hold_s(self.config, self.placer.rules.slo.ttft_s)
+        try:
+            if not await self.kv_lines.wait(request.model, waiter,
+                                            hold_s - holding.age_s(request, msg), try_again):
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.nak()  # another conductor, or this one back, places it
+        finally:
+            in_hand.stop()
+            if schedule is not None:
+                schedule.end()
 
     def _let_go(self, request: GenerateRequest) -> None:
         """A delivery that lapsed while this conductor placed it (`InHand.is_lapsed`):
@@ -220,21 +264,12 @@ class ConductorService(Service):
         self.log.info("placement.decode_replaced", request_id=request.request_id,
                       failed=message.failed_decode_worker_id, decode_worker_id=decode_id,
                       reason=message.reason)
-        await self._tell_placed(request, chosen)  # its prefill side: the one kept
+        await self.outbox.tell_placed(request, chosen)  # its prefill side: the one kept
         await self.events.request(
             "migrated", request.request_id, model=request.model,
             prefill_worker_id=message.prefill_worker_id, decode_worker_id=decode_id,
             lost_worker_id=message.failed_decode_worker_id, error=message.reason)
         return self.accept()
-
-    async def _dispatch(self, subject: str, message: Any,
-                        trace_headers: dict[str, str] | None = None
-                        ) -> DispatchReply | HalfmoonError:
-        try:
-            return await dispatch(self.nc, subject, message, self.config.dispatch_timeout_s,
-                                  trace_headers=trace_headers)
-        except HalfmoonError as exc:
-            return exc
 
     async def _reject(self, request: GenerateRequest, error: HalfmoonError) -> None:
         self.log.info("request.rejected", request_id=request.request_id, code=error.code,
@@ -244,22 +279,8 @@ class ConductorService(Service):
         if isinstance(error, SloViolation) and self.planning is not None:
             self.planning.slo_rejections.note(request.model, error.role, time.monotonic())
         self.metrics.rejections.labels(reason).inc()
-        await self._tell_gateway(request, request_failed(request.request_id, error,
-                                                         self.instance_id))
-
-    async def _tell_gateway(self, request: GenerateRequest, failure: RequestFailed) -> None:
-        with contextlib.suppress(nats.errors.Error):
-            await self.nc.publish(request.reply_subject, encode(failure))
-
-    async def _abort(self, request_id: str, reason: str, worker_id: str = "", *,
-                     attempt: int = 0, before_delivery: int = 0) -> None:
-        """Every worker (or only `worker_id`) drops the request and frees its blocks; with
-        `before_delivery`, refuses that attempt's commands of earlier deliveries still on
-        their way (`services/superseded.py`)."""
-        with contextlib.suppress(nats.errors.Error):
-            await self.nc.publish(self.subjects.abort, encode(AbortRequest(
-                request_id=request_id, reason=reason, worker_id=worker_id, attempt=attempt,
-                before_delivery=before_delivery)))
+        await self.outbox.tell_gateway(request, request_failed(request.request_id, error,
+                                                               self.instance_id))
 
     def _worker_views(self) -> list[WorkerDirectory]:
         return [self.workers]
@@ -267,9 +288,11 @@ class ConductorService(Service):
     async def _stop_intake(self) -> None:
         if self.intake is not None:
             self.intake.stop()
+        self.kv_lines.close()
 
     async def _drain(self) -> None:
-        await self.wait_until(lambda: self.intake is None or self.intake.num_in_hand == 0)
+        await self.wait_until(lambda: (self.intake is None or self.intake.num_in_hand == 0)
+                              and not self.kv_lines)
 
     async def _close(self) -> None:
         if self.intake is not None:
@@ -277,3 +300,9 @@ class ConductorService(Service):
         if self.prefix_follower is not None:
             with contextlib.suppress(Exception):
                 await self.prefix_follower.stop()
+
+
+def _failed(span: Span | None, exc: BaseException) -> None:
+    if span is not None:
+        span.record_exception(exc)
+        span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,97 @@
+"""Requests waiting for decode KV room: one line per model, first come, first placed.
+
+A request that finds no decode worker of its model with KV room (`KvShortage`: running
+requests hold the blocks, and they free them as they finish) waits in its model's line
+while its conductor keeps its delivery in hand. Each heartbeat of a decode worker of the
+model (it may show blocks freed) gives the request at the head of the line a turn to try
+again; a head that leaves (placed, refused, out of time) gives the next one a turn at once,
+since what freed may fit it too. A newcomer of a model with a line joins its back, so the
+blocks that free go to the requests that waited longest, and nothing polls meanwhile.
+
+Before, such a request went back to the queue with a delay and was tried again blindly,
+up to JetStream's delivery limit, in no order, and was refused after five seconds: a burst
+larger than the pool got 429s though every request of it fitted alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+
+class Waiter:
+    """One request in a line; `turn` is set when it may try again."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.turn = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return f"Waiter({self.request_id!r})"
+
+
+class KvLines:
+    def __init__(self) -> None:
+        self._lines: dict[str, deque[Waiter]] = {}
+        self.is_closed = False  # the conductor stops: every waiter is woken to go
+
+    def __len__(self) -> int:
+        return sum(len(line) for line in self._lines.values())
+
+    def has_line(self, model: str) -> bool:
+        return bool(self._lines.get(model))
+
+    def join(self, model: str, request_id: str) -> Waiter:
+        """A place at the back of the model's line; its first turn comes with the next
+        heartbeat of one of the model's decode workers (or when the waiters ahead leave)."""
+        waiter = Waiter(request_id)
+        self._lines.setdefault(model, deque()).append(waiter)
+        if self.is_closed:
+            waiter.turn.set()
+        return waiter
+
+    async def wait(self, model: str, waiter: Waiter, within_s: float,
+                   try_again: Callable[[], Awaitable[bool]]) -> bool:
+        """Wait in the line, calling `try_again` at each turn (and once more when
+        `within_s` has passed) until it says the request is settled: True. False when the
+        lines close first (the caller hands the request back). Out of the line either way."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiter.turn.wait(), max(0.0, deadline - loop.time()))
+                waiter.turn.clear()
+                if self.is_closed:
+                    return False
+                if await try_again():
+                    return True
+        finally:
+            self.leave(model, waiter)
+
+    def leave(self, model: str, waiter: Waiter) -> None:
+        """Out of the line; when it was the head, the next one has a turn at once."""
+        line = self._lines.get(model)
+        if not line or waiter not in line:
+            return
+        was_head = line[0] is waiter
+        line.remove(waiter)
+        if not line:
+            del self._lines[model]
+        elif was_head:
+            line[0].turn.set()
+
+    def wake_head(self, model: str) -> None:
+        """A decode worker of the model heartbeat: its line's head tries again."""
+        line = self._lines.get(model)
+        if line:
+            line[0].turn.set()
+
+    def close(self) -> None:
+        """Every waiter wakes, to hand its request back (the conductor stops)."""
+        self.is_closed = True
+        for line in self._lines.values():
+            for waiter in line:
+                waiter.turn.set()

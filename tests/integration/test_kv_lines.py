@@ -1,0 +1,62 @@
+"""Requests that find no decode KV room wait in line at the conductor: a burst larger than
+the pool is served, first come first served, and a conductor that stops hands its line back
+to the queue."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.conductor.service import ConductorService
+from tests.stack import Stack, eventually
+
+pytestmark = pytest.mark.e2e
+
+# Each takes 7 of decode's 12 blocks (prompt + a block of output; one block is the growth
+# watermark): one runs at a time, the others wait for its blocks.
+BODY = {"model": "halfmoon-tiny", "prompt": "x" * 85, "max_tokens": 10}
+
+
+def short_pool(nats_url: str) -> Stack:
+    return Stack(nats_url, worker={"fake_token_delay_s": 0.02},
+                 decode_options={"num_blocks": 12})
+
+
+async def test_a_burst_larger_than_the_kv_pool_is_served_in_arrival_order(
+        nats_url: str) -> None:
+    async with short_pool(nats_url) as stack:
+        finished: list[int] = []
+
+        async def ask(i: int) -> int:
+            await asyncio.sleep(0.05 * i)  # into the queue in this order
+            status, reply = await stack.post("/v1/completions", BODY)
+            assert status == 200, reply
+            finished.append(i)
+            return int(reply["usage"]["completion_tokens"])
+
+        assert await asyncio.gather(*(ask(i) for i in range(6))) == [10] * 6
+        assert finished == list(range(6))
+        # Waited in line, not sent back to the queue to be delivered again.
+        registry = stack.conductor.metrics.registry
+        assert (registry.get_sample_value("halfmoon_kv_waits_total") or 0) >= 3
+        assert registry.get_sample_value("halfmoon_request_deliveries_again_total",
+                                         {"step": "held_here"}) is None
+        assert len(stack.conductor.kv_lines) == 0
+        await stack.wait_blocks_free()
+
+
+async def test_a_stopping_conductor_hands_its_waiting_requests_to_the_next(
+        nats_url: str) -> None:
+    async with short_pool(nats_url) as stack:
+        asks = [asyncio.create_task(stack.post("/v1/completions", {**BODY, "max_tokens": 40}))]
+        await eventually(lambda: stack.decodes[0].engine.stats().num_running == 1)
+        asks += [asyncio.create_task(stack.post("/v1/completions", BODY)) for _ in range(2)]
+        await eventually(lambda: len(stack.conductor.kv_lines) == 2)
+        await stack.conductor.stop()
+        assert len(stack.conductor.kv_lines) == 0
+        stack.conductor = ConductorService(stack.conductor.config)
+        await stack.conductor.start()
+        replies = await asyncio.wait_for(asyncio.gather(*asks), 20)
+        assert [status for status, _ in replies] == [200] * 3, replies
+        await stack.wait_blocks_free()

@@ -1,0 +1,78 @@
+"""The lines requests wait in for decode KV room: who gets a turn, and when a wait ends."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.conductor.kv_lines import KvLines
+
+
+async def test_a_heartbeat_gives_only_the_head_of_its_models_line_a_turn() -> None:
+    lines = KvLines()
+    first, second = lines.join("a", "r1"), lines.join("a", "r2")
+    other = lines.join("b", "r3")
+    lines.wake_head("a")
+    assert first.turn.is_set() and not second.turn.is_set() and not other.turn.is_set()
+    lines.wake_head("c")  # a model nobody waits for
+    assert len(lines) == 3 and lines.has_line("a") and not lines.has_line("c")
+
+
+async def test_a_head_that_leaves_gives_the_next_a_turn_at_once() -> None:
+    lines = KvLines()
+    first, second, third = (lines.join("a", f"r{i}") for i in range(3))
+    lines.leave("a", second)  # not the head: nobody's turn
+    assert not third.turn.is_set()
+    lines.leave("a", first)
+    assert third.turn.is_set()
+    lines.leave("a", third)
+    assert not lines.has_line("a") and len(lines) == 0
+    lines.leave("a", third)  # twice: nothing
+
+
+async def test_a_waiter_tries_at_each_turn_until_settled() -> None:
+    lines = KvLines()
+    waiter = lines.join("a", "r1")
+    tries: list[int] = []
+
+    async def try_again() -> bool:
+        tries.append(len(tries))
+        return len(tries) == 2
+
+    waiting = asyncio.create_task(lines.wait("a", waiter, 30.0, try_again))
+    for _ in range(2):
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        lines.wake_head("a")
+    assert await asyncio.wait_for(waiting, 1) is True
+    assert tries == [0, 1] and not lines.has_line("a")
+
+
+async def test_a_waiter_tries_once_more_when_its_time_is_up() -> None:
+    lines = KvLines()
+    behind = [lines.join("a", "r0"), lines.join("a", "r1")][1]  # not the head: no turn
+    tries: list[float] = []
+
+    async def try_again() -> bool:
+        tries.append(asyncio.get_running_loop().time())
+        return True  # refused, say: settled all the same
+
+    started = asyncio.get_running_loop().time()
+    assert await lines.wait("a", behind, 0.05, try_again) is True
+    assert len(tries) == 1 and tries[0] - started >= 0.04
+
+
+async def test_closing_hands_every_waiter_back_and_a_late_one_too() -> None:
+    lines = KvLines()
+    waiters = [lines.join("a", "r1"), lines.join("b", "r2")]
+
+    async def never() -> bool:
+        raise AssertionError("no try after the lines close")
+
+    waiting = [asyncio.create_task(lines.wait(m, w, 30.0, never))
+               for m, w in zip("ab", waiters, strict=True)]
+    await asyncio.sleep(0.01)
+    lines.close()
+    assert await asyncio.gather(*waiting) == [False, False]
+    late = lines.join("a", "r3")
+    assert await asyncio.wait_for(lines.wait("a", late, 30.0, never), 1) is False
+    assert len(lines) == 0
