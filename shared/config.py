@@ -198,9 +198,9 @@ class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):
         "a request that finds no healthy worker of a role waits this long for one to come "
         "back (a restart, a healed partition, a NATS node lost) before its 503", ge=0)] = 5.0
     kv_short_hold_s: Annotated[float, about(
-        "a request that finds no decode worker with KV room waits this long (at most the "
-        "TTFT SLO), in its model's line, for blocks to free before its 429; 0: refuse at "
-        "once", ge=0)] = 30.0
+        "a request that finds no room (no decode worker with KV room, every prefill "
+        "queue full) waits this long (at most the TTFT SLO), in its model's line, for "
+        "running requests to free some before its 429; 0: refuse at once", ge=0)] = 30.0
     policy: Annotated[PrefillPolicy, about("how a prefill worker is chosen")] = "cache-aware"
     ttft_slo_ms: Annotated[Positive | None, about(
         "reject a request (429) when the best predicted time to first token exceeds "

@@ -112,15 +112,24 @@ class KvNeverFits(CapacityExhausted):
     is_final = True
 
 
-class KvShortage(CapacityExhausted):
-    """No decode worker has KV room for the request now, though one would with its running
-    requests finished: the conductor holds the request a little before its 429, which tells
-    the client to try again in `RETRY_AFTER_S` (running requests finish all the time)."""
+class Shortage(CapacityExhausted):
+    """No worker has room for the request now, though one will as running requests finish:
+    the request waits at the conductor (its hold) before its 429, which tells the client to
+    try again in `RETRY_AFTER_S` (running requests finish all the time)."""
 
     RETRY_AFTER_S = 1.0
 
     def __init__(self, message: str, *, retry_after_s: float | None = RETRY_AFTER_S) -> None:
         super().__init__(message, retry_after_s=retry_after_s)
+
+
+class KvShortage(Shortage):
+    """No decode worker has KV room for the request now."""
+
+
+class PrefillQueuesFull(Shortage):
+    """Every prefill worker's queue is full now (as its heartbeat and what was sent to it
+    since say): it takes more as its prefills finish."""
 
 
 class SloViolation(CapacityExhausted):

@@ -81,10 +81,10 @@ class ConductorMetrics(ServiceMetrics):
             "halfmoon_request_deliveries_lapsed", "requests this conductor stopped placing: "
             "held past most of the ack wait (stopped, or its loop blocked), maybe delivered "
             "again", registry=r)
-        self.kv_waits = Counter("halfmoon_kv_waits", "requests that waited in line for "
-                                "decode KV room", registry=r)
-        self.kv_waiting = Gauge("halfmoon_kv_waiting_requests", "requests waiting in line "
-                                "for decode KV room now", registry=r)
+        self.room_waits = Counter("halfmoon_room_waits", "requests that waited in line for room "
+                                  "(decode KV, a prefill queue)", registry=r)
+        self.room_waiting = Gauge("halfmoon_room_waiting_requests", "requests waiting in line "
+                                    "for room now", registry=r)
         self.placement_seconds = Histogram("halfmoon_placement_seconds",
                                            "request taken to both workers accepted",
                                            buckets=LATENCY_BUCKETS, registry=r)

@@ -6,7 +6,7 @@ worker with KV room (running requests' growth filled the pools; they finish and 
 Such a request is not refused at once, until its hold is spent; then the error goes to the
 client (503, or 429). Waiting for a worker, the conductor naks its JetStream delivery with a
 delay, and the queue delivers it again; waiting for KV, it keeps the delivery and the
-request waits in its model's line (`kv_lines`). Anything else (a refusal by every worker,
+request waits in its model's line (`room_lines`). Anything else (a refusal by every worker,
 an SLO the best choice breaks) is answered at once.
 """
 
@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from shared.config import ConductorConfig
-from shared.errors import HalfmoonError, KvShortage, ModelLoading, NoHealthyWorker
+from shared.errors import HalfmoonError, ModelLoading, NoHealthyWorker, Shortage
 from shared.messages import GenerateRequest
 
 if TYPE_CHECKING:
@@ -32,14 +32,15 @@ def hold_s(error: HalfmoonError, config: ConductorConfig, ttft_slo_s: float | No
         return config.no_worker_hold_s + error.load_s
     if isinstance(error, NoHealthyWorker):
         return config.no_worker_hold_s
-    if isinstance(error, KvShortage):
-        return kv_hold_s(config, ttft_slo_s)
+    if isinstance(error, Shortage):
+        return shortage_hold_s(config, ttft_slo_s)
     return 0.0
 
 
-def kv_hold_s(config: ConductorConfig, ttft_slo_s: float | None) -> float:
-    """How long, from its creation, a request may wait for decode KV room (in its model's
-    line: `kv_lines`); never past the TTFT SLO (the answer would come too late anyway)."""
+def shortage_hold_s(config: ConductorConfig, ttft_slo_s: float | None) -> float:
+    """How long, from its creation, a request may wait for room (decode KV, a prefill
+    queue) in its model's line (`room_lines`); never past the TTFT SLO (the answer would
+    come too late anyway)."""
     hold = config.kv_short_hold_s
     return hold if ttft_slo_s is None else min(hold, ttft_slo_s)
 
@@ -55,7 +56,9 @@ def retry_delay_s(error: HalfmoonError, config: ConductorConfig, ttft_slo_s: flo
     """The delay before the request's next delivery, or None: answer `error` now (not a
     failure that clears up, its hold spent, or no delivery left)."""
     hold = hold_s(error, config, ttft_slo_s)
-    delay = delay_s(hold)
+    # Short of room, the delivery again waits in its model's line (`room_lines`): it comes
+    # back soon, not spread over the deliveries left.
+    delay = RETRY_S if isinstance(error, Shortage) else delay_s(hold)
     if hold <= 0 or age_s + delay > hold or num_delivered >= MAX_DELIVER - 1:
         return None
     return delay

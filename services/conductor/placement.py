@@ -33,7 +33,7 @@ from services.conductor.cost_model import (
 from services.conductor.prefix_index import PrefixIndex
 from shared.block_hash import block_hashes
 from shared.config import PrefillPolicy
-from shared.errors import KvNeverFits, KvShortage, NoHealthyWorker
+from shared.errors import KvNeverFits, KvShortage, NoHealthyWorker, PrefillQueuesFull
 from shared.messages import PrefixSource, WorkerHeartbeat
 
 
@@ -106,10 +106,14 @@ def pick_prefill(
     turn: int = 0,
     seed: SeedInputs | None = None,
 ) -> WorkerHeartbeat:
-    """The healthy prefill worker, not in `excluded`, that `policy` prefers."""
+    """The healthy prefill worker, not in `excluded` and with room in its queue, that
+    `policy` prefers."""
     candidates = [w for w in workers if w.worker_id not in excluded]
     if not candidates:
         raise NoHealthyWorker("no healthy prefill worker")
+    candidates = [w for w in candidates if _has_queue_room(w, pending)]
+    if not candidates:
+        raise PrefillQueuesFull("every prefill worker's queue is full now")
     match policy:
         case "round-robin":
             candidates.sort(key=lambda w: w.worker_id)
@@ -133,6 +137,13 @@ def pick_prefill(
                 seed_cost(w, fastest, pending, view, seed), w.worker_id))
         case _:
             return min(candidates, key=lambda w: (_load(w, pending), w.worker_id))
+
+
+def _has_queue_room(worker: WorkerHeartbeat, pending: Mapping[str, PendingWork]) -> bool:
+    """Whether the worker queues one more prefill (it refuses past `max_queue`; 0: it did
+    not say), counting what was sent to it since its heartbeat."""
+    sent = pending.get(worker.worker_id, _NO_PENDING).num_requests
+    return worker.max_queue <= 0 or worker.num_waiting + sent < worker.max_queue
 
 
 def seed_cost(worker: WorkerHeartbeat, fastest: float, pending: Mapping[str, PendingWork],

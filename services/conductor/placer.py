@@ -23,7 +23,7 @@ from services.conductor.placement import PendingWork, PrefixView, prefix_view
 from services.conductor.prefix_index import PrefixIndex
 from shared import tracing
 from shared.config import ConductorConfig
-from shared.errors import ErrorCode, HalfmoonError, KvShortage, NoHealthyWorker, WorkerUnavailable
+from shared.errors import ErrorCode, HalfmoonError, NoHealthyWorker, Shortage, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
 from shared.logs import get_logger
 from shared.messages import DispatchReply, GenerateRequest, PrefillTask, WorkerHeartbeat
@@ -89,8 +89,9 @@ class Placer:
                 if progress.num_attempts == 1:
                     assignment.admit(request, chosen, self.pending, prefix, self.rules)
             except NoHealthyWorker as exc:
-                # Every worker left refused: a KV refusal says more than "none healthy".
-                if not isinstance(error, KvShortage):
+                # Every worker left refused: a refusal for want of room says more than
+                # "none healthy".
+                if not isinstance(error, Shortage):
                     error = self.model_loader.hold(request, view) or exc
                 break
             except HalfmoonError as exc:
@@ -165,5 +166,5 @@ def _refusal_error(worker_id: str, reply: DispatchReply | HalfmoonError) -> Half
     reason = reply.message if isinstance(reply, HalfmoonError) else reply.reason
     log.info("placement.refused", worker_id=worker_id, reason=reason)
     if isinstance(reply, DispatchReply) and reply.code == ErrorCode.CAPACITY_EXHAUSTED:
-        return KvShortage(f"{worker_id} refused: {reason}")  # its blocks will free
+        return Shortage(f"{worker_id} refused: {reason}")  # its blocks or queue will free
     return WorkerUnavailable(f"{worker_id} refused: {reason}")

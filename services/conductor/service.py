@@ -8,10 +8,10 @@ side accepted (`placer`, over the pure decisions of `assignment`, `placement`,
 `max_placement_attempts`), the accepted side is kept; when placement is impossible the
 gateway gets `RequestFailed` (429 for capacity, 503 for no workers) and any accepted side is
 aborted; a request for a model no worker of a role serves is held while one loads it
-(`model_loader`), one that finds no decode KV room waits in its model's line (`kv_lines`),
-and what the conductor sends goes through its `outbox`. A request JetStream delivers again
-may have been placed already: its gateway is asked first (`redelivery`). The global prefix
-index follows the workers' KV events (`prefix_follower`).
+(`model_loader`), one that finds no room (decode KV, a prefill queue) waits in its model's
+line (`room_lines`), and what the conductor sends goes through its `outbox`. A request
+JetStream delivers again may have been placed already: its gateway is asked first
+(`redelivery`). The global prefix index follows the workers' KV events (`prefix_follower`).
 """
 
 from __future__ import annotations
@@ -29,16 +29,16 @@ from opentelemetry.trace import Span, StatusCode
 
 from services.conductor import assignment, holding, redelivery
 from services.conductor.intake import InHand, RequestIntake
-from services.conductor.kv_lines import KvLines, Waiter
 from services.conductor.model_loader import ModelLoader
 from services.conductor.outbox import Outbox
 from services.conductor.placer import Lapsed, Placer
 from services.conductor.planning import PlanningLoop
 from services.conductor.prefix_follower import STREAM_CHECK_S, PrefixIndexFollower
 from services.conductor.prefix_index import PrefixIndex
+from services.conductor.room_lines import RoomLines, Waiter
 from shared import tracing
 from shared.config import ConductorConfig
-from shared.errors import HalfmoonError, KvShortage, SloViolation
+from shared.errors import HalfmoonError, Shortage, SloViolation
 from shared.heartbeats import WorkerDirectory
 from shared.messages import (
     DecodeReplacement,
@@ -75,7 +75,7 @@ class ConductorService(Service):
         self.placer = Placer(config, self.subjects, self.workers, self.prefix_index,
                              self.model_loader, self.metrics, self.outbox.dispatch,
                              self.outbox.abort)
-        self.kv_lines = KvLines()  # requests waiting for decode KV room, by model
+        self.room_lines = RoomLines()  # requests waiting for room, by model
         self.redeliveries = redelivery.Redeliveries(self.metrics, self.outbox.abort,
                                                     self.outbox.tell_gateway)
         # Gauges read at scrape time, not kept up to date on every heartbeat.
@@ -83,7 +83,7 @@ class ConductorService(Service):
             self.metrics.workers.labels(role).set_function(
                 lambda role=role: len(self.workers.healthy(role)))
         self.metrics.prefix_index_blocks.set_function(lambda: len(self.prefix_index))
-        self.metrics.kv_waiting.set_function(lambda: len(self.kv_lines))
+        self.metrics.room_waiting.set_function(lambda: len(self.room_lines))
 
     async def _setup(self) -> None:
         await self.serve(self.subjects.all_heartbeats, WorkerHeartbeat, self._on_heartbeat)
@@ -113,13 +113,12 @@ class ConductorService(Service):
         self.workers.observe(heartbeat)
         self.placer.observe(heartbeat)
         self.model_loader.observe(heartbeat)
-        if heartbeat.role == "decode":  # it may have freed blocks
-            self.kv_lines.wake_head(heartbeat.model)
+        self.room_lines.wake_head(heartbeat.model)  # it may have room now
 
     async def _handle(self, msg: Msg, in_hand: InHand) -> None:
         """Error boundary: decode -> place -> ack; invalid -> term; unexpected -> nak; held
-        past its ack wait -> nothing more (its delivery again decides); no KV room -> in
-        its model's line (`kv_lines`), the delivery kept in hand."""
+        past its ack wait -> nothing more (its delivery again decides); no room -> in
+        its model's line (`room_lines`), the delivery kept in hand."""
         try:
             request = _request_decoder.decode(msg.data)
         except msgspec.DecodeError as exc:
@@ -146,22 +145,22 @@ class ConductorService(Service):
                                          "halfmoon.request_id": request.request_id,
                                          "halfmoon.policy": self.config.policy,
                                          **redelivery.span_attributes(request, msg)})
-        # A model with requests waiting for KV: the blocks that free are theirs first.
-        if not self.kv_lines.has_line(request.model) and \
+        # A model with requests waiting for room: the room that frees is theirs first.
+        if not self.room_lines.has_line(request.model) and \
                 await self._place(request, msg, in_hand, schedule):
             if schedule is not None:
                 schedule.end()
             return
         in_hand.keep()
-        self.metrics.kv_waits.inc()
-        waiter = self.kv_lines.join(request.model, request.request_id)
-        self.spawn(self._wait_for_kv(request, msg, in_hand, waiter, schedule), "kv-line")
+        self.metrics.room_waits.inc()
+        waiter = self.room_lines.join(request.model, request.request_id)
+        self.spawn(self._wait_for_room(request, msg, in_hand, waiter, schedule), "room-line")
 
     async def _place(self, request: GenerateRequest, msg: Msg, in_hand: InHand,
                      schedule: Span | None) -> bool:
         """Place the delivery and settle it: ack; on failure hold it (nak) or refuse it.
-        False, with nothing settled, when it found no decode worker with KV room and may
-        wait for some."""
+        False, with nothing settled, when it found no room (decode KV, a prefill queue) and
+        may wait for some."""
         progress = assignment.Progress(delivery=msg.metadata.num_delivered)
         try:
             started = time.perf_counter()
@@ -182,19 +181,21 @@ class ConductorService(Service):
                 return True
             age_s = holding.age_s(request, msg)
             ttft_slo_s = self.placer.rules.slo.ttft_s
-            waits = isinstance(exc, KvShortage) and not self.kv_lines.is_closed and \
-                age_s < holding.kv_hold_s(self.config, ttft_slo_s)
-            # What this delivery sent is dropped (a side that accepted, a command still on
-            # its way: the next delivery's, unless it waits to try again in this one); one
-            # refused before any command went out has nothing to drop.
-            if progress.num_sent:
-                await self.outbox.abort(
-                    request.request_id, exc.message, attempt=request.attempt,
-                    before_delivery=0 if waits else msg.metadata.num_delivered + 1)
-            if waits:
+            # Short of room, it waits to try again in this delivery: the sides that accepted
+            # drop it (a command still on its way was given up, and refused, by the placer).
+            if isinstance(exc, Shortage) and not self.room_lines.is_closed and \
+                    age_s < holding.shortage_hold_s(self.config, ttft_slo_s):
+                for worker_id in set(progress.kept.values()):
+                    await self.outbox.abort(request.request_id, exc.message, worker_id,
+                                            attempt=request.attempt)
                 if schedule is not None:
-                    schedule.add_event("kv_short", {"halfmoon.reason": exc.message})
+                    schedule.add_event("no_room", {"halfmoon.reason": exc.message})
                 return False
+            # Whatever it sent is dropped, and refused until its next delivery.
+            if progress.num_sent:
+                await self.outbox.abort(request.request_id, exc.message,
+                                        attempt=request.attempt,
+                                        before_delivery=msg.metadata.num_delivered + 1)
             _failed(schedule, exc)
             delay_s = holding.retry_delay_s(exc, self.config, ttft_slo_s, age_s=age_s,
                                             num_delivered=msg.metadata.num_delivered)
@@ -212,9 +213,9 @@ class ConductorService(Service):
         await msg.ack()
         return True
 
-    async def _wait_for_kv(self, request: GenerateRequest, msg: Msg, in_hand: InHand,
+    async def _wait_for_room(self, request: GenerateRequest, msg: Msg, in_hand: InHand,
                            waiter: Waiter, schedule: Span | None) -> None:
-        """In the model's line until placed or settled otherwise (refused once its KV hold
+        """In the model's line until placed or settled otherwise (refused once its hold
         is spent); handed back to the queue if the conductor stops first."""
         async def try_again() -> bool:
             if in_hand.is_lapsed():
@@ -222,9 +223,9 @@ class ConductorService(Service):
                 return True
             return await self._place(request, msg, in_hand, schedule)
 
-        hold_s = holding.kv_hold_s(self.config, self.placer.rules.slo.ttft_s)
+        hold_s = holding.shortage_hold_s(self.config, self.placer.rules.slo.ttft_s)
         try:
-            if not await self.kv_lines.wait(request.model, waiter,
+            if not await self.room_lines.wait(request.model, waiter,
                                             hold_s - holding.age_s(request, msg), try_again):
                 with contextlib.suppress(nats.errors.Error):
                     await msg.nak()  # another conductor, or this one back, places it
@@ -288,11 +289,11 @@ class ConductorService(Service):
     async def _stop_intake(self) -> None:
         if self.intake is not None:
             self.intake.stop()
-        self.kv_lines.close()
+        self.room_lines.close()
 
     async def _drain(self) -> None:
         await self.wait_until(lambda: (self.intake is None or self.intake.num_in_hand == 0)
-                              and not self.kv_lines)
+                              and not self.room_lines)
 
     async def _close(self) -> None:
         if self.intake is not None:

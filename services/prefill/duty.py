@@ -33,6 +33,7 @@ from services.superseded import Mark
 from shared import tracing
 from shared.errors import (
     EngineFailure,
+    ErrorCode,
     HalfmoonError,
     InvalidRequest,
     RequestAborted,
@@ -116,7 +117,8 @@ class PrefillDuty(Duty):
             return self.worker.refusal(f"attempt {running.attempt} of the request still "
                                        "runs here")
         if len(self._in_flight) >= self.config.max_queue:
-            return self.worker.refusal(f"prefill queue full ({self.config.max_queue})")
+            return self.worker.refusal(f"prefill queue full ({self.config.max_queue})",
+                                       code=ErrorCode.CAPACITY_EXHAUSTED)  # room will free
         self._in_flight[request.request_id] = _Running(self.worker.spawn(
             self._run(request, task.prefix_source), f"request.{request.request_id}"
         ), request.attempt)

@@ -254,12 +254,12 @@ async def test_a_conductor_that_woke_to_overdue_replies_aborts_nothing(nats_url:
 
 
 async def test_a_held_request_has_its_first_token_from_one_prefill_run(nats_url: str) -> None:
-    """Decode refuses for want of KV blocks while prefill computes: the conductor aborts
-    both sides and the request waits for KV (it was held for a later delivery). Prefill
-    sends an unseeded sampled first token only once decode has accepted, so the client's
-    comes from the run that is placed for good (before, the refused run's reached the
-    gateway too, which kept it: the client got its first token from one run and the rest
-    from another)."""
+    """Decode refuses for want of KV blocks while prefill computes: prefill is told to drop
+    the request, which waits for KV at the conductor (it was held for a later delivery).
+    Prefill sends an unseeded sampled first token only once decode has accepted, so the
+    client's comes from the run that is placed for good (before, the refused run's reached
+    the gateway too, which kept it: the client got its first token from one run and the
+    rest from another)."""
     stack = Stack(nats_url, worker={"fake_token_delay_s": 0.02},
                   decode_options={"num_blocks": 12},  # room for one request at a time
                   conductor_options={"kv_short_hold_s": 6.0, "no_worker_hold_s": 0.0})
@@ -269,6 +269,6 @@ async def test_a_held_request_has_its_first_token_from_one_prefill_run(nats_url:
                                          for _ in range(3)))
         assert [status for status, _ in replies] == [200] * 3, replies
         await eventually(lambda: kinds["finished"] == 3)
-        assert stack.conductor.metrics.registry.get_sample_value(
-            "halfmoon_kv_waits_total")  # some waited
+        waited = stack.conductor.metrics.registry.get_sample_value("halfmoon_room_waits_total")
+        assert delivered_again(stack, "held_here") or waited  # some were held
     assert sorted(firsts.values()) == [1, 1, 1]

@@ -48,3 +48,10 @@ def test_a_spent_hold_or_the_last_delivery_ends_it() -> None:
     assert holding.retry_delay_s(shortage, CONFIG, None, age_s=0.0,
                                  num_delivered=holding.MAX_DELIVER - 1) is None
     assert holding.retry_delay_s(shortage, CONFIG, None, age_s=1.0, num_delivered=3) == 0.5
+
+
+def test_a_kv_shortage_comes_back_soon_however_long_its_hold() -> None:
+    """Its next delivery waits in its model's line for KV instead of polling."""
+    config = ConductorConfig(kv_short_hold_s=30.0)
+    assert holding.retry_delay_s(KvShortage("x"), config, None, age_s=0.0,
+                                 num_delivered=1) == holding.RETRY_S

@@ -10,7 +10,7 @@ from services.conductor.placement import (
     pick_decode,
     pick_prefill,
 )
-from shared.errors import CapacityExhausted, KvShortage, WorkerUnavailable
+from shared.errors import CapacityExhausted, KvShortage, PrefillQueuesFull, WorkerUnavailable
 from shared.messages import WorkerHeartbeat
 
 
@@ -45,6 +45,16 @@ def test_excluded_workers_are_skipped() -> None:
 def test_no_prefill_worker_is_unavailable() -> None:
     with pytest.raises(WorkerUnavailable, match="no healthy prefill worker"):
         pick_prefill([worker("a")], {"a"}, {})
+
+
+def test_a_full_prefill_queue_is_passed_over_counting_what_was_sent_since() -> None:
+    full = msgspec.structs.replace(worker("a", waiting=4), max_queue=4)
+    filling = msgspec.structs.replace(worker("b", waiting=2), max_queue=4)
+    assert pick_prefill([full, filling], (), {}).worker_id == "b"
+    with pytest.raises(PrefillQueuesFull, match="queue is full"):
+        pick_prefill([full, filling], (), {"b": PendingWork(num_requests=2)})
+    unsaid = worker("c", waiting=1000)  # max_queue 0: an older worker that does not say
+    assert pick_prefill([full, unsaid], (), {}).worker_id == "c"
 
 
 def test_decode_needs_room_for_prompt_and_max_tokens() -> None:

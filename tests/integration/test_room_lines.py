@@ -39,10 +39,10 @@ async def test_a_burst_larger_than_the_kv_pool_is_served_in_arrival_order(
         assert finished == list(range(6))
         # Waited in line, not sent back to the queue to be delivered again.
         registry = stack.conductor.metrics.registry
-        assert (registry.get_sample_value("halfmoon_kv_waits_total") or 0) >= 3
+        assert (registry.get_sample_value("halfmoon_room_waits_total") or 0) >= 3
         assert registry.get_sample_value("halfmoon_request_deliveries_again_total",
                                          {"step": "held_here"}) is None
-        assert len(stack.conductor.kv_lines) == 0
+        assert len(stack.conductor.room_lines) == 0
         await stack.wait_blocks_free()
 
 
@@ -52,11 +52,26 @@ async def test_a_stopping_conductor_hands_its_waiting_requests_to_the_next(
         asks = [asyncio.create_task(stack.post("/v1/completions", {**BODY, "max_tokens": 40}))]
         await eventually(lambda: stack.decodes[0].engine.stats().num_running == 1)
         asks += [asyncio.create_task(stack.post("/v1/completions", BODY)) for _ in range(2)]
-        await eventually(lambda: len(stack.conductor.kv_lines) == 2)
+        await eventually(lambda: len(stack.conductor.room_lines) == 2)
         await stack.conductor.stop()
-        assert len(stack.conductor.kv_lines) == 0
+        assert len(stack.conductor.room_lines) == 0
         stack.conductor = ConductorService(stack.conductor.config)
         await stack.conductor.start()
         replies = await asyncio.wait_for(asyncio.gather(*asks), 20)
         assert [status for status, _ in replies] == [200] * 3, replies
+        await stack.wait_blocks_free()
+
+
+async def test_requests_past_a_full_prefill_queue_wait_for_it(nats_url: str) -> None:
+    """The prefill worker queues one request at a time: the others wait in line, and none
+    is told that no prefill worker is alive (before: a 503 once the no-worker hold ran out,
+    here none at all)."""
+    async with Stack(nats_url, worker={"fake_prefill_delay_s": 0.2},
+                     prefill_options={"max_queue": 1},
+                     conductor_options={"no_worker_hold_s": 0.0}) as stack:
+        body = {"model": "halfmoon-tiny", "prompt": "x" * 40, "max_tokens": 4}
+        replies = await asyncio.gather(*(stack.post("/v1/completions", body)
+                                         for _ in range(5)))
+        assert [status for status, _ in replies] == [200] * 5, [r.get("error") for _, r in replies]
+        assert stack.conductor.metrics.registry.get_sample_value("halfmoon_room_waits_total")
         await stack.wait_blocks_free()

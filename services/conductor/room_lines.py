@@ -1,16 +1,18 @@
-"""Requests waiting for decode KV room: one line per model, first come, first placed.
+"""Requests waiting for room: one line per model, first come, first placed.
 
-A request that finds no decode worker of its model with KV room (`KvShortage`: running
-requests hold the blocks, and they free them as they finish) waits in its model's line
-while its conductor keeps its delivery in hand. Each heartbeat of a decode worker of the
-model (it may show blocks freed) gives the request at the head of the line a turn to try
-again; a head that leaves (placed, refused, out of time) gives the next one a turn at once,
-since what freed may fit it too. A newcomer of a model with a line joins its back, so the
-blocks that free go to the requests that waited longest, and nothing polls meanwhile.
+A request that finds no room for it now (`Shortage`: no decode worker of its model with KV
+room, or every prefill worker's queue full; running requests free both as they finish)
+waits in its model's line while its conductor keeps its delivery in hand. Each heartbeat of
+a worker of the model (it may show room) gives the request at the head of the line a turn
+to try again; a head that leaves (placed, refused, out of time) gives the next one a turn at
+once, since the room that freed may fit it too. A newcomer of a model with a line joins its
+back, so the room that frees goes to the requests that waited longest, and nothing polls
+meanwhile.
 
 Before, such a request went back to the queue with a delay and was tried again blindly,
-up to JetStream's delivery limit, in no order, and was refused after five seconds: a burst
-larger than the pool got 429s though every request of it fitted alone.
+up to JetStream's delivery limit, in no order, and was refused after five seconds (or, when
+the prefill queues were full, got a 503 as if no prefill worker were alive): a burst larger
+than the pool got 429s though every request of it fitted alone.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Awaitable, Callable
+
+# Past its time a waiter tries on, this far apart, until its caller settles it: the caller
+# judges the time by the wall clock (a request's age), this line by the loop's.
+LATE_TRY_S = 0.05
 
 
 class Waiter:
@@ -32,7 +38,7 @@ class Waiter:
         return f"Waiter({self.request_id!r})"
 
 
-class KvLines:
+class RoomLines:
     def __init__(self) -> None:
         self._lines: dict[str, deque[Waiter]] = {}
         self.is_closed = False  # the conductor stops: every waiter is woken to go
@@ -45,7 +51,7 @@ class KvLines:
 
     def join(self, model: str, request_id: str) -> Waiter:
         """A place at the back of the model's line; its first turn comes with the next
-        heartbeat of one of the model's decode workers (or when the waiters ahead leave)."""
+        heartbeat of one of the model's workers (or when the waiters ahead leave)."""
         waiter = Waiter(request_id)
         self._lines.setdefault(model, deque()).append(waiter)
         if self.is_closed:
@@ -61,8 +67,9 @@ class KvLines:
         deadline = loop.time() + within_s
         try:
             while True:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(waiter.turn.wait(), max(0.0, deadline - loop.time()))
+                with contextlib.suppress(TimeoutError):  # past its time, a try each 50 ms
+                    await asyncio.wait_for(waiter.turn.wait(),  # until the caller refuses it
+                                           max(LATE_TRY_S, deadline - loop.time()))
                 waiter.turn.clear()
                 if self.is_closed:
                     return False
@@ -84,7 +91,7 @@ class KvLines:
             line[0].turn.set()
 
     def wake_head(self, model: str) -> None:
-        """A decode worker of the model heartbeat: its line's head tries again."""
+        """A worker of the model heartbeat: its line's head tries again."""
         line = self._lines.get(model)
         if line:
             line[0].turn.set()

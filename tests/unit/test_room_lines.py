@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
-from services.conductor.kv_lines import KvLines
+from services.conductor.room_lines import LATE_TRY_S, RoomLines
 
 
 async def test_a_heartbeat_gives_only_the_head_of_its_models_line_a_turn() -> None:
-    lines = KvLines()
+    lines = RoomLines()
     first, second = lines.join("a", "r1"), lines.join("a", "r2")
     other = lines.join("b", "r3")
     lines.wake_head("a")
@@ -18,7 +19,7 @@ async def test_a_heartbeat_gives_only_the_head_of_its_models_line_a_turn() -> No
 
 
 async def test_a_head_that_leaves_gives_the_next_a_turn_at_once() -> None:
-    lines = KvLines()
+    lines = RoomLines()
     first, second, third = (lines.join("a", f"r{i}") for i in range(3))
     lines.leave("a", second)  # not the head: nobody's turn
     assert not third.turn.is_set()
@@ -30,7 +31,7 @@ async def test_a_head_that_leaves_gives_the_next_a_turn_at_once() -> None:
 
 
 async def test_a_waiter_tries_at_each_turn_until_settled() -> None:
-    lines = KvLines()
+    lines = RoomLines()
     waiter = lines.join("a", "r1")
     tries: list[int] = []
 
@@ -48,7 +49,7 @@ async def test_a_waiter_tries_at_each_turn_until_settled() -> None:
 
 
 async def test_a_waiter_tries_once_more_when_its_time_is_up() -> None:
-    lines = KvLines()
+    lines = RoomLines()
     behind = [lines.join("a", "r0"), lines.join("a", "r1")][1]  # not the head: no turn
     tries: list[float] = []
 
@@ -61,8 +62,23 @@ async def test_a_waiter_tries_once_more_when_its_time_is_up() -> None:
     assert len(tries) == 1 and tries[0] - started >= 0.04
 
 
+async def test_past_its_time_a_waiter_tries_on_apart_until_settled() -> None:
+    """Its caller's clock (a request's age) may run behind the line's: no busy loop then."""
+    lines = RoomLines()
+    waiter = lines.join("a", "r0")
+    tries: list[float] = []
+
+    async def try_again() -> bool:
+        tries.append(asyncio.get_running_loop().time())
+        return len(tries) == 3
+
+    assert await lines.wait("a", waiter, 0.0, try_again) is True
+    gaps = [later - earlier for earlier, later in itertools.pairwise(tries)]
+    assert len(tries) == 3 and min(gaps) >= 0.9 * LATE_TRY_S
+
+
 async def test_closing_hands_every_waiter_back_and_a_late_one_too() -> None:
-    lines = KvLines()
+    lines = RoomLines()
     waiters = [lines.join("a", "r1"), lines.join("b", "r2")]
 
     async def never() -> bool:
