@@ -1,13 +1,13 @@
 """Holding a request that cannot be placed yet: pure decisions, tested without NATS.
 
 Some placement failures clear up on their own: no healthy worker of a role (a restart, a
-healed partition, a NATS node lost, a worker loading the model: `model_loads`) or no decode
-worker with KV room (running requests' growth filled the pools; they finish and free it).
-Such a request is not refused at once, until its hold is spent; then the error goes to the
-client (503, or 429). Waiting for a worker, the conductor naks its JetStream delivery with a
-delay, and the queue delivers it again; waiting for KV, it keeps the delivery and the
-request waits in its model's line (`room_lines`). Anything else (a refusal by every worker,
-an SLO the best choice breaks) is answered at once.
+healed partition, a NATS node lost, a worker loading the model: `model_loads`) or no room
+(`Shortage`: no decode worker with KV room, every prefill queue full; running requests
+finish and free both). Such a request is not refused at once, until its hold is spent; then
+the error goes to the client (503, or 429). Waiting for a worker, the conductor naks its
+JetStream delivery with a delay, and the queue delivers it again; waiting for room, it keeps
+the delivery and the request waits in its model's line (`room_lines`). Anything else (a
+refusal by every worker, an SLO the best choice breaks) is answered at once.
 """
 
 from __future__ import annotations

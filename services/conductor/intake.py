@@ -182,7 +182,7 @@ class InHand:
         self.is_kept = False
 
     def keep(self) -> None:
-        """The handler keeps the message past its return (waiting for KV room): the word
+        """The handler keeps the message past its return (waiting for room): the word
         goes on until the handler's own `stop()`, and the fetch loop pulls the next."""
         self.is_kept = True
 
