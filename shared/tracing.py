@@ -159,12 +159,18 @@ class _CurrentSpan:
                 if isinstance(exc, asyncio.CancelledError):
                     self._span.add_event("cancelled")
                 else:
-                    self._span.record_exception(exc)
-                    self._span.set_status(Status(StatusCode.ERROR,
-                                                 f"{type(exc).__name__}: {exc}"))
+                    failed(self._span, exc)
         finally:
             otel_context.detach(self._token)  # type: ignore[arg-type]
             self._span.end()
+
+
+def failed(span: trace.Span | None, exc: BaseException) -> None:
+    """Record `exc` on the span and set its status to error, as `span` does for an
+    exception leaving its block; nothing when None."""
+    if span is not None:
+        span.record_exception(exc)
+        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
 
 
 def within(span: trace.Span | None) -> contextlib.AbstractContextManager[Any]:

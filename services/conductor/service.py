@@ -25,7 +25,7 @@ import msgspec
 import nats.errors
 import structlog
 from nats.aio.msg import Msg
-from opentelemetry.trace import Span, StatusCode
+from opentelemetry.trace import Span
 
 from services.conductor import assignment, holding, redelivery
 from services.conductor.intake import InHand, RequestIntake
@@ -196,7 +196,7 @@ class ConductorService(Service):
                 await self.outbox.abort(request.request_id, exc.message,
                                         attempt=request.attempt,
                                         before_delivery=msg.metadata.num_delivered + 1)
-            _failed(schedule, exc)
+            tracing.failed(schedule, exc)
             delay_s = holding.retry_delay_s(exc, self.config, ttft_slo_s, age_s=age_s,
                                             num_delivered=msg.metadata.num_delivered)
             if delay_s is not None:
@@ -206,7 +206,7 @@ class ConductorService(Service):
                 return True
             await self._reject(request, exc)
         except Exception as exc:
-            _failed(schedule, exc)
+            tracing.failed(schedule, exc)
             self.log.error("request.place_failed", request_id=request.request_id, exc_info=exc)
             await msg.nak(delay=0.5)
             return True
@@ -301,9 +301,3 @@ class ConductorService(Service):
         if self.prefix_follower is not None:
             with contextlib.suppress(Exception):
                 await self.prefix_follower.stop()
-
-
-def _failed(span: Span | None, exc: BaseException) -> None:
-    if span is not None:
-        span.record_exception(exc)
-        span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
