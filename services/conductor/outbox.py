@@ -1,8 +1,8 @@
 """What the conductor sends: commands to workers, word to a request's gateway, aborts, and
-the public `placed` event, over the conductor's connection as it is when called (the outbox
-is made before the conductor connects). A command's missing reply comes back as the error
-saying why; an abort or a failure sent to a gateway is let go when the bus cannot take it
-(the next delivery aborts again; a gateway that hears nothing asks)."""
+the public `placed` and `migrated` events, over the conductor's connection as it is when
+called (the outbox is made before the conductor connects). A command's missing reply comes
+back as the error saying why; an abort or a failure sent to a gateway is let go when the bus
+cannot take it (the next delivery aborts again; a gateway that hears nothing asks)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from shared.errors import HalfmoonError
 from shared.events import EventPublisher
 from shared.messages import (
     AbortRequest,
+    DecodeReplacement,
     DispatchReply,
     GenerateRequest,
     RequestFailed,
@@ -85,6 +86,15 @@ class Outbox:
             prefill_started_at_s=chosen.prefill.started_at_s,
             decode_started_at_s=chosen.decode.started_at_s, attempt=request.attempt,
             delivery=delivery)))
+
+    async def tell_migrated(self, replacement: DecodeReplacement, chosen: Plan) -> None:
+        """The public `migrated` event: the request's decode side moved, and why."""
+        request = replacement.request
+        await self._sender.events.request(
+            "migrated", request.request_id, model=request.model,
+            prefill_worker_id=replacement.prefill_worker_id,
+            decode_worker_id=chosen.decode.worker_id,
+            lost_worker_id=replacement.failed_decode_worker_id, error=replacement.reason)
 
     async def tell_gateway(self, request: GenerateRequest, failure: RequestFailed) -> None:
         with contextlib.suppress(nats.errors.Error):

@@ -11,7 +11,9 @@ aborted; a request for a model no worker of a role serves is held while one load
 (`model_loader`), one that finds no room (decode KV, a prefill queue) waits in its model's
 line (`room_lines`), and what the conductor sends goes through its `outbox`. A request
 JetStream delivers again may have been placed already: its gateway is asked first
-(`redelivery`). The global prefix index follows the workers' KV events (`prefix_follower`).
+(`redelivery`). A decode side lost after prefill is replaced with the KV kept
+(`decode_replacement`). The global prefix index follows the workers' KV events
+(`prefix_follower`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import Span
 
 from services.conductor import assignment, holding, redelivery
+from services.conductor.decode_replacement import DecodeReplacer
 from services.conductor.intake import InHand, RequestIntake
 from services.conductor.model_loader import ModelLoader
 from services.conductor.outbox import Outbox
@@ -42,7 +45,6 @@ from shared.errors import HalfmoonError, Shortage, SloViolation
 from shared.heartbeats import WorkerDirectory
 from shared.messages import (
     DecodeReplacement,
-    DispatchReply,
     GenerateRequest,
     WorkerHeartbeat,
     request_failed,
@@ -75,6 +77,8 @@ class ConductorService(Service):
         self.placer = Placer(config, self.subjects, self.workers, self.prefix_index,
                              self.model_loader, self.metrics, self.outbox.dispatch,
                              self.outbox.abort)
+        self.decode_replacer = DecodeReplacer(self.workers, self.placer, self.outbox,
+                                              self.instance_id)
         self.room_lines = RoomLines()  # requests waiting for room, by model
         self.redeliveries = redelivery.Redeliveries(self.metrics, self.outbox.abort,
                                                     self.outbox.tell_gateway)
@@ -88,7 +92,7 @@ class ConductorService(Service):
     async def _setup(self) -> None:
         await self.serve(self.subjects.all_heartbeats, WorkerHeartbeat, self._on_heartbeat)
         await self.serve(self.subjects.decode_replacement, DecodeReplacement,
-                         self._on_replace_decode, queue=self.subjects.conductor_consumer)
+                         self.decode_replacer.replace, queue=self.subjects.conductor_consumer)
         for heartbeat in await read_registry(self.nc.jetstream(), self.subjects.workers_bucket):
             self.workers.observe_entry(heartbeat)
         js = self.nc.jetstream()
@@ -241,36 +245,6 @@ class ConductorService(Service):
         nak."""
         self.log.warning("request.delivery_lapsed", request_id=request.request_id)
         self.metrics.deliveries_lapsed.inc()
-
-    async def _on_replace_decode(self, message: DecodeReplacement) -> DispatchReply:
-        """A KV handoff failed after prefill: another decode worker for the same prefill
-        worker, which still holds the KV (no recompute)."""
-        request = message.request
-        if self.workers.get(message.prefill_worker_id) is None:
-            # Not kept, the request would be placed anew: its prompt computed twice.
-            return self.refusal(f"no decode worker for {request.request_id}: prefill worker "
-                                f"{message.prefill_worker_id} is not among the live workers")
-        # The failed worker again only when no other is alive: the bus may have failed, not
-        # it (a NATS restart), or its refusal may have passed; a dead one is not alive.
-        failed = message.failed_decode_worker_id
-        others = [w for w in self.workers.healthy("decode", model=request.model)
-                  if w.worker_id != failed]
-        progress = assignment.Progress(kept={"prefill": message.prefill_worker_id},
-                                       excluded={failed} if others else set())
-        try:
-            chosen = await self.placer.place(request, progress)
-        except HalfmoonError as exc:
-            return self.refusal(f"no decode worker for {request.request_id}: {exc.message}")
-        decode_id = chosen.decode.worker_id
-        self.log.info("placement.decode_replaced", request_id=request.request_id,
-                      failed=message.failed_decode_worker_id, decode_worker_id=decode_id,
-                      reason=message.reason)
-        await self.outbox.tell_placed(request, chosen)  # its prefill side: the one kept
-        await self.events.request(
-            "migrated", request.request_id, model=request.model,
-            prefill_worker_id=message.prefill_worker_id, decode_worker_id=decode_id,
-            lost_worker_id=message.failed_decode_worker_id, error=message.reason)
-        return self.accept()
 
     async def _reject(self, request: GenerateRequest, error: HalfmoonError) -> None:
         self.log.info("request.rejected", request_id=request.request_id, code=error.code,
