@@ -192,11 +192,14 @@ class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):
     request_max_age_s: Annotated[float, about(
         "a request older than this when it is pulled is dropped as expired (its gateway "
         "has given up)", gt=0)] = 60.0
-    # Long enough for a worker whose NATS node was cut off to notice (3 s of unanswered
-    # pings), reconnect to another node and heartbeat again.
+    # Long enough for a restart (the launcher's, or a pod's whose model loads quickly), a
+    # worker stalled for a while (a long pause, swapping) and one whose NATS node was cut off
+    # (3 s of unanswered pings, then another node). The wait costs nothing when the worker
+    # is back sooner: its first heartbeat lets the line go.
     no_worker_hold_s: Annotated[float, about(
-        "a request that finds no healthy worker of a role waits this long for one to come "
-        "back (a restart, a healed partition, a NATS node lost) before its 503", ge=0)] = 5.0
+        "a request that finds no healthy worker of a role waits this long, in its model's "
+        "line, for one to come back (a restart, a stalled worker, a healed partition, a "
+        "NATS node lost) before its 503", ge=0)] = 30.0
     kv_short_hold_s: Annotated[float, about(
         "a request that finds no room (no decode worker with KV room, every prefill "
         "queue full) waits this long (at most the TTFT SLO), in its model's line, for "

@@ -82,7 +82,8 @@ class ConductorMetrics(ServiceMetrics):
             "held past most of the ack wait (stopped, or its loop blocked), maybe delivered "
             "again", registry=r)
         self.room_waits = Counter("halfmoon_room_waits", "requests that waited in line for room "
-                                  "(decode KV, a prefill queue)", registry=r)
+                                  "(a healthy worker of a role, decode KV, a prefill queue)",
+                                  registry=r)
         self.room_waiting = Gauge("halfmoon_room_waiting_requests", "requests waiting in line "
                                     "for room now", registry=r)
         self.placement_seconds = Histogram("halfmoon_placement_seconds",

@@ -119,6 +119,8 @@ class Progress:
     # Workers that may hold the request though they are no longer part of its placement,
     # not yet told (each alone) to drop it: see `record`.
     given_up: list[str] = field(default_factory=list)
+    # Workers given up so far: each refuses this delivery's commands from then on.
+    num_given_up: int = 0
 
     def record(self, send: Send, reply: DispatchReply | HalfmoonError) -> bool:
         """Whether `send` was accepted; a refusal excludes its worker from later attempts.
@@ -141,6 +143,7 @@ class Progress:
     def take_given_up(self) -> list[str]:
         """The workers given up since the last call."""
         taken, self.given_up = self.given_up, []
+        self.num_given_up += len(taken)
         return taken
 
     def is_complete(self, plan: Plan) -> bool:

@@ -1,13 +1,15 @@
 """Holding a request that cannot be placed yet: pure decisions, tested without NATS.
 
 Some placement failures clear up on their own: no healthy worker of a role (a restart, a
-healed partition, a NATS node lost, a worker loading the model: `model_loads`) or no room
-(`Shortage`: no decode worker with KV room, every prefill queue full; running requests
-finish and free both). Such a request is not refused at once, until its hold is spent; then
-the error goes to the client (503, or 429). Waiting for a worker, the conductor naks its
-JetStream delivery with a delay, and the queue delivers it again; waiting for room, it keeps
-the delivery and the request waits in its model's line (`room_lines`). Anything else (a
-refusal by every worker, an SLO the best choice breaks) is answered at once.
+stalled worker that resumes, a healed partition, a NATS node lost, a worker loading the
+model: `model_loads`) or no room (`Shortage`: no decode worker with KV room, every prefill
+queue full; running requests finish and free both). Such a request is not refused at once,
+until its hold is spent; then the error goes to the client (503, or 429). Meanwhile the
+conductor keeps its delivery and the request waits in its model's line (`room_lines`),
+trying again as the model's workers heartbeat. It goes back to the queue, to come again
+soon (`retry_delay_s`), only when its conductor stops, or when a worker was given up in this
+delivery (a command unanswered: that worker refuses the rest of the delivery). Anything else
+(a refusal by every worker, an SLO the best choice breaks) is answered at once.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ if TYPE_CHECKING:
 
 RETRY_S = 0.5  # a held request is delivered again at least this much later
 MAX_DELIVER = 8  # deliveries of one request message before JetStream drops it
+
+
+def waits_in_line(error: HalfmoonError) -> bool:
+    """Whether a request that failed this way waits in its model's line (until its hold)."""
+    return isinstance(error, (Shortage, NoHealthyWorker))
 
 
 def hold_s(error: HalfmoonError, config: ConductorConfig, ttft_slo_s: float | None) -> float:
@@ -45,23 +52,15 @@ def shortage_hold_s(config: ConductorConfig, ttft_slo_s: float | None) -> float:
     return hold if ttft_slo_s is None else min(hold, ttft_slo_s)
 
 
-def delay_s(hold: float) -> float:
-    """The hold spread over the deliveries the consumer allows (the first try and one spare
-    aside), so a long hold is not cut short by `MAX_DELIVER`."""
-    return max(RETRY_S, hold / (MAX_DELIVER - 2))
-
-
 def retry_delay_s(error: HalfmoonError, config: ConductorConfig, ttft_slo_s: float | None, *,
                   age_s: float, num_delivered: int) -> float | None:
     """The delay before the request's next delivery, or None: answer `error` now (not a
-    failure that clears up, its hold spent, or no delivery left)."""
+    failure that clears up, its hold spent, or no delivery left). Soon: the next delivery
+    waits in a line if it must."""
     hold = hold_s(error, config, ttft_slo_s)
-    # Short of room, the delivery again waits in its model's line (`room_lines`): it comes
-    # back soon, not spread over the deliveries left.
-    delay = RETRY_S if isinstance(error, Shortage) else delay_s(hold)
-    if hold <= 0 or age_s + delay > hold or num_delivered >= MAX_DELIVER - 1:
+    if hold <= 0 or age_s + RETRY_S > hold or num_delivered >= MAX_DELIVER - 1:
         return None
-    return delay
+    return RETRY_S
 
 
 def age_s(request: GenerateRequest, msg: Msg) -> float:

@@ -1,18 +1,21 @@
 """Requests waiting for room: one line per model, first come, first placed.
 
-A request that finds no room for it now (`Shortage`: no decode worker of its model with KV
-room, or every prefill worker's queue full; running requests free both as they finish)
-waits in its model's line while its conductor keeps its delivery in hand. Each heartbeat of
-a worker of the model (it may show room) gives the request at the head of the line a turn
-to try again; a head that leaves (placed, refused, out of time) gives the next one a turn at
-once, since the room that freed may fit it too. A newcomer of a model with a line joins its
-back, so the room that frees goes to the requests that waited longest, and nothing polls
-meanwhile.
+A request that finds no room for it now waits in its model's line while its conductor keeps
+its delivery in hand. Room is what placing it needs and what clears up on its own: a
+healthy worker of each role (one restarting, stalled, cut off by a partition or loading the
+model comes back: `NoHealthyWorker`) and space on it (`Shortage`: no decode worker of its
+model with KV room, or every prefill worker's queue full; running requests free both as they
+finish). Each heartbeat of a worker of the model (it may be back, or show room) gives the
+request at the head of the line a turn to try again; a head that leaves (placed, refused,
+out of time) gives the next one a turn at once, since what let it go may let the next go
+too. A newcomer of a model with a line joins its back, so the room that frees goes to the
+requests that waited longest, and nothing polls meanwhile.
 
 Before, such a request went back to the queue with a delay and was tried again blindly,
 up to JetStream's delivery limit, in no order, and was refused after five seconds (or, when
 the prefill queues were full, got a 503 as if no prefill worker were alive): a burst larger
-than the pool got 429s though every request of it fitted alone.
+than the pool got 429s though every request of it fitted alone, and a lone decode worker
+stalled for longer than that failed every request it held.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import contextlib
 from collections import deque
 from collections.abc import Awaitable, Callable
 
-# Past its time a waiter tries on, this far apart, until its caller settles it: the caller
-# judges the time by the wall clock (a request's age), this line by the loop's.
+# Past its time a waiter tries on, this far apart, until its caller settles it (the caller
+# refuses it once its hold is spent).
 LATE_TRY_S = 0.05
 
 
@@ -58,18 +61,17 @@ class RoomLines:
             waiter.turn.set()
         return waiter
 
-    async def wait(self, model: str, waiter: Waiter, within_s: float,
+    async def wait(self, model: str, waiter: Waiter, time_left: Callable[[], float],
                    try_again: Callable[[], Awaitable[bool]]) -> bool:
         """Wait in the line, calling `try_again` at each turn (and once more when
-        `within_s` has passed) until it says the request is settled: True. False when the
-        lines close first (the caller hands the request back). Out of the line either way."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + within_s
+        `time_left()`, asked before each wait, says its time is up) until it says the
+        request is settled: True. False when the lines close first (the caller hands the
+        request back). Out of the line either way."""
         try:
             while True:
                 with contextlib.suppress(TimeoutError):  # past its time, a try each 50 ms
                     await asyncio.wait_for(waiter.turn.wait(),  # until the caller refuses it
-                                           max(LATE_TRY_S, deadline - loop.time()))
+                                           max(LATE_TRY_S, time_left()))
                 waiter.turn.clear()
                 if self.is_closed:
                     return False

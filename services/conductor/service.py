@@ -8,10 +8,10 @@ side accepted (`placer`, over the pure decisions of `assignment`, `placement`,
 `max_placement_attempts`), the accepted side is kept; when placement is impossible the
 gateway gets `RequestFailed` (429 for capacity, 503 for no workers) and any accepted side is
 aborted; a request for a model no worker of a role serves is held while one loads it
-(`model_loader`), one that finds no room (decode KV, a prefill queue) waits in its model's
-line (`room_lines`), and what the conductor sends goes through its `outbox`. A request
-JetStream delivers again may have been placed already: its gateway is asked first
-(`redelivery`). A decode side lost after prefill is replaced with the KV kept
+(`model_loader`), one that finds no room (a healthy worker of a role, decode KV, a prefill
+queue) waits in its model's line (`room_lines`), and what the conductor sends goes through
+its `outbox`. A request JetStream delivers again may have been placed already: its gateway
+is asked first (`redelivery`). A decode side lost after prefill is replaced with the KV kept
 (`decode_replacement`). The global prefix index follows the workers' KV events
 (`prefix_follower`).
 """
@@ -117,12 +117,13 @@ class ConductorService(Service):
         self.workers.observe(heartbeat)
         self.placer.observe(heartbeat)
         self.model_loader.observe(heartbeat)
-        self.room_lines.wake_head(heartbeat.model)  # it may have room now
+        self.room_lines.wake_head(heartbeat.model)  # it may be back, or have room now
 
     async def _handle(self, msg: Msg, in_hand: InHand) -> None:
         """Error boundary: decode -> place -> ack; invalid -> term; unexpected -> nak; held
-        past its ack wait -> nothing more (its delivery again decides); no room -> in
-        its model's line (`room_lines`), the delivery kept in hand."""
+        past its ack wait -> nothing more (its delivery again decides); no room (no
+        healthy worker of a role, no KV, full queues) -> in its model's line (`room_lines`),
+        the delivery kept in hand."""
         try:
             request = _request_decoder.decode(msg.data)
         except msgspec.DecodeError as exc:
@@ -150,21 +151,24 @@ class ConductorService(Service):
                                          "halfmoon.policy": self.config.policy,
                                          **redelivery.span_attributes(request, msg)})
         # A model with requests waiting for room: the room that frees is theirs first.
+        hold_s = holding.shortage_hold_s(self.config, self.placer.rules.slo.ttft_s)
         if not self.room_lines.has_line(request.model) and \
-                await self._place(request, msg, in_hand, schedule):
+                (hold_s := await self._place(request, msg, in_hand, schedule)) is None:
             if schedule is not None:
                 schedule.end()
             return
         in_hand.keep()
         self.metrics.room_waits.inc()
         waiter = self.room_lines.join(request.model, request.request_id)
-        self.spawn(self._wait_for_room(request, msg, in_hand, waiter, schedule), "room-line")
+        self.spawn(self._wait_for_room(request, msg, in_hand, waiter, schedule, hold_s),
+                   "room-line")
 
     async def _place(self, request: GenerateRequest, msg: Msg, in_hand: InHand,
-                     schedule: Span | None) -> bool:
-        """Place the delivery and settle it: ack; on failure hold it (nak) or refuse it.
-        False, with nothing settled, when it found no room (decode KV, a prefill queue) and
-        may wait for some."""
+                     schedule: Span | None) -> float | None:
+        """Place the delivery and settle it: ack; on failure hold it (nak) or refuse it;
+        None. When it found no room (a healthy worker of a role, decode KV, a prefill
+        queue) and may wait for some: its hold (seconds from its creation), nothing
+        settled."""
         progress = assignment.Progress(delivery=msg.metadata.num_delivered)
         try:
             started = time.perf_counter()
@@ -178,23 +182,26 @@ class ConductorService(Service):
                                        delivery=msg.metadata.num_delivered)
         except Lapsed:
             self._let_go(request)
-            return True
+            return None
         except HalfmoonError as exc:
             if in_hand.is_lapsed():  # its abort, hold or refusal is the next delivery's
                 self._let_go(request)
-                return True
+                return None
             age_s = holding.age_s(request, msg)
             ttft_slo_s = self.placer.rules.slo.ttft_s
-            # Short of room, it waits to try again in this delivery: the sides that accepted
-            # drop it (a command still on its way was given up, and refused, by the placer).
-            if isinstance(exc, Shortage) and not self.room_lines.is_closed and \
-                    age_s < holding.shortage_hold_s(self.config, ttft_slo_s):
+            hold_s = holding.hold_s(exc, self.config, ttft_slo_s)
+            # Short of room or of a worker, it waits to try again in this delivery: the sides
+            # that accepted drop it. Not when a side was given up (a command unanswered, on
+            # its way): that worker refuses the rest of this delivery, so the next one waits.
+            if holding.waits_in_line(exc) and not self.room_lines.is_closed and \
+                    age_s < hold_s and not progress.num_given_up:
                 for worker_id in set(progress.kept.values()):
                     await self.outbox.abort(request.request_id, exc.message, worker_id,
                                             attempt=request.attempt)
                 if schedule is not None:
-                    schedule.add_event("no_room", {"halfmoon.reason": exc.message})
-                return False
+                    schedule.add_event("no_room" if isinstance(exc, Shortage) else "no_worker",
+                                       {"halfmoon.reason": exc.message})
+                return hold_s
             # Whatever it sent is dropped, and refused until its next delivery.
             if progress.num_sent:
                 await self.outbox.abort(request.request_id, exc.message,
@@ -207,30 +214,34 @@ class ConductorService(Service):
                 self.log.info("request.held", reason=exc.message)
                 self.redeliveries.held.note(request.request_id)
                 await msg.nak(delay=delay_s)  # JetStream delivers it again then
-                return True
+                return None
             await self._reject(request, exc)
         except Exception as exc:
             tracing.failed(schedule, exc)
             self.log.error("request.place_failed", request_id=request.request_id, exc_info=exc)
             await msg.nak(delay=0.5)
-            return True
+            return None
         await msg.ack()
-        return True
+        return None
 
     async def _wait_for_room(self, request: GenerateRequest, msg: Msg, in_hand: InHand,
-                           waiter: Waiter, schedule: Span | None) -> None:
-        """In the model's line until placed or settled otherwise (refused once its hold
-        is spent); handed back to the queue if the conductor stops first."""
+                             waiter: Waiter, schedule: Span | None, hold_s: float) -> None:
+        """In the model's line until placed or settled otherwise (refused once its hold,
+        which each try renews for what it found missing, is spent); handed back to the
+        queue if the conductor stops first."""
         async def try_again() -> bool:
+            nonlocal hold_s
             if in_hand.is_lapsed():
                 self._let_go(request)
                 return True
-            return await self._place(request, msg, in_hand, schedule)
+            held = await self._place(request, msg, in_hand, schedule)
+            hold_s = hold_s if held is None else held
+            return held is None
 
-        hold_s = holding.shortage_hold_s(self.config, self.placer.rules.slo.ttft_s)
         try:
-            if not await self.room_lines.wait(request.model, waiter,
-                                            hold_s - holding.age_s(request, msg), try_again):
+            if not await self.room_lines.wait(
+                    request.model, waiter, lambda: hold_s - holding.age_s(request, msg),
+                    try_again):
                 with contextlib.suppress(nats.errors.Error):
                     await msg.nak()  # another conductor, or this one back, places it
         finally:

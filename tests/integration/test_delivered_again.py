@@ -23,7 +23,13 @@ from services.conductor import intake
 from services.conductor.intake import InHand
 from services.gateway.tokenizer import ByteTokenizer
 from shared.errors import WorkerUnavailable
-from shared.messages import GatewayEvent, RequestEvent, RequestPlaced, TokenBatch
+from shared.messages import (
+    DecodeReservation,
+    GatewayEvent,
+    RequestEvent,
+    RequestPlaced,
+    TokenBatch,
+)
 from shared.nats_client import subscribed
 from tests.stack import Stack, eventually
 
@@ -272,3 +278,28 @@ async def test_a_held_request_has_its_first_token_from_one_prefill_run(nats_url:
         waited = stack.conductor.metrics.registry.get_sample_value("halfmoon_room_waits_total")
         assert delivered_again(stack, "held_here") or waited  # some were held
     assert sorted(firsts.values()) == [1, 1, 1]
+
+
+async def test_a_worker_given_up_in_a_delivery_leaves_the_request_to_the_next_one(
+        nats_url: str) -> None:
+    """A decode reservation unanswered in time is given up: its worker is told to refuse
+    the rest of that delivery. With no other decode worker the request does not wait in
+    line in that delivery, where every try would be refused until its 503 (seen as a planner
+    test's 503 after the whole hold, its decode worker's reply late while it changed role),
+    but comes again in the next delivery, and is served there."""
+    stack = Stack(nats_url, worker={"fake_token_delay_s": 0.02},
+                  conductor_options={"no_worker_hold_s": 10.0})
+    dispatch, unanswered = stack.conductor.placer.dispatch, []
+
+    async def first_unanswered(subject: str, command: Any, headers: dict[str, str]) -> Any:
+        if isinstance(command, DecodeReservation) and not unanswered:
+            unanswered.append(subject)  # sent, say, but its reply never came
+            await dispatch(subject, command, headers)
+            return WorkerUnavailable(f"no reply on {subject} in time")
+        return await dispatch(subject, command, headers)
+
+    stack.conductor.placer.dispatch = first_unanswered  # type: ignore[method-assign]
+    async with stack:
+        assert await asyncio.wait_for(ask(stack), 8) == whole_answer()
+        assert delivered_again(stack, "held_here") == 1
+        await stack.wait_blocks_free(timeout_s=5)

@@ -102,18 +102,20 @@ async def test_a_client_that_leaves_early_ends_its_request_as_aborted(nats_url: 
     assert finished.finish_reason == "abort"
 
 
-async def test_a_rejected_request_ends_with_a_failed_event(stack: Stack) -> None:
-    for decode in stack.decodes:
-        await decode.stop()
-    await eventually(lambda: not stack.gateway.workers.healthy("decode"), timeout_s=5)
-    async with subscriber(stack) as events:
-        status, _ = await stack.post("/v1/completions", {
-            "model": MODEL, "prompt": PROMPT, "max_tokens": 4})
-        assert status == 503
-        await eventually(lambda: any(e.kind == "failed" for e in events))
-    (failed,) = [e for e in events if e.kind == "failed"]
-    assert failed.error_code and failed.error
-    assert kinds_of(events, failed.request_id)[0] == "accepted"
+async def test_a_rejected_request_ends_with_a_failed_event(nats_url: str) -> None:
+    """Once the hold for a worker to come back (here 0.5 s) is spent."""
+    async with Stack(nats_url, conductor_options={"no_worker_hold_s": 0.5}) as stack:
+        for decode in stack.decodes:
+            await decode.stop()
+        await eventually(lambda: not stack.gateway.workers.healthy("decode"), timeout_s=5)
+        async with subscriber(stack) as events:
+            status, _ = await stack.post("/v1/completions", {
+                "model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+            assert status == 503
+            await eventually(lambda: any(e.kind == "failed" for e in events))
+        (failed,) = [e for e in events if e.kind == "failed"]
+        assert failed.error_code and failed.error
+        assert kinds_of(events, failed.request_id)[0] == "accepted"
 
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "nats_subscriber.py"

@@ -316,7 +316,8 @@ class StallingHandoff:
 
 async def test_a_prefill_worker_dying_mid_transfer_leaves_no_decode_block_held(
         make_stack) -> None:  # type: ignore[no-untyped-def]
-    stack: Stack = await make_stack(kv_wait_timeout_s=1.5)
+    # With no prefill worker left, the request placed again waits for one (here 2 s).
+    stack: Stack = await make_stack(kv_wait_timeout_s=1.5, conductor={"no_worker_hold_s": 2.0})
     (prefill,), (decode,) = stack.prefills, stack.decodes
     stalling = StallingHandoff(prefill.handoff)
     prefill.handoff = stalling

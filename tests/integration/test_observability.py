@@ -174,7 +174,8 @@ async def test_a_request_that_lost_its_decode_worker_says_so_in_its_trace_and_ev
 async def test_a_stream_that_fails_after_its_first_token_is_an_error_span(
         spans: InMemorySpanExporter, nats_url: str) -> None:
     """Its HTTP status (200) went out with the first chunk; the span still says it failed."""
-    async with Stack(nats_url, num_decode=1, worker={"fake_token_delay_s": 0.02}) as stack:
+    async with Stack(nats_url, num_decode=1, worker={"fake_token_delay_s": 0.02},
+                     conductor_options={"no_worker_hold_s": 0.5}) as stack:
         body = {"model": MODEL, "prompt": "no one left", "max_tokens": 60, "stream": True,
                 "ignore_eos": True}
         decode = stack.decodes[0]
@@ -243,16 +244,17 @@ async def test_a_cancelled_span_is_no_error(spans: InMemorySpanExporter) -> None
 
 
 async def test_only_a_5xx_makes_the_root_span_an_error(
-        spans: InMemorySpanExporter, stack: Stack) -> None:
+        spans: InMemorySpanExporter, nats_url: str) -> None:
     """OpenTelemetry's HTTP conventions for a server span: a 4xx is the client's."""
-    status, _ = await stack.post("/v1/completions", {"model": MODEL, "prompt": "hi",
-                                                     "max_tokens": 2, "temperature": 9})
-    assert status == 400
-    for worker in [*stack.prefills, *stack.decodes]:
-        await worker.stop()
-    status, _ = await stack.post("/v1/completions", {"model": MODEL, "prompt": "hi",
-                                                     "max_tokens": 2})
-    assert status == 503
+    async with Stack(nats_url, conductor_options={"no_worker_hold_s": 0.5}) as stack:
+        status, _ = await stack.post("/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                         "max_tokens": 2, "temperature": 9})
+        assert status == 400
+        for worker in [*stack.prefills, *stack.decodes]:
+            await worker.stop()
+        status, _ = await stack.post("/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                         "max_tokens": 2})
+        assert status == 503
     client_error, server_error = [s for s in spans.get_finished_spans()
                                   if s.name == "gateway.request"]
     assert client_error.attributes["http.response.status_code"] == 400

@@ -210,7 +210,8 @@ async def test_request_beyond_kv_capacity_gets_429(nats_url: str) -> None:
 
 
 async def test_no_decode_worker_gets_503(nats_url: str) -> None:
-    async with Stack(nats_url) as stack:
+    """Once the hold for a worker to come back (here 0.5 s) is spent."""
+    async with Stack(nats_url, conductor_options={"no_worker_hold_s": 0.5}) as stack:
         await stack.decodes[0].stop()
         status, body = await stack.post("/v1/completions", GOOD)
         assert status == 503
@@ -244,7 +245,9 @@ async def test_a_stuck_worker_ends_the_request_with_504_not_a_hang(nats_url: str
 
 
 async def test_a_dead_worker_with_no_replacement_ends_in_503(nats_url: str) -> None:
-    async with Stack(nats_url, worker={"fake_token_delay_s": 0.05}) as stack:
+    """Once the hold for a worker to come back (here 1 s) is spent."""
+    async with Stack(nats_url, worker={"fake_token_delay_s": 0.05},
+                     conductor_options={"no_worker_hold_s": 1.0}) as stack:
         decode = stack.decodes[0]
         request = asyncio.create_task(stack.post("/v1/completions",
                                                  {**GOOD, "max_tokens": 500}))

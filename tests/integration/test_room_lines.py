@@ -1,6 +1,7 @@
-"""Requests that find no decode KV room wait in line at the conductor: a burst larger than
-the pool is served, first come first served, and a conductor that stops hands its line back
-to the queue."""
+"""Requests that find no room (decode KV, a prefill queue place, a healthy worker of a
+role) wait in line at the conductor: a burst larger than the pool is served, first come
+first served, requests wait for a decode worker to come back, and a conductor that stops
+hands its line back to the queue."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import pytest
 
 from services.conductor.service import ConductorService
+from services.worker import DecodeService
 from tests.stack import Stack, eventually
 
 pytestmark = pytest.mark.e2e
@@ -74,4 +76,26 @@ async def test_requests_past_a_full_prefill_queue_wait_for_it(nats_url: str) -> 
                                          for _ in range(5)))
         assert [status for status, _ in replies] == [200] * 5, [r.get("error") for _, r in replies]
         assert stack.conductor.metrics.registry.get_sample_value("halfmoon_room_waits_total")
+        await stack.wait_blocks_free()
+
+
+async def test_requests_wait_in_line_for_a_decode_worker_to_come_back(nats_url: str) -> None:
+    """The only decode worker gone for a while (restarting, stalled): the requests wait in
+    their first delivery and go at its first heartbeat. Before, each went back to the queue
+    to be delivered again a fixed time later, and was refused after 5 s."""
+    async with Stack(nats_url) as stack:
+        decode = stack.decodes[0]
+        await decode.stop()
+        await eventually(lambda: not stack.conductor.workers.healthy("decode"), timeout_s=5)
+        asks = [asyncio.create_task(stack.post("/v1/completions", {**BODY, "max_tokens": 3}))
+                for _ in range(3)]
+        await eventually(lambda: len(stack.conductor.room_lines) == 3)
+        stack.decodes[0] = DecodeService(decode.config)
+        await stack.decodes[0].start()
+        replies = await asyncio.wait_for(asyncio.gather(*asks), 10)
+        assert [status for status, _ in replies] == [200] * 3, replies
+        registry = stack.conductor.metrics.registry
+        assert registry.get_sample_value("halfmoon_room_waits_total") == 3
+        assert registry.get_sample_value("halfmoon_request_deliveries_again_total",
+                                         {"step": "held_here"}) is None
         await stack.wait_blocks_free()

@@ -110,6 +110,7 @@ def test_a_worker_that_never_answered_is_given_up_and_a_plain_refusal_is_not() -
     attempt(cluster, progress, REFUSE, WorkerUnavailable("no answer within 2s"))
     assert progress.take_given_up() == ["d1"]  # it may have accepted late
     assert progress.take_given_up() == []
+    assert progress.num_given_up == 1  # d1 refuses the rest of this delivery
     assert progress.excluded == {"p1", "d1"}
     assert progress.num_sent == 2  # refused or unanswered, each was sent
 

@@ -1,5 +1,5 @@
-"""Which placement failures hold a request in the queue, for how long, and how often it is
-delivered again (pure decisions; the conductor naks with the delay)."""
+"""Which placement failures hold a request (in its model's line), for how long, and when
+a delivery handed back by a stopping conductor comes again (pure decisions)."""
 
 from __future__ import annotations
 
@@ -29,17 +29,16 @@ def test_a_kv_shortage_is_never_held_past_the_ttft_slo() -> None:
     assert holding.hold_s(KvShortage("x"), CONFIG, 0.8) == 0.8
 
 
+def test_a_missing_worker_and_no_room_wait_in_line_and_nothing_else_does() -> None:
+    for error in (NoHealthyWorker("x"), ModelLoading("x", load_s=1.0), KvShortage("x")):
+        assert holding.waits_in_line(error)
+    for error in (CapacityExhausted("too big"), SloViolation("late", role="prefill")):
+        assert not holding.waits_in_line(error)
+
+
 def test_refusals_that_do_not_clear_up_are_answered_at_once() -> None:
     for error in (CapacityExhausted("too big"), SloViolation("late", role="prefill")):
         assert holding.retry_delay_s(error, CONFIG, None, age_s=0.0, num_delivered=1) is None
-
-
-def test_the_hold_is_spread_over_the_deliveries_the_queue_allows() -> None:
-    delay = holding.retry_delay_s(NoHealthyWorker("x"), CONFIG, None, age_s=0.0,
-                                  num_delivered=1)
-    assert delay == 5.0 / (holding.MAX_DELIVER - 2)
-    assert holding.retry_delay_s(KvShortage("x"), CONFIG, 0.1, age_s=0.0,
-                                 num_delivered=1) is None  # under the minimum retry delay
 
 
 def test_a_spent_hold_or_the_last_delivery_ends_it() -> None:
@@ -47,11 +46,13 @@ def test_a_spent_hold_or_the_last_delivery_ends_it() -> None:
     assert holding.retry_delay_s(shortage, CONFIG, None, age_s=2.9, num_delivered=1) is None
     assert holding.retry_delay_s(shortage, CONFIG, None, age_s=0.0,
                                  num_delivered=holding.MAX_DELIVER - 1) is None
-    assert holding.retry_delay_s(shortage, CONFIG, None, age_s=1.0, num_delivered=3) == 0.5
+    assert holding.retry_delay_s(KvShortage("x"), CONFIG, 0.1, age_s=0.0,
+                                 num_delivered=1) is None  # under the minimum retry delay
 
 
-def test_a_kv_shortage_comes_back_soon_however_long_its_hold() -> None:
-    """Its next delivery waits in its model's line for KV instead of polling."""
-    config = ConductorConfig(kv_short_hold_s=30.0)
-    assert holding.retry_delay_s(KvShortage("x"), config, None, age_s=0.0,
-                                 num_delivered=1) == holding.RETRY_S
+def test_a_handed_back_request_comes_back_soon_however_long_its_hold() -> None:
+    """Its next delivery waits in the next conductor's line instead of polling."""
+    config = ConductorConfig(kv_short_hold_s=30.0, no_worker_hold_s=30.0)
+    for error in (KvShortage("x"), NoHealthyWorker("x")):
+        assert holding.retry_delay_s(error, config, None, age_s=1.0,
+                                     num_delivered=3) == holding.RETRY_S

@@ -1,4 +1,5 @@
-"""The lines requests wait in for decode KV room: who gets a turn, and when a wait ends."""
+"""The lines requests wait in for room (a worker, KV, a queue place): who gets a turn, and
+when a wait ends."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import asyncio
 import itertools
 
 from services.conductor.room_lines import LATE_TRY_S, RoomLines
+
+
+def now() -> float:
+    return asyncio.get_running_loop().time()
 
 
 async def test_a_heartbeat_gives_only_the_head_of_its_models_line_a_turn() -> None:
@@ -39,7 +44,7 @@ async def test_a_waiter_tries_at_each_turn_until_settled() -> None:
         tries.append(len(tries))
         return len(tries) == 2
 
-    waiting = asyncio.create_task(lines.wait("a", waiter, 30.0, try_again))
+    waiting = asyncio.create_task(lines.wait("a", waiter, lambda: 30.0, try_again))
     for _ in range(2):
         await asyncio.sleep(0.01)
         assert not waiting.done()
@@ -54,12 +59,31 @@ async def test_a_waiter_tries_once_more_when_its_time_is_up() -> None:
     tries: list[float] = []
 
     async def try_again() -> bool:
-        tries.append(asyncio.get_running_loop().time())
+        tries.append(now())
         return True  # refused, say: settled all the same
 
-    started = asyncio.get_running_loop().time()
-    assert await lines.wait("a", behind, 0.05, try_again) is True
+    started = now()
+    assert await lines.wait("a", behind, lambda: started + 0.05 - now(), try_again)
     assert len(tries) == 1 and tries[0] - started >= 0.04
+
+
+async def test_a_wait_lasts_as_long_as_its_caller_says_after_each_try() -> None:
+    """A request's hold depends on what it waits for (a worker, or room on one), which may
+    change from one try to the next."""
+    lines = RoomLines()
+    waiter = lines.join("a", "r0")
+    started = now()
+    deadline = started  # its time is up: it tries at once
+    tries: list[float] = []
+
+    async def try_again() -> bool:
+        nonlocal deadline
+        tries.append(now())
+        deadline = tries[-1] + 0.2  # now waiting for something with a longer hold
+        return len(tries) == 2
+
+    assert await lines.wait("a", waiter, lambda: deadline - now(), try_again)
+    assert tries[1] - tries[0] >= 0.18  # not tried again 50 ms after the first
 
 
 async def test_past_its_time_a_waiter_tries_on_apart_until_settled() -> None:
@@ -69,10 +93,10 @@ async def test_past_its_time_a_waiter_tries_on_apart_until_settled() -> None:
     tries: list[float] = []
 
     async def try_again() -> bool:
-        tries.append(asyncio.get_running_loop().time())
+        tries.append(now())
         return len(tries) == 3
 
-    assert await lines.wait("a", waiter, 0.0, try_again) is True
+    assert await lines.wait("a", waiter, lambda: 0.0, try_again) is True
     gaps = [later - earlier for earlier, later in itertools.pairwise(tries)]
     assert len(tries) == 3 and min(gaps) >= 0.9 * LATE_TRY_S
 
@@ -84,11 +108,11 @@ async def test_closing_hands_every_waiter_back_and_a_late_one_too() -> None:
     async def never() -> bool:
         raise AssertionError("no try after the lines close")
 
-    waiting = [asyncio.create_task(lines.wait(m, w, 30.0, never))
+    waiting = [asyncio.create_task(lines.wait(m, w, lambda: 30.0, never))
                for m, w in zip("ab", waiters, strict=True)]
     await asyncio.sleep(0.01)
     lines.close()
     assert await asyncio.gather(*waiting) == [False, False]
     late = lines.join("a", "r3")
-    assert await asyncio.wait_for(lines.wait("a", late, 30.0, never), 1) is False
+    assert await asyncio.wait_for(lines.wait("a", late, lambda: 30.0, never), 1) is False
     assert len(lines) == 0
