@@ -20,6 +20,8 @@ log = get_logger(__name__)
 
 
 class DecodeReplacer:
+    """Answers the conductors' `DecodeReplacement` requests (one conductor each)."""
+
     def __init__(self, workers: WorkerDirectory, placer: Placer, outbox: Outbox,
                  instance_id: str) -> None:
         self._workers = workers

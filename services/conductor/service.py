@@ -234,9 +234,10 @@ class ConductorService(Service):
             if in_hand.is_lapsed():
                 self._let_go(request)
                 return True
-            held = await self._place(request, msg, in_hand, schedule)
-            hold_s = hold_s if held is None else held
-            return held is None
+            if (held := await self._place(request, msg, in_hand, schedule)) is None:
+                return True
+            hold_s = held  # for what this try found missing
+            return False
 
         try:
             if not await self.room_lines.wait(
