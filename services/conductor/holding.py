@@ -26,11 +26,25 @@ if TYPE_CHECKING:
 
 RETRY_S = 0.5  # a held request is delivered again at least this much later
 MAX_DELIVER = 8  # deliveries of one request message before JetStream drops it
+WORKER_LINE = "(waiting for a worker)"  # a model's line name's suffix for that line
 
 
 def waits_in_line(error: HalfmoonError) -> bool:
     """Whether a request that failed this way waits in its model's line (until its hold)."""
     return isinstance(error, (Shortage, NoHealthyWorker))
+
+
+def line_of(model: str, error: HalfmoonError) -> str:
+    """The line a request of `model` that failed this way waits in. Room (KV, a queue place)
+    goes to the model's requests first come, first served: its line is the model's, which
+    newcomers join. A missing worker is waited for in a line of its own, which newcomers try
+    past (a short prompt that a decode worker prefills itself needs no prefill worker)."""
+    return model if isinstance(error, Shortage) else f"{model} {WORKER_LINE}"
+
+
+def lines_of(model: str) -> tuple[str, str]:
+    """Every line of the model's requests: a heartbeat of one of its workers wakes each."""
+    return model, f"{model} {WORKER_LINE}"
 
 
 def hold_s(error: HalfmoonError, config: ConductorConfig, ttft_slo_s: float | None) -> float:

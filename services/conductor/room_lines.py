@@ -1,15 +1,16 @@
-"""Requests waiting for room: one line per model, first come, first placed.
+"""Requests waiting for room: lines per model, first come, first placed.
 
-A request that finds no room for it now waits in its model's line while its conductor keeps
-its delivery in hand. Room is what placing it needs and what clears up on its own: a
+A request that finds no room for it now waits in a line of its model while its conductor
+keeps its delivery in hand. Room is what placing it needs and what clears up on its own: a
 healthy worker of each role (one restarting, stalled, cut off by a partition or loading the
 model comes back: `NoHealthyWorker`) and space on it (`Shortage`: no decode worker of its
 model with KV room, or every prefill worker's queue full; running requests free both as they
-finish). Each heartbeat of a worker of the model (it may be back, or show room) gives the
-request at the head of the line a turn to try again; a head that leaves (placed, refused,
-out of time) gives the next one a turn at once, since what let it go may let the next go
-too. A newcomer of a model with a line joins its back, so the room that frees goes to the
-requests that waited longest, and nothing polls meanwhile.
+finish); each has its line (`holding.line_of`). Each heartbeat of a worker of the model (it
+may be back, or show room) gives the request at the head of each line a turn to try again;
+a head that leaves (placed, refused, out of time) gives the next one a turn at once, since
+what let it go may let the next go too. A newcomer of a model with a line for room joins its
+back, so the room that frees goes to the requests that waited longest, and nothing polls
+meanwhile.
 
 Before, such a request went back to the queue with a delay and was tried again blindly,
 up to JetStream's delivery limit, in no order, and was refused after five seconds (or, when
@@ -33,15 +34,18 @@ LATE_TRY_S = 0.05
 class Waiter:
     """One request in a line; `turn` is set when it may try again."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, line: str, request_id: str) -> None:
+        self.line = line
         self.request_id = request_id
         self.turn = asyncio.Event()
 
     def __repr__(self) -> str:
-        return f"Waiter({self.request_id!r})"
+        return f"Waiter({self.line!r}, {self.request_id!r})"
 
 
 class RoomLines:
+    """Lines by name: a model's (`holding.line_of` names them)."""
+
     def __init__(self) -> None:
         self._lines: dict[str, deque[Waiter]] = {}
         self.is_closed = False  # the conductor stops: every waiter is woken to go
@@ -49,19 +53,19 @@ class RoomLines:
     def __len__(self) -> int:
         return sum(len(line) for line in self._lines.values())
 
-    def has_line(self, model: str) -> bool:
-        return bool(self._lines.get(model))
+    def has_line(self, name: str) -> bool:
+        return bool(self._lines.get(name))
 
-    def join(self, model: str, request_id: str) -> Waiter:
-        """A place at the back of the model's line; its first turn comes with the next
-        heartbeat of one of the model's workers (or when the waiters ahead leave)."""
-        waiter = Waiter(request_id)
-        self._lines.setdefault(model, deque()).append(waiter)
+    def join(self, name: str, request_id: str) -> Waiter:
+        """A place at the back of the line; its first turn comes with the next heartbeat
+        of one of the model's workers (or when the waiters ahead leave)."""
+        waiter = Waiter(name, request_id)
+        self._lines.setdefault(name, deque()).append(waiter)
         if self.is_closed:
             waiter.turn.set()
         return waiter
 
-    async def wait(self, model: str, waiter: Waiter, time_left: Callable[[], float],
+    async def wait(self, waiter: Waiter, time_left: Callable[[], float],
                    try_again: Callable[[], Awaitable[bool]]) -> bool:
         """Wait in the line, calling `try_again` at each turn (and once more when
         `time_left()`, asked before each wait, says its time is up) until it says the
@@ -78,23 +82,23 @@ class RoomLines:
                 if await try_again():
                     return True
         finally:
-            self.leave(model, waiter)
+            self.leave(waiter)
 
-    def leave(self, model: str, waiter: Waiter) -> None:
-        """Out of the line; when it was the head, the next one has a turn at once."""
-        line = self._lines.get(model)
+    def leave(self, waiter: Waiter) -> None:
+        """Out of its line; when it was the head, the next one has a turn at once."""
+        line = self._lines.get(waiter.line)
         if not line or waiter not in line:
             return
         was_head = line[0] is waiter
         line.remove(waiter)
         if not line:
-            del self._lines[model]
+            del self._lines[waiter.line]
         elif was_head:
             line[0].turn.set()
 
-    def wake_head(self, model: str) -> None:
-        """A worker of the model heartbeat: its line's head tries again."""
-        line = self._lines.get(model)
+    def wake_head(self, name: str) -> None:
+        """A worker of the line's model heartbeat: the line's head tries again."""
+        line = self._lines.get(name)
         if line:
             line[0].turn.set()
 

@@ -117,7 +117,8 @@ class ConductorService(Service):
         self.workers.observe(heartbeat)
         self.placer.observe(heartbeat)
         self.model_loader.observe(heartbeat)
-        self.room_lines.wake_head(heartbeat.model)  # it may be back, or have room now
+        for line in holding.lines_of(heartbeat.model):  # it may be back, or have room now
+            self.room_lines.wake_head(line)
 
     async def _handle(self, msg: Msg, in_hand: InHand) -> None:
         """Error boundary: decode -> place -> ack; invalid -> term; unexpected -> nak; held
@@ -151,24 +152,26 @@ class ConductorService(Service):
                                          "halfmoon.policy": self.config.policy,
                                          **redelivery.span_attributes(request, msg)})
         # A model with requests waiting for room: the room that frees is theirs first.
-        hold_s = holding.shortage_hold_s(self.config, self.placer.rules.slo.ttft_s)
-        if not self.room_lines.has_line(request.model) and \
-                (hold_s := await self._place(request, msg, in_hand, schedule)) is None:
-            if schedule is not None:
-                schedule.end()
-            return
+        line, hold_s = request.model, holding.shortage_hold_s(self.config,
+                                                              self.placer.rules.slo.ttft_s)
+        if not self.room_lines.has_line(request.model):
+            if (waits := await self._place(request, msg, in_hand, schedule)) is None:
+                if schedule is not None:
+                    schedule.end()
+                return
+            line, hold_s = waits
         in_hand.keep()
         self.metrics.room_waits.inc()
-        waiter = self.room_lines.join(request.model, request.request_id)
+        waiter = self.room_lines.join(line, request.request_id)
         self.spawn(self._wait_for_room(request, msg, in_hand, waiter, schedule, hold_s),
                    "room-line")
 
     async def _place(self, request: GenerateRequest, msg: Msg, in_hand: InHand,
-                     schedule: Span | None) -> float | None:
+                     schedule: Span | None) -> tuple[str, float] | None:
         """Place the delivery and settle it: ack; on failure hold it (nak) or refuse it;
         None. When it found no room (a healthy worker of a role, decode KV, a prefill
-        queue) and may wait for some: its hold (seconds from its creation), nothing
-        settled."""
+        queue) and may wait for some: the line to wait in and its hold (seconds from its
+        creation), nothing settled."""
         progress = assignment.Progress(delivery=msg.metadata.num_delivered)
         try:
             started = time.perf_counter()
@@ -201,7 +204,7 @@ class ConductorService(Service):
                 if schedule is not None:
                     schedule.add_event("no_room" if isinstance(exc, Shortage) else "no_worker",
                                        {"halfmoon.reason": exc.message})
-                return hold_s
+                return holding.line_of(request.model, exc), hold_s
             # Whatever it sent is dropped, and refused until its next delivery.
             if progress.num_sent:
                 await self.outbox.abort(request.request_id, exc.message,
@@ -234,15 +237,14 @@ class ConductorService(Service):
             if in_hand.is_lapsed():
                 self._let_go(request)
                 return True
-            if (held := await self._place(request, msg, in_hand, schedule)) is None:
+            if (waits := await self._place(request, msg, in_hand, schedule)) is None:
                 return True
-            hold_s = held  # for what this try found missing
+            hold_s = waits[1]  # for what this try found missing, in the line it is in
             return False
 
         try:
             if not await self.room_lines.wait(
-                    request.model, waiter, lambda: hold_s - holding.age_s(request, msg),
-                    try_again):
+                    waiter, lambda: hold_s - holding.age_s(request, msg), try_again):
                 with contextlib.suppress(nats.errors.Error):
                     await msg.nak()  # another conductor, or this one back, places it
         finally:

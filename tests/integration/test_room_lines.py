@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from services.conductor.service import ConductorService
-from services.worker import DecodeService
+from services.worker import DecodeService, PrefillService
 from tests.stack import Stack, eventually
 
 pytestmark = pytest.mark.e2e
@@ -98,4 +98,26 @@ async def test_requests_wait_in_line_for_a_decode_worker_to_come_back(nats_url: 
         assert registry.get_sample_value("halfmoon_room_waits_total") == 3
         assert registry.get_sample_value("halfmoon_request_deliveries_again_total",
                                          {"step": "held_here"}) is None
+        await stack.wait_blocks_free()
+
+
+async def test_a_request_that_needs_no_missing_worker_is_placed_past_those_waiting_for_one(
+        nats_url: str) -> None:
+    """The prefill worker gone, a long prompt waits for it; a short one that the decode
+    worker prefills itself (`local_prefill_max_tokens`) is served meanwhile, not queued
+    behind it: waiting for a worker is a line of its own, which newcomers try past."""
+    async with Stack(nats_url, decode_options={"local_prefill_max_tokens": 16}) as stack:
+        prefill = stack.prefills[0]
+        await prefill.stop()
+        await eventually(lambda: not stack.conductor.workers.healthy("prefill"), timeout_s=5)
+        long = asyncio.create_task(stack.post("/v1/completions", {**BODY, "max_tokens": 3}))
+        await eventually(lambda: len(stack.conductor.room_lines) == 1)
+        status, reply = await asyncio.wait_for(stack.post("/v1/completions", {
+            "model": "halfmoon-tiny", "prompt": "short", "max_tokens": 3}), 5)
+        assert status == 200, reply
+        assert not long.done()
+        stack.prefills[0] = PrefillService(prefill.config)
+        await stack.prefills[0].start()
+        status, reply = await asyncio.wait_for(long, 10)
+        assert status == 200, reply
         await stack.wait_blocks_free()

@@ -26,13 +26,13 @@ async def test_a_heartbeat_gives_only_the_head_of_its_models_line_a_turn() -> No
 async def test_a_head_that_leaves_gives_the_next_a_turn_at_once() -> None:
     lines = RoomLines()
     first, second, third = (lines.join("a", f"r{i}") for i in range(3))
-    lines.leave("a", second)  # not the head: nobody's turn
+    lines.leave(second)  # not the head: nobody's turn
     assert not third.turn.is_set()
-    lines.leave("a", first)
+    lines.leave(first)
     assert third.turn.is_set()
-    lines.leave("a", third)
+    lines.leave(third)
     assert not lines.has_line("a") and len(lines) == 0
-    lines.leave("a", third)  # twice: nothing
+    lines.leave(third)  # twice: nothing
 
 
 async def test_a_waiter_tries_at_each_turn_until_settled() -> None:
@@ -44,7 +44,7 @@ async def test_a_waiter_tries_at_each_turn_until_settled() -> None:
         tries.append(len(tries))
         return len(tries) == 2
 
-    waiting = asyncio.create_task(lines.wait("a", waiter, lambda: 30.0, try_again))
+    waiting = asyncio.create_task(lines.wait(waiter, lambda: 30.0, try_again))
     for _ in range(2):
         await asyncio.sleep(0.01)
         assert not waiting.done()
@@ -63,7 +63,7 @@ async def test_a_waiter_tries_once_more_when_its_time_is_up() -> None:
         return True  # refused, say: settled all the same
 
     started = now()
-    assert await lines.wait("a", behind, lambda: started + 0.05 - now(), try_again)
+    assert await lines.wait(behind, lambda: started + 0.05 - now(), try_again)
     assert len(tries) == 1 and tries[0] - started >= 0.04
 
 
@@ -82,7 +82,7 @@ async def test_a_wait_lasts_as_long_as_its_caller_says_after_each_try() -> None:
         deadline = tries[-1] + 0.2  # now waiting for something with a longer hold
         return len(tries) == 2
 
-    assert await lines.wait("a", waiter, lambda: deadline - now(), try_again)
+    assert await lines.wait(waiter, lambda: deadline - now(), try_again)
     assert tries[1] - tries[0] >= 0.18  # not tried again 50 ms after the first
 
 
@@ -96,7 +96,7 @@ async def test_past_its_time_a_waiter_tries_on_apart_until_settled() -> None:
         tries.append(now())
         return len(tries) == 3
 
-    assert await lines.wait("a", waiter, lambda: 0.0, try_again) is True
+    assert await lines.wait(waiter, lambda: 0.0, try_again) is True
     gaps = [later - earlier for earlier, later in itertools.pairwise(tries)]
     assert len(tries) == 3 and min(gaps) >= 0.9 * LATE_TRY_S
 
@@ -108,11 +108,10 @@ async def test_closing_hands_every_waiter_back_and_a_late_one_too() -> None:
     async def never() -> bool:
         raise AssertionError("no try after the lines close")
 
-    waiting = [asyncio.create_task(lines.wait(m, w, lambda: 30.0, never))
-               for m, w in zip("ab", waiters, strict=True)]
+    waiting = [asyncio.create_task(lines.wait(w, lambda: 30.0, never)) for w in waiters]
     await asyncio.sleep(0.01)
     lines.close()
     assert await asyncio.gather(*waiting) == [False, False]
     late = lines.join("a", "r3")
-    assert await asyncio.wait_for(lines.wait("a", late, lambda: 30.0, never), 1) is False
+    assert await asyncio.wait_for(lines.wait(late, lambda: 30.0, never), 1) is False
     assert len(lines) == 0
