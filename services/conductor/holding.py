@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
 RETRY_S = 0.5  # a held request is delivered again at least this much later
 MAX_DELIVER = 8  # deliveries of one request message before JetStream drops it
-WORKER_LINE = "(waiting for a worker)"  # a model's line name's suffix for that line
 
 
 def waits_in_line(error: HalfmoonError) -> bool:
@@ -34,17 +33,18 @@ def waits_in_line(error: HalfmoonError) -> bool:
     return isinstance(error, (Shortage, NoHealthyWorker))
 
 
-def line_of(model: str, error: HalfmoonError) -> str:
-    """The line a request of `model` that failed this way waits in. Room (KV, a queue place)
-    goes to the model's requests first come, first served: its line is the model's, which
-    newcomers join. A missing worker is waited for in a line of its own, which newcomers try
-    past (a short prompt that a decode worker prefills itself needs no prefill worker)."""
-    return model if isinstance(error, Shortage) else f"{model} {WORKER_LINE}"
-
-
 def lines_of(model: str) -> tuple[str, str]:
-    """Every line of the model's requests: a heartbeat of one of its workers wakes each."""
-    return model, f"{model} {WORKER_LINE}"
+    """The model's lines, by name: for room (KV, a queue place), which goes to its requests
+    first come, first served, so newcomers join it; and for a missing worker, which
+    newcomers try past (a short prompt that a decode worker prefills itself needs no prefill
+    worker). A heartbeat of one of the model's workers wakes each."""
+    return model, f"{model} (waiting for a worker)"
+
+
+def line_of(model: str, error: HalfmoonError) -> str:
+    """The line a request of `model` that failed this way waits in."""
+    room, worker = lines_of(model)
+    return room if isinstance(error, Shortage) else worker
 
 
 def hold_s(error: HalfmoonError, config: ConductorConfig, ttft_slo_s: float | None) -> float:
