@@ -229,7 +229,7 @@ class ConductorService(Service):
 
     async def _wait_for_room(self, request: GenerateRequest, msg: Msg, in_hand: InHand,
                              waiter: Waiter, schedule: Span | None, hold_s: float) -> None:
-        """In the model's line until placed or settled otherwise (refused once its hold,
+        """In its line until placed or settled otherwise (refused once its hold,
         which each try renews for what it found missing, is spent); handed back to the
         queue if the conductor stops first."""
         async def try_again() -> bool:
