@@ -89,7 +89,7 @@ class ClusterView:
 @dataclass(frozen=True)
 class Send:
     """One command of an attempt; `num_tokens`/`num_prefill_tokens` are what it adds to the
-    worker's pending work once accepted (KV room, prompt tokens to compute)."""
+    worker's pending work once sent (KV room, prompt tokens to compute)."""
 
     role: WorkerRole
     worker: WorkerHeartbeat
@@ -263,11 +263,23 @@ def admit(request: GenerateRequest, chosen: Plan, pending: Mapping[str, PendingW
 
 
 def with_sent(pending: PendingWork | None, send: Send) -> PendingWork:
-    """A worker's pending work once it accepted `send`."""
+    """A worker's pending work once `send` is sent to it."""
     entry = pending or PendingWork()
-    num_blocks = blocks_needed(send.num_tokens, send.worker.block_size) if send.num_tokens else 0
-    return PendingWork(entry.num_requests + 1, entry.num_blocks + num_blocks,
+    return PendingWork(entry.num_requests + 1, entry.num_blocks + _num_blocks(send),
                        entry.num_prefill_tokens + send.num_prefill_tokens)
+
+
+def without_sent(pending: PendingWork, send: Send) -> PendingWork | None:
+    """A worker's pending work once it refused `send`; None when none is left. (Never
+    below zero: a heartbeat may have counted the worker's work afresh since the send.)"""
+    entry = PendingWork(max(0, pending.num_requests - 1),
+                        max(0, pending.num_blocks - _num_blocks(send)),
+                        max(0, pending.num_prefill_tokens - send.num_prefill_tokens))
+    return None if entry == PendingWork() else entry
+
+
+def _num_blocks(send: Send) -> int:
+    return blocks_needed(send.num_tokens, send.worker.block_size) if send.num_tokens else 0
 
 
 

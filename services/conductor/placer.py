@@ -5,8 +5,9 @@ Each attempt takes the live workers of the request's model, asks `assignment` fo
 (admitted against the SLOs and KV room on the first attempt), sends the plan's commands at
 once and records the replies in `assignment.Progress`: a side that accepted is kept, one
 that refused is placed again (up to `max_placement_attempts`), one given up is told to drop
-the request. What was sent since a worker's last heartbeat counts as its pending work, so
-requests placed between two heartbeats do not pile onto one worker. The decisions are pure
+the request. What was sent since a worker's last heartbeat counts as its pending work from
+the moment it is sent (taken back if refused), so requests placed between two heartbeats,
+or at once, do not pile onto one worker. The decisions are pure
 (`assignment`, `placement`); this module sends and receives.
 """
 
@@ -114,18 +115,30 @@ class Placer:
     async def _send(self, chosen: Plan, progress: assignment.Progress) -> HalfmoonError | None:
         """One attempt's commands, at once; the last refusal's error, if any refused."""
         headers = tracing.inject() or {}  # once for both sides: the same context
+        for send in chosen.sends:  # counted now: placements in flight meanwhile see it
+            worker_id = send.worker.worker_id
+            self.pending[worker_id] = assignment.with_sent(self.pending.get(worker_id), send)
         replies = await asyncio.gather(*(
             self.dispatch(self._subject(send), send.message,
                           headers if _makes_span(send) else {})
             for send in chosen.sends))
         error = None
         for send, reply in zip(chosen.sends, replies, strict=True):
-            worker_id = send.worker.worker_id
-            if progress.record(send, reply):
-                self.pending[worker_id] = assignment.with_sent(self.pending.get(worker_id), send)
-            else:
+            if not progress.record(send, reply):
+                worker_id = send.worker.worker_id
+                self._take_back(worker_id, send)
                 error = _refusal_error(worker_id, reply)
         return error
+
+    def _take_back(self, worker_id: str, send: assignment.Send) -> None:
+        """A refused command's work, counted when it was sent (unless a heartbeat has
+        counted the worker's work afresh since)."""
+        entry = self.pending.get(worker_id)
+        if entry is not None:
+            if (left := assignment.without_sent(entry, send)) is None:
+                del self.pending[worker_id]
+            else:
+                self.pending[worker_id] = left
 
     def view(self, model: str) -> assignment.ClusterView:
         """The workers of the request's model only: a request is never placed, and its

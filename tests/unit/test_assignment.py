@@ -9,6 +9,7 @@ import pytest
 from services.conductor import assignment
 from services.conductor.assignment import ClusterView, Progress, Rules
 from services.conductor.cost_model import Slo
+from services.conductor.placement import PendingWork
 from shared.errors import HalfmoonError, SloViolation, WorkerUnavailable
 from shared.messages import (
     DecodeReservation,
@@ -148,11 +149,18 @@ def test_every_worker_refusing_leaves_no_placement() -> None:
         attempt(cluster, progress)
 
 
-def test_accepted_sends_count_as_pending_work_until_the_next_heartbeat() -> None:
+def test_sends_count_as_pending_work_until_refused_or_the_next_heartbeat() -> None:
     chosen = attempt(view(worker("p1"), worker("d1", "decode")), Progress(), ACCEPT, ACCEPT)
     prefill_send, decode_send = chosen.sends
     assert assignment.with_sent(None, prefill_send).num_prefill_tokens == 40
-    assert assignment.with_sent(None, decode_send).num_blocks == 3  # 48 tokens / 16
+    twice = assignment.with_sent(assignment.with_sent(None, decode_send), decode_send)
+    assert twice.num_blocks == 6  # 48 tokens / 16, twice
+    once = assignment.without_sent(twice, decode_send)
+    assert once == assignment.with_sent(None, decode_send)
+    assert once is not None and assignment.without_sent(once, decode_send) is None
+    # A heartbeat counted the worker afresh after the send: what is left is not undercut.
+    fresh = PendingWork(num_requests=1, num_blocks=2)
+    assert assignment.without_sent(fresh, decode_send) is None
 
 
 def test_admission_rejects_what_cannot_meet_the_ttft_slo() -> None:
