@@ -151,16 +151,22 @@ class WorkerUnavailable(HalfmoonError):
 
 
 class NoHealthyWorker(WorkerUnavailable):
-    """No worker of a needed role is healthy at this moment; one may come back (a restart, a
-    healed partition), so the conductor holds the request a little before giving up."""
+    """No worker of a needed role (`role`, "" when unsaid) is healthy at this moment; one
+    may come back (a restart, a healed partition), so the conductor holds the request a
+    little before giving up."""
+
+    def __init__(self, message: str, *, role: str = "", retry_after_s: float | None = None
+                 ) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.role = role
 
 
 class ModelLoading(NoHealthyWorker):
     """No healthy worker serves the model in a role, and one was told to load it: the
     conductor holds the request for its expected `load_s` on top of the usual hold."""
 
-    def __init__(self, message: str, *, load_s: float) -> None:
-        super().__init__(message, retry_after_s=load_s)
+    def __init__(self, message: str, *, role: str = "", load_s: float) -> None:
+        super().__init__(message, role=role, retry_after_s=load_s)
         self.load_s = load_s
 
 

@@ -15,15 +15,16 @@ delivery (a command unanswered: that worker refuses the rest of the delivery). A
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from shared.config import ConductorConfig
 from shared.errors import HalfmoonError, ModelLoading, NoHealthyWorker, Shortage
-from shared.messages import GenerateRequest
+from shared.messages import GenerateRequest, WorkerRole
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
 
+WORKER_ROLES: tuple[WorkerRole, ...] = get_args(WorkerRole)
 RETRY_S = 0.5  # a held request is delivered again at least this much later
 MAX_DELIVER = 8  # deliveries of one request message before JetStream drops it
 
@@ -33,18 +34,25 @@ def waits_in_line(error: HalfmoonError) -> bool:
     return isinstance(error, (Shortage, NoHealthyWorker))
 
 
-def lines_of(model: str) -> tuple[str, str]:
+def lines_of(model: str) -> tuple[str, ...]:
     """The model's lines, by name: for room (KV, a queue place), which goes to its requests
-    first come, first served, so newcomers join it; and for a missing worker, which
+    first come, first served, so newcomers join it; and one for each missing role, which
     newcomers try past (a short prompt that a decode worker prefills itself needs no prefill
-    worker). A heartbeat of one of the model's workers wakes each."""
-    return model, f"{model} (waiting for a worker)"
+    worker), as do the requests of the other (with both roles gone and one back, those
+    that need only that one go). A heartbeat of one of the model's workers wakes each."""
+    return model, *(_worker_line(model, role) for role in WORKER_ROLES)
 
 
 def line_of(model: str, error: HalfmoonError) -> str:
     """The line a request of `model` that failed this way waits in."""
-    room, worker = lines_of(model)
-    return room if isinstance(error, Shortage) else worker
+    if isinstance(error, Shortage):
+        return model
+    role = error.role if isinstance(error, NoHealthyWorker) else ""
+    return _worker_line(model, role if role in WORKER_ROLES else WORKER_ROLES[0])
+
+
+def _worker_line(model: str, role: str) -> str:
+    return f"{model} (waiting for a {role} worker)"
 
 
 def hold_s(error: HalfmoonError, config: ConductorConfig, ttft_slo_s: float | None) -> float:

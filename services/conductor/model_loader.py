@@ -60,7 +60,8 @@ class ModelLoader:
             load = self.loads.start(model, role, loader)
             self.spawn(self._ask(loader, model, role), f"load.{loader.worker_id}")
         return ModelLoading(f"no healthy {role} worker serves {model}; {load.worker_id} is "
-                            f"loading it (about {load.load_s:.0f} s)", load_s=load.load_s)
+                            f"loading it (about {load.load_s:.0f} s)", role=role,
+                            load_s=load.load_s)
 
     async def _ask(self, loader: WorkerHeartbeat, model: str, role: WorkerRole) -> None:
         reason = f"no healthy {role} worker serves {model}"

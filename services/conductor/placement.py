@@ -110,7 +110,7 @@ def pick_prefill(
     `policy` prefers."""
     candidates = [w for w in workers if w.worker_id not in excluded]
     if not candidates:
-        raise NoHealthyWorker("no healthy prefill worker")
+        raise NoHealthyWorker("no healthy prefill worker", role="prefill")
     candidates = [w for w in candidates if _has_queue_room(w, pending)]
     if not candidates:
         raise PrefillQueuesFull("every prefill worker's queue is full now")
@@ -210,7 +210,7 @@ def pick_decode(
     left after them."""
     candidates = [w for w in workers if w.worker_id not in excluded]
     if not candidates:
-        raise NoHealthyWorker("no healthy decode worker")
+        raise NoHealthyWorker("no healthy decode worker", role="decode")
 
     measured = [w.decode_step_s for w in candidates if w.decode_step_s > 0]
     unmeasured_step_s = sum(measured) / len(measured) if measured else 1.0

@@ -5,7 +5,9 @@ keeps its delivery in hand. Room is what placing it needs and what clears up on 
 healthy worker of each role (one restarting, stalled, cut off by a partition or loading the
 model comes back: `NoHealthyWorker`) and space on it (`Shortage`: no decode worker of its
 model with KV room, or every prefill worker's queue full; running requests free both as they
-finish); each has its line (`holding.line_of`). Each heartbeat of a worker of the model (it
+finish); each has its line (`holding.line_of`: one for room, one per missing role), and a
+request that tries again and finds that it now waits for something else goes to the back
+of that line. Each heartbeat of a worker of the model (it
 may be back, or show room) gives the request at the head of each line a turn to try again;
 a head that leaves (placed, refused, out of time) gives the next one a turn at once, since
 what let it go may let the next go too. A newcomer of a model with a line for room joins its
@@ -83,6 +85,13 @@ class RoomLines:
                     return True
         finally:
             self.leave(waiter)
+
+    def move(self, waiter: Waiter, name: str) -> None:
+        """To the back of line `name` (what it waits for now is another line's)."""
+        if waiter.line != name:
+            self.leave(waiter)
+            waiter.line = name
+            self._lines.setdefault(name, deque()).append(waiter)
 
     def leave(self, waiter: Waiter) -> None:
         """Out of its line; when it was the head, the next one has a turn at once."""

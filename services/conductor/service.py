@@ -239,7 +239,8 @@ class ConductorService(Service):
                 return True
             if (waits := await self._place(request, msg, in_hand, schedule)) is None:
                 return True
-            hold_s = waits[1]  # for what this try found missing, in the line it is in
+            line, hold_s = waits  # for what this try found missing: its line, its hold
+            self.room_lines.move(waiter, line)
             return False
 
         try:

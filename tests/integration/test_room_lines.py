@@ -121,3 +121,33 @@ async def test_a_request_that_needs_no_missing_worker_is_placed_past_those_waiti
         status, reply = await asyncio.wait_for(long, 10)
         assert status == 200, reply
         await stack.wait_blocks_free()
+
+
+async def test_with_both_roles_gone_a_request_needing_only_the_one_back_is_not_held_up(
+        nats_url: str) -> None:
+    """Prefill and decode workers both gone: a long prompt, then a short one the decode
+    worker prefills itself, wait for a decode worker. Decode comes back first: the long
+    prompt, now waiting for a prefill worker, goes to that role's line, and the short one
+    is served at once instead of behind it (one line for every missing worker held it until
+    prefill came back, or the long one's 30 s hold ran out)."""
+    async with Stack(nats_url, decode_options={"local_prefill_max_tokens": 16}) as stack:
+        prefill, decode = stack.prefills[0], stack.decodes[0]
+        await prefill.stop()
+        await decode.stop()
+        await eventually(lambda: not stack.conductor.workers.healthy("prefill")
+                         and not stack.conductor.workers.healthy("decode"), timeout_s=5)
+        long = asyncio.create_task(stack.post("/v1/completions", {**BODY, "max_tokens": 3}))
+        await eventually(lambda: len(stack.conductor.room_lines) == 1)
+        short = asyncio.create_task(stack.post("/v1/completions", {
+            "model": "halfmoon-tiny", "prompt": "short", "max_tokens": 3}))
+        await eventually(lambda: len(stack.conductor.room_lines) == 2)
+        stack.decodes[0] = DecodeService(decode.config)
+        await stack.decodes[0].start()
+        status, reply = await asyncio.wait_for(short, 5)
+        assert status == 200, reply
+        assert not long.done()
+        stack.prefills[0] = PrefillService(prefill.config)
+        await stack.prefills[0].start()
+        status, reply = await asyncio.wait_for(long, 10)
+        assert status == 200, reply
+        await stack.wait_blocks_free()

@@ -36,13 +36,15 @@ def test_a_missing_worker_and_no_room_wait_in_line_and_nothing_else_does() -> No
         assert not holding.waits_in_line(error)
 
 
-def test_room_is_waited_for_in_the_models_line_and_a_worker_in_another() -> None:
+def test_room_is_waited_for_in_the_models_line_and_each_missing_role_in_its_own() -> None:
     assert holding.line_of("m", KvShortage("x")) == "m"
-    worker_line = holding.line_of("m", NoHealthyWorker("x"))
-    assert worker_line != "m" and holding.line_of("m", ModelLoading("x", load_s=1.0)) == \
-        worker_line
-    assert set(holding.lines_of("m")) == {"m", worker_line}
-    assert worker_line not in holding.lines_of("n")
+    prefill = holding.line_of("m", NoHealthyWorker("x", role="prefill"))
+    decode = holding.line_of("m", NoHealthyWorker("x", role="decode"))
+    assert len({"m", prefill, decode}) == 3
+    assert holding.line_of("m", ModelLoading("x", role="decode", load_s=1.0)) == decode
+    assert holding.line_of("m", NoHealthyWorker("x")) in (prefill, decode)  # role unsaid
+    assert set(holding.lines_of("m")) == {"m", prefill, decode}
+    assert not {prefill, decode} & set(holding.lines_of("n"))
 
 
 def test_refusals_that_do_not_clear_up_are_answered_at_once() -> None:

@@ -35,6 +35,19 @@ async def test_a_head_that_leaves_gives_the_next_a_turn_at_once() -> None:
     lines.leave(third)  # twice: nothing
 
 
+async def test_a_waiter_moved_to_another_line_waits_at_its_back() -> None:
+    lines = RoomLines()
+    moved, behind = lines.join("a", "r1"), lines.join("a", "r2")
+    ahead = lines.join("b", "r3")
+    lines.move(moved, "b")
+    assert behind.turn.is_set()  # the head left "a": the next one's turn
+    assert moved.line == "b" and not moved.turn.is_set()
+    lines.leave(ahead)
+    assert moved.turn.is_set()  # now the head of "b"
+    lines.move(moved, "b")  # where it is already: nothing
+    assert len(lines) == 2
+
+
 async def test_a_waiter_tries_at_each_turn_until_settled() -> None:
     lines = RoomLines()
     waiter = lines.join("a", "r1")
