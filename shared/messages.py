@@ -689,7 +689,7 @@ class RequestEvent(Message, frozen=True, kw_only=True):
     itl_mean_s: float | None = None
     itl_max_s: float | None = None
     path: str = ""  # placed: "disaggregated" | "local"
-    placement_s: float | None = None
+    placement_s: float | None = None  # its delivery pulled to its workers accepted
     num_kv_bytes: int = 0
     transport: str = ""
     kv_seconds: float | None = None

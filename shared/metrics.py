@@ -87,7 +87,8 @@ class ConductorMetrics(ServiceMetrics):
         self.room_waiting = Gauge("halfmoon_room_waiting_requests", "requests waiting in line "
                                     "for room now", registry=r)
         self.placement_seconds = Histogram("halfmoon_placement_seconds",
-                                           "request taken to both workers accepted",
+                                           "request taken (its delivery pulled) to its "
+                                           "workers accepted, waits in line included",
                                            buckets=LATENCY_BUCKETS, registry=r)
         self.workers = Gauge("halfmoon_workers_healthy", "healthy workers by role", ["role"],
                              registry=r)

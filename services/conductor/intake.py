@@ -180,6 +180,7 @@ class InHand:
         self._has_lapsed = False
         self._timer = self._loop.call_later(IN_PROGRESS_EVERY_S, self._tick)
         self.is_kept = False
+        self.taken_at = time.perf_counter()  # placing it takes from here, its waits included
 
     def keep(self) -> None:
         """The handler keeps the message past its return (waiting for room): the word

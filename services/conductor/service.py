@@ -174,14 +174,13 @@ class ConductorService(Service):
         creation), nothing settled."""
         progress = assignment.Progress(delivery=msg.metadata.num_delivered)
         try:
-            started = time.perf_counter()
             with tracing.within(schedule), \
                     structlog.contextvars.bound_contextvars(request_id=request.request_id):
                 chosen = await self.placer.place(request, progress,
                                                  is_current=lambda: not in_hand.is_lapsed())
             if in_hand.is_lapsed():  # its commands went out in time, not the gateway's word
                 raise Lapsed
-            await self.outbox.announce(request, chosen, time.perf_counter() - started,
+            await self.outbox.announce(request, chosen, time.perf_counter() - in_hand.taken_at,
                                        delivery=msg.metadata.num_delivered)
         except Lapsed:
             self._let_go(request)

@@ -90,12 +90,16 @@ async def test_requests_wait_in_line_for_a_decode_worker_to_come_back(nats_url: 
         asks = [asyncio.create_task(stack.post("/v1/completions", {**BODY, "max_tokens": 3}))
                 for _ in range(3)]
         await eventually(lambda: len(stack.conductor.room_lines) == 3)
+        await asyncio.sleep(0.5)
         stack.decodes[0] = DecodeService(decode.config)
         await stack.decodes[0].start()
         replies = await asyncio.wait_for(asyncio.gather(*asks), 10)
         assert [status for status, _ in replies] == [200] * 3, replies
         registry = stack.conductor.metrics.registry
         assert registry.get_sample_value("halfmoon_room_waits_total") == 3
+        # Their placement took the wait in line too, not only the try that placed them.
+        assert registry.get_sample_value("halfmoon_placement_seconds_count") == 3
+        assert registry.get_sample_value("halfmoon_placement_seconds_sum") >= 3 * 0.5
         assert registry.get_sample_value("halfmoon_request_deliveries_again_total",
                                          {"step": "held_here"}) is None
         await stack.wait_blocks_free()
