@@ -24,9 +24,10 @@ import nats.js.errors
 
 from services.conductor.service import ConductorService
 from shared.config import ConductorConfig
+from shared.jetstream_assets import ensure_kv_event_stream
 from shared.logs import configure_logging
 from shared.messages import KvBlockEvent, KvEventBatch
-from shared.nats_client import encode, ensure_kv_event_stream
+from shared.nats_client import encode
 from shared.nats_server import EmbeddedNatsServer
 from shared.subjects import Subjects
 

@@ -21,8 +21,9 @@ from services.conductor.planner import kv_used_share
 from services.conductor.planning import COMMAND_TIMEOUT_S
 from shared.config import ServiceConfig
 from shared.config_loading import load_config
+from shared.jetstream_assets import read_registry
 from shared.messages import DispatchReply, RoleChange, WorkerHeartbeat
-from shared.nats_client import NatsClient, connect, dispatch, read_registry
+from shared.nats_client import NatsClient, connect, dispatch
 from shared.subjects import Subjects
 
 T = TypeVar("T")

@@ -44,6 +44,12 @@ from shared import tracing
 from shared.config import WorkerConfig
 from shared.errors import ConfigError
 from shared.heartbeats import WorkerDirectory
+from shared.jetstream_assets import (
+    Redeclare,
+    ensure_bucket,
+    ensure_kv_event_stream,
+    publish_to_stream,
+)
 from shared.messages import (
     AbortRequest,
     DispatchReply,
@@ -55,13 +61,7 @@ from shared.messages import (
     WorkerRole,
 )
 from shared.metrics import CounterAtScrape, ElasticWorkerMetrics
-from shared.nats_client import (
-    Redeclare,
-    encode,
-    ensure_bucket,
-    ensure_kv_event_stream,
-    publish_to_stream,
-)
+from shared.nats_client import encode
 from shared.service import Service, ServiceState
 from transfer_engine.engine import TransferEngine
 

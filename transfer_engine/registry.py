@@ -14,8 +14,8 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from shared.jetstream_assets import answered, ensure_bucket
 from shared.messages import TransferEndpoint
-from shared.nats_client import answered, ensure_bucket
 from transfer_engine.errors import InvalidTransfer
 
 _KEY = re.compile(r"^[-/_=.a-zA-Z0-9]+$")

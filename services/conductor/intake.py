@@ -26,14 +26,14 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from services.conductor import holding
-from shared.logs import get_logger
-from shared.nats_client import (
+from shared.jetstream_assets import (
     ASSET_WAIT_S,
     UNANSWERED_ERRORS,
     Redeclare,
     answered,
     ensure_work_queue,
 )
+from shared.logs import get_logger
 from shared.subjects import Subjects
 
 FETCH_RETRY_S = 0.25

@@ -36,10 +36,11 @@ from shared import tracing
 from shared.config import ConductorConfig
 from shared.errors import ConfigError, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
+from shared.jetstream_assets import ensure_bucket
 from shared.logs import get_logger
 from shared.messages import DispatchReply, Message, RoleChange, ShedLoad, WorkerHeartbeat
 from shared.metrics import ConductorMetrics
-from shared.nats_client import dispatch, ensure_bucket
+from shared.nats_client import dispatch
 from shared.subjects import Subjects
 
 log = get_logger(__name__)

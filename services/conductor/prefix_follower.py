@@ -26,16 +26,16 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, StreamInfo
 from nats.js.object_store import ObjectStore
 
 from services.conductor.prefix_index import PrefixIndex
-from shared.logs import get_logger
-from shared.messages import KvEventBatch, PrefixIndexSnapshot
-from shared.nats_client import (
+from shared.jetstream_assets import (
     ASSET_WAIT_S,
     Redeclare,
     answered,
-    encode,
     ensure_kv_event_stream,
     ensure_object_store,
 )
+from shared.logs import get_logger
+from shared.messages import KvEventBatch, PrefixIndexSnapshot
+from shared.nats_client import encode
 from shared.subjects import Subjects
 
 log = get_logger(__name__)

@@ -43,6 +43,7 @@ from shared import tracing
 from shared.config import ConductorConfig
 from shared.errors import HalfmoonError, Shortage, SloViolation
 from shared.heartbeats import WorkerDirectory
+from shared.jetstream_assets import read_registry
 from shared.messages import (
     DecodeReplacement,
     GenerateRequest,
@@ -50,7 +51,6 @@ from shared.messages import (
     request_failed,
 )
 from shared.metrics import ConductorMetrics
-from shared.nats_client import read_registry
 from shared.service import Service
 
 _request_decoder = msgspec.json.Decoder(GenerateRequest)

@@ -35,6 +35,7 @@ from shared.errors import (
     WorkerUnavailable,
 )
 from shared.events import EventPublisher
+from shared.jetstream_assets import Redeclare, publish_to_stream
 from shared.logs import get_logger
 from shared.messages import (
     AbortRequest,
@@ -45,7 +46,7 @@ from shared.messages import (
     choice_id,
 )
 from shared.metrics import GatewayMetrics
-from shared.nats_client import Redeclare, encode, publish_to_stream
+from shared.nats_client import encode
 from shared.subjects import Subjects
 from shared.token_batches import is_prompt_piece
 

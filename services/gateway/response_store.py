@@ -17,9 +17,9 @@ import nats.js.errors
 from nats.js.kv import KeyValue
 
 from shared.errors import PreviousResponseNotFound, ResponseNotFound
+from shared.jetstream_assets import Redeclare
 from shared.logs import get_logger
 from shared.messages import StoredResponse
-from shared.nats_client import Redeclare
 
 log = get_logger(__name__)
 

@@ -41,6 +41,7 @@ from services.gateway.validation import ParsedRequest, chat_output, completion_o
 from shared.config import GatewayConfig
 from shared.errors import ConfigError, RequestAborted, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
+from shared.jetstream_assets import Redeclare, ensure_bucket, ensure_work_queue, read_registry
 from shared.messages import (
     GatewayEvent,
     OpenStreams,
@@ -52,13 +53,7 @@ from shared.messages import (
     WorkerHeartbeat,
 )
 from shared.metrics import GatewayMetrics
-from shared.nats_client import (
-    Redeclare,
-    encode,
-    ensure_bucket,
-    ensure_work_queue,
-    read_registry,
-)
+from shared.nats_client import encode
 from shared.service import Service
 
 # OpenAI's legacy completions endpoint defaults to 16 new tokens; chat fills the context.

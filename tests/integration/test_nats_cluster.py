@@ -15,7 +15,8 @@ import pytest
 from engine.fake_engine import fake_completion
 from services.gateway.tokenizer import ByteTokenizer
 from shared.errors import ConfigError
-from shared.nats_client import CONNECT_TIMEOUT_S, connect, ensure_work_queue
+from shared.jetstream_assets import ensure_work_queue
+from shared.nats_client import CONNECT_TIMEOUT_S, connect
 from shared.nats_server import MAX_PAYLOAD_BYTES, EmbeddedNatsCluster
 from shared.subjects import Subjects
 from tests.stack import Stack, eventually

@@ -14,8 +14,9 @@ from nats.aio.msg import Msg
 from engine.fake_engine import fake_completion
 from services.gateway.tokenizer import ByteTokenizer
 from shared.heartbeats import WorkerDirectory
+from shared.jetstream_assets import read_registry
 from shared.messages import GatewayEvent
-from shared.nats_client import ServerProbe, connect, read_registry, subscribed
+from shared.nats_client import ServerProbe, connect, subscribed
 from shared.nats_server import EmbeddedNatsServer
 from tests.stack import Stack, eventually
 from tests.unit.test_placement import worker

@@ -6,8 +6,9 @@ import uuid
 
 from services.conductor.service import ConductorService
 from shared.config import ConductorConfig
+from shared.jetstream_assets import ensure_kv_event_stream
 from shared.messages import KvBlockEvent, KvEventBatch
-from shared.nats_client import encode, ensure_kv_event_stream
+from shared.nats_client import encode
 from shared.subjects import Subjects
 from tests.stack import Stack, eventually
 

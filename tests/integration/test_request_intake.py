@@ -15,7 +15,8 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from services.conductor import intake
 from services.conductor.intake import InHand, RequestIntake
-from shared.nats_client import NatsClient, connect, ensure_work_queue
+from shared.jetstream_assets import ensure_work_queue
+from shared.nats_client import NatsClient, connect
 from shared.subjects import Subjects
 
 pytestmark = pytest.mark.e2e

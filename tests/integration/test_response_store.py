@@ -13,7 +13,8 @@ from nats.js.kv import KeyValue
 
 from services.gateway.response_store import ResponseStore
 from shared.errors import PreviousResponseNotFound, ResponseNotFound
-from shared.nats_client import Redeclare, connect, ensure_bucket
+from shared.jetstream_assets import Redeclare, ensure_bucket
+from shared.nats_client import connect
 
 
 @pytest.fixture

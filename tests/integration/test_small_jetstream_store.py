@@ -12,7 +12,7 @@ import nats
 import pytest
 
 from shared.errors import ConfigError
-from shared.nats_client import KV_EVENTS_MAX_BYTES, ensure_bucket
+from shared.jetstream_assets import KV_EVENTS_MAX_BYTES, ensure_bucket
 from shared.nats_server import EmbeddedNatsServer
 from tests.stack import Stack
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import msgspec
 
+from shared.jetstream_assets import ensure_bucket, read_registry
 from shared.messages import WorkerHeartbeat
-from shared.nats_client import connect, encode, ensure_bucket, read_registry
+from shared.nats_client import connect, encode
 
 
 def heartbeat(worker_id: str) -> WorkerHeartbeat:

@@ -6,7 +6,7 @@ import nats.errors
 import nats.js.errors
 import pytest
 
-from shared.nats_client import answered, is_transient
+from shared.jetstream_assets import answered, is_transient
 
 
 @pytest.mark.parametrize("exc", [
