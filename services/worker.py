@@ -3,7 +3,8 @@ decode, `services/duty.py`), which a `RoleChange` may switch at runtime without 
 weights: the KV pool, the prefix cache and the transfer engine stay.
 
 Lifecycle additions to `Service`: start() assembles the engine (`worker_parts`), starts it,
-registers the worker in the registry bucket, starts its role's duty, subscribes to aborts
+registers the worker in the registry bucket, announces its prefix cache (`kv_events`, then
+at each heartbeat and after each prefill), starts its role's duty, subscribes to aborts
 and role changes, and starts heartbeating. stop() first heartbeats `is_draining` (the
 conductor sends no more work; the duty refuses new work but finishes what it holds), drains,
 fails whatever is still held, closes the engine and removes the registry entry.
@@ -33,6 +34,7 @@ from nats.js.kv import KeyValue
 from engine.protocol import Engine
 from services.decode.duty import DecodeDuty
 from services.duty import Duty
+from services.kv_events import KvEventPublisher
 from services.kv_handoff import KvHandoff, NoKvHandoff
 from services.kv_leases import LeaseTable
 from services.model_shelf import config_for_model, models_on_disk
@@ -47,14 +49,10 @@ from shared.heartbeats import WorkerDirectory
 from shared.jetstream_assets import (
     Redeclare,
     ensure_bucket,
-    ensure_kv_event_stream,
-    publish_to_stream,
 )
 from shared.messages import (
     AbortRequest,
     DispatchReply,
-    KvBlockEvent,
-    KvEventBatch,
     KvLeaseEvent,
     RoleChange,
     WorkerHeartbeat,
@@ -103,17 +101,14 @@ class WorkerService(Service):
         self.leases = LeaseTable(self.worker_id, self.metrics, self._publish_lease_event)
         # Requests placed again since: their earlier placements' late commands are refused.
         self.superseded = Superseded()
-        self._kv_event_flush: asyncio.Task[None] | None = None
         self._registry_put: asyncio.Task[None] | None = None
-        # JetStream assets found gone (deleted, or lost with a server's store): declared again.
+        # The registry bucket found gone (deleted, or lost with a server's store): declared
+        # again.
         self._redeclare_registry = Redeclare(self._open_registry, "the worker registry")
-        self._redeclare_kv_events = Redeclare(self._declare_kv_events, "the KV-event stream")
-        self._unsent_kv_events: list[KvBlockEvent] = []  # drained, not yet published
-        # Announce the whole cache next (`KvEventBatch.is_reset`): at start, and once the
-        # KV-event stream is found made anew (deleted, or lost with a server's store): a
-        # conductor that starts then would never learn of the blocks cached before.
-        self._is_kv_reset_due = False
-        self._kv_event_seq = 0  # the stream sequence of this worker's last batch
+        self.kv_events = KvEventPublisher(
+            self.worker_id, config.engine.block_size, self.subjects,
+            cache=lambda: self.engine.prefix_cache, nc=lambda: self.nc, spawn=self.spawn,
+            replicas=config.js_replicas)
         self._model_path = ""  # where the engine read the model, once started
         self._shelf: list[str] = []  # models it may switch to (`model_shelf`)
         self._model_load_s = 0.0
@@ -166,9 +161,8 @@ class WorkerService(Service):
         await register_device_kv(parts)
         self._read_gauges_at_scrape()
         await self._open_registry()
-        await self._declare_kv_events()
-        self._is_kv_reset_due = True
-        await self._publish_kv_events()
+        await self.kv_events.declare()
+        await self.kv_events.publish()  # the whole cache: a reset
         self._duties[self._role] = self.duty_types[self._role](self)
         await self.duty.start()
         self._show_role()
@@ -299,50 +293,8 @@ class WorkerService(Service):
             await self._sleep_judging_on_time(self.config.heartbeat_interval_s)
             for duty in list(self._duties.values()):
                 duty.on_tick()
-            self.publish_kv_events_soon()  # never holds up the heartbeat
+            self.kv_events.publish_soon()  # never holds up the heartbeat
             await self._heartbeat()
-
-    def publish_kv_events_soon(self) -> None:
-        """The prefix cache changed (a prefill completed): tell the conductors now rather than
-        at the next heartbeat, so that the next placement sees it. Calls coalesce."""
-        if self._kv_event_flush is None:
-            self._kv_event_flush = self.spawn(self._flush_kv_events(), "kv-events")
-
-    async def _flush_kv_events(self) -> None:
-        try:
-            while await self._publish_kv_events():
-                pass
-        except nats.errors.Error as exc:  # kept: the next heartbeat's flush sends them
-            self.log.warning("kv_events.publish_failed", error=repr(exc),
-                             num_unsent=len(self._unsent_kv_events))
-        finally:
-            self._kv_event_flush = None
-
-    async def _publish_kv_events(self) -> bool:
-        """Tell the conductors' prefix index what this worker's cache gained and lost (or,
-        when a reset is due, all it holds); return whether there was anything to tell."""
-        cache = self.engine.prefix_cache
-        self._unsent_kv_events += [
-            KvBlockEvent(kind=kind, block_hash=block_hash.hex())  # type: ignore[arg-type]
-            for kind, block_hash in cache.drain_kv_events()]
-        is_reset = self._is_kv_reset_due
-        if is_reset:  # the whole state supersedes the events drained so far
-            self._unsent_kv_events = [KvBlockEvent(kind="stored", block_hash=block_hash.hex())
-                                      for block_hash in cache.held_block_hashes()]
-        elif not self._unsent_kv_events:
-            return False
-        batch = KvEventBatch(worker_id=self.worker_id, block_size=self.config.engine.block_size,
-                             events=self._unsent_kv_events, is_reset=is_reset)
-        ack = await publish_to_stream(self.nc.jetstream(), self.subjects.kv_events(self.worker_id),
-                                      encode(batch), msg_id=uuid.uuid4().hex,
-                                      redeclare=self._redeclare_kv_events)
-        self._unsent_kv_events = []
-        self._is_kv_reset_due = False
-        if ack.seq < self._kv_event_seq:  # a stream's sequence never goes back: a new one
-            self.log.info("kv_events.stream_renewed", seq=ack.seq, last_seq=self._kv_event_seq)
-            self._is_kv_reset_due = True
-        self._kv_event_seq = ack.seq
-        return True
 
     async def _heartbeat(self) -> None:
         """Publish the heartbeat and keep it as this worker's registry entry, from which a
@@ -378,10 +330,6 @@ class WorkerService(Service):
             ttl_s=max(5.0, REGISTRY_TTL_HEARTBEATS * self.config.heartbeat_interval_s),
             replicas=self.config.js_replicas,
         )
-
-    async def _declare_kv_events(self) -> None:
-        await ensure_kv_event_stream(self.nc.jetstream(), self.subjects,
-                                     replicas=self.config.js_replicas)
 
     def heartbeat(self) -> WorkerHeartbeat:
         stats = self.engine.stats()

@@ -251,7 +251,7 @@ class PrefillDuty(Duty):
             output_offset=request.output_offset,
         ))
         self._observe_prefill(request, result, started, layers)
-        self.worker.publish_kv_events_soon()
+        self.worker.kv_events.publish_soon()
         sampling = request.sampling
         if sampling.temperature > 0 and sampling.seed is None \
                 and not self._target_future(request.request_id).done():
