@@ -7,10 +7,13 @@ A block is in exactly one state:
             order and reused by `match_prefix`, or evicted (oldest first) when `allocate` runs
             out of free blocks.
 Invariant: num_free + num_used + num_cached == num_blocks. Pure Python; no torch.
+`LockedAllocator` is the same behind a lock, for an engine whose thread and event loop both
+allocate.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -128,3 +131,52 @@ class BlockAllocator:
         if self._on_event is not None:
             self._on_event("removed", block_hash)
         return block
+
+
+class LockedAllocator(BlockAllocator):
+    """The allocator, safe to call from the event loop and the engine thread."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks, on_event=self._record)
+        self.lock = threading.RLock()
+        self._events: list[tuple[str, bytes]] = []
+
+    def _record(self, kind: str, block_hash: bytes) -> None:
+        self._events.append((kind, block_hash))  # called under self.lock
+
+    def drain_events(self) -> list[tuple[str, bytes]]:
+        with self.lock:
+            events, self._events = self._events, []
+        return events
+
+    def held_hashes(self) -> list[BlockHash]:
+        with self.lock:
+            return super().held_hashes()
+
+    def allocate(self, count: int) -> list[int]:
+        with self.lock:
+            return super().allocate(count)
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        with self.lock:
+            super().free(block_ids)
+
+    def share(self, block_ids: Sequence[int]) -> None:
+        with self.lock:
+            super().share(block_ids)
+
+    def match_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
+        with self.lock:
+            return super().match_prefix(hashes)
+
+    def register(self, block: int, block_hash: BlockHash) -> None:
+        with self.lock:
+            super().register(block, block_hash)
+
+    def peek_prefix(self, hashes: Sequence[BlockHash]) -> int:
+        with self.lock:
+            return super().peek_prefix(hashes)
+
+    def cache(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> None:
+        with self.lock:  # reentrant: cache() calls register() and free()
+            super().cache(block_ids, hashes)

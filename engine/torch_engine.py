@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 import msgspec
 import torch
 
-from engine.block_allocator import BlockAllocator
+from engine.block_allocator import LockedAllocator
 from engine.block_growth import BlockGrowth
 from engine.bridge import EngineThread
 from engine.decode_graphs import DecodeGraphs, cuda_capture, eager_capture
@@ -81,55 +80,6 @@ class EngineOptions:
     # Decode steps replayed as CUDA graphs ("cuda", `--cuda-graphs`), or through the same
     # static buffers without a graph ("eager": how they are checked on a CPU).
     decode_graphs: str = "off"
-
-
-class LockedAllocator(BlockAllocator):
-    """The allocator, safe to call from the event loop and the engine thread."""
-
-    def __init__(self, num_blocks: int) -> None:
-        super().__init__(num_blocks, on_event=self._record)
-        self.lock = threading.RLock()
-        self._events: list[tuple[str, bytes]] = []
-
-    def _record(self, kind: str, block_hash: bytes) -> None:
-        self._events.append((kind, block_hash))  # called under self.lock
-
-    def drain_events(self) -> list[tuple[str, bytes]]:
-        with self.lock:
-            events, self._events = self._events, []
-        return events
-
-    def held_hashes(self) -> list[bytes]:
-        with self.lock:
-            return super().held_hashes()
-
-    def allocate(self, count: int) -> list[int]:
-        with self.lock:
-            return super().allocate(count)
-
-    def free(self, block_ids: Any) -> None:
-        with self.lock:
-            super().free(block_ids)
-
-    def share(self, block_ids: Any) -> None:
-        with self.lock:
-            super().share(block_ids)
-
-    def match_prefix(self, hashes: Any) -> list[int]:
-        with self.lock:
-            return super().match_prefix(hashes)
-
-    def register(self, block: int, block_hash: bytes) -> None:
-        with self.lock:
-            super().register(block, block_hash)
-
-    def peek_prefix(self, hashes: Any) -> int:
-        with self.lock:
-            return super().peek_prefix(hashes)
-
-    def cache(self, block_ids: Any, hashes: Any) -> None:
-        with self.lock:  # reentrant: cache() calls register() and free()
-            super().cache(block_ids, hashes)
 
 
 class TorchEngine:
