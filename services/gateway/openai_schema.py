@@ -185,6 +185,8 @@ def decode_body(body: bytes, schema: type[T]) -> T:
             field = unknown.group(1)
             param = f"{path}.{field}" if path else field
             if field in NOT_SERVED and not path:
+                if (unset := _without_unset_fields(body)) is not None:
+                    return decode_body(unset, schema)
                 raise UnsupportedParameter(f"halfmoon does not support `{field}`",
                                            param=param) from exc
             raise UnsupportedParameter(f"Unrecognized request argument supplied: {param}",
@@ -192,6 +194,18 @@ def decode_body(body: bytes, schema: type[T]) -> T:
         raise InvalidRequest(str(exc), param=path.split("[")[0].split(".")[0] or None) from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"invalid JSON: {exc}") from exc
+
+
+def _without_unset_fields(body: bytes) -> bytes | None:
+    """The body without the fields halfmoon does not serve that it sends as null (unset:
+    the API's own default, as some clients send every field they know), or None when it
+    sends none so; one sent with a value is still refused."""
+    fields = msgspec.json.decode(body)
+    unset = [name for name in NOT_SERVED
+             if isinstance(fields, dict) and name in fields and fields[name] is None]
+    if not unset:
+        return None
+    return msgspec.json.encode({k: v for k, v in fields.items() if k not in unset})
 
 
 def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:

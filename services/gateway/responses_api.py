@@ -114,9 +114,14 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     reasoning: Reasoning | None = None
     truncation: str | None = None
     previous_response_id: str | None = None
-    # Refused: conversation objects and background runs are not served.
+    # Refused: conversation objects, background runs and stored prompt templates are not
+    # served.
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
+    prompt: dict[str, Any] | None = None
+    # No effect: it bounds calls to built-in tools, and none runs here (function tools are
+    # the client's to call).
+    max_tool_calls: int | None = None
     # Metadata only: accepted, no effect on generation.
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -182,6 +187,12 @@ def _check_served(request: ResponsesRequest) -> None:
             f"halfmoon does not support `{unserved}`: continue a response with "
             "`previous_response_id`, or send the whole conversation in `input`",
             param=unserved)
+    if request.prompt is not None:
+        raise UnsupportedParameter("halfmoon does not support `prompt` (stored prompt "
+                                   "templates): send the instructions and input themselves",
+                                   param="prompt")
+    if request.max_tool_calls is not None and request.max_tool_calls < 0:
+        raise InvalidRequest("max_tool_calls must be >= 0", param="max_tool_calls")
     for entry in request.include or ():
         if entry != LOGPROBS_INCLUDE and entry not in NOTHING_TO_INCLUDE:
             raise UnsupportedParameter(f"include {entry!r} is not supported", param="include")

@@ -165,7 +165,7 @@ async def test_a_json_schema_output_keeps_to_the_schema(sdk: openai.AsyncOpenAI)
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "only text parts"),
     ({"reasoning": {"effort": "high"}}, "`reasoning`"),
-    ({"prompt": {"id": "pmpt_1"}}, "Unrecognized request argument supplied: prompt"),
+    ({"prompt": {"id": "pmpt_1"}}, "does not support `prompt`"),
 ])
 async def test_what_is_not_served_is_refused_with_400(sdk: openai.AsyncOpenAI,
                                                       fields: dict[str, Any],

@@ -87,6 +87,17 @@ def test_a_field_not_served_is_refused_by_name(body: bytes, param: str) -> None:
     assert info.value.openai_code == "unsupported_parameter"
 
 
+def test_a_field_not_served_sent_as_null_is_taken_as_unset() -> None:
+    body = b'{"model": "m", "prompt": "x", "suffix": null, "tools": null, "max_tokens": 3}'
+    assert run(decode_body(body, CompletionRequest)).sampling.max_tokens == 3
+    body = b'{"model": "m", "messages": [], "audio": null, "prediction": null}'
+    assert decode_body(body, ChatCompletionRequest).model == "m"
+    with pytest.raises(UnsupportedParameter) as info:  # one null, one with a value
+        decode_body(b'{"model": "m", "prompt": "x", "tools": null, "suffix": "y"}',
+                    CompletionRequest)
+    assert info.value.param == "suffix"
+
+
 def test_metadata_fields_are_accepted() -> None:
     body = (b'{"model": "m", "prompt": "x", "user": "u", "metadata": {"k": "v"}, '
             b'"store": false, "service_tier": "auto", "prompt_cache_key": "p", '

@@ -86,6 +86,18 @@ def test_text_format_json_schema_becomes_response_format() -> None:
     assert chat.response_format.json_schema.schema_ == {"type": "object"}
 
 
+def test_every_field_of_the_api_may_be_sent_unset() -> None:
+    """Clients that send each field they know, null where they set none."""
+    fields = ["instructions", "max_output_tokens", "temperature", "top_p", "top_logprobs",
+              "include", "stream", "stream_options", "tools", "tool_choice",
+              "parallel_tool_calls", "text", "reasoning", "truncation", "previous_response_id",
+              "conversation", "background", "prompt", "max_tool_calls", "store", "metadata",
+              "user", "service_tier", "prompt_cache_key", "safety_identifier"]
+    body = msgspec.json.encode({"model": "m", "input": "hi", **dict.fromkeys(fields)})
+    assert chat_request(decoded(body)).messages[-1].content == "hi"
+    assert chat_request(decoded(b'{"model": "m", "input": "hi", "max_tool_calls": 3}'))
+
+
 def test_logprobs_are_asked_by_include_or_top_logprobs() -> None:
     assert chat_request(request(include=["message.output_text.logprobs"])).logprobs
     assert chat_request(request(top_logprobs=3)).top_logprobs == 3
@@ -95,6 +107,8 @@ def test_logprobs_are_asked_by_include_or_top_logprobs() -> None:
 @pytest.mark.parametrize(("fields", "error", "message"), [
     ({"conversation": "conv_1"}, UnsupportedParameter, "`conversation`"),
     ({"background": True}, UnsupportedParameter, "`background`"),
+    ({"prompt": {"id": "pmpt_1"}}, UnsupportedParameter, "`prompt`"),
+    ({"max_tool_calls": -1}, InvalidRequest, "max_tool_calls"),
     ({"include": ["file_search_call.results"]}, UnsupportedParameter, "include"),
     ({"truncation": "auto"}, UnsupportedParameter, "truncation"),
     ({"top_logprobs": 21}, InvalidRequest, "top_logprobs"),
