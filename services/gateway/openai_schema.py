@@ -129,6 +129,11 @@ class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     refusal: str | None = None  # an assistant turn's refusal, replayed: not rendered
     tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    # An assistant reply sent back whole (`message.model_dump()`): its citations are not
+    # rendered; audio and a deprecated function call are refused unless null.
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
 
 class FunctionDef(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -249,6 +254,10 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
                 f"messages[{i}].role {message.role!r} is not one of {sorted(CHAT_ROLES)}",
                 param="messages",
             )
+        for field in ("audio", "function_call"):
+            if getattr(message, field) is not None:
+                raise UnsupportedParameter(f"halfmoon does not support `{field}` in messages",
+                                           param=f"messages[{i}].{field}")
         if message.content is None and message.role != "assistant":
             raise InvalidRequest(f"messages[{i}].content is missing: a {message.role} turn "
                                  "needs a string or text parts", param="messages")

@@ -106,11 +106,27 @@ def test_metadata_fields_are_accepted() -> None:
 
 
 def test_a_chat_message_field_not_served_is_refused() -> None:
-    body = (b'{"model": "m", "messages": [{"role": "user", "content": "x", '
-            b'"audio": {}}]}')
+    for field in ("audio", "function_call"):
+        body = (b'{"model": "m", "messages": [{"role": "user", "content": "x", "%s": {}}]}'
+                % field.encode())
+        with pytest.raises(UnsupportedParameter) as info:
+            chat_messages(decode_body(body, ChatCompletionRequest))
+        assert info.value.param == f"messages[0].{field}"
     with pytest.raises(UnsupportedParameter) as info:
-        decode_body(body, ChatCompletionRequest)
-    assert info.value.param == "messages[0].audio"
+        decode_body(b'{"model": "m", "messages": [{"role": "user", "content": "x", '
+                    b'"frobnicate": 1}]}', ChatCompletionRequest)
+    assert info.value.param == "messages[0].frobnicate"
+
+
+def test_an_assistant_reply_sent_back_whole_is_its_turn() -> None:
+    """`messages.append(reply.choices[0].message.model_dump())`: every field of the reply's
+    message, null where unset, and its citations."""
+    reply = (b'{"role": "assistant", "content": "hello", "refusal": null, "annotations": '
+             b'[{"type": "url_citation"}], "audio": null, "function_call": null, '
+             b'"tool_calls": null}')
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}, %s]}' % reply
+    assert chat_messages(decode_body(body, ChatCompletionRequest))[1] == {
+        "role": "assistant", "content": "hello"}
 
 
 @pytest.mark.parametrize(("field", "value"), [
