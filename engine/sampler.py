@@ -162,7 +162,9 @@ def warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.top_p < 1.0:
         ordered, order = torch.sort(scaled, descending=True)
         cumulative = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
-        # Drop a token once the tokens before it already reach top_p (the first one stays).
+        # Drop a token once the tokens before it already reach top_p; the first one stays
+        # (top_p 0 leaves it alone).
         drop = (cumulative - torch.softmax(ordered, dim=-1)) >= p.top_p
+        drop[0] = False
         scaled = scaled.scatter(0, order, ordered.masked_fill(drop, float("-inf")))
     return scaled

@@ -265,8 +265,7 @@ def _sampling(request: GenerationParams, max_tokens: int, limits: Limits,
     temperature = defaults.temperature if request.temperature is None else request.temperature
     top_p = defaults.top_p if request.top_p is None else request.top_p
     _check_range("temperature", temperature, 0.0, 2.0)
-    if not 0.0 < top_p <= 1.0:
-        raise InvalidRequest("top_p must lie in (0, 1]", param="top_p")
+    _check_range("top_p", top_p, 0.0, 1.0)  # 0, as OpenAI takes it: the likeliest token
     if request.top_k is None:
         top_k = defaults.top_k
     elif request.top_k < -1:

@@ -93,6 +93,8 @@ def test_min_tokens_masks_eos_and_stop_tokens_like_transformers(logits: torch.Te
      [hf.TemperatureLogitsWarper(1.3), hf.TopKLogitsWarper(12)]),
     (SamplingParams(max_tokens=1, temperature=0.9, top_p=0.6),
      [hf.TemperatureLogitsWarper(0.9), hf.TopPLogitsWarper(0.6)]),
+    (SamplingParams(max_tokens=1, temperature=0.9, top_p=0.0),  # the likeliest token alone
+     [hf.TemperatureLogitsWarper(0.9), hf.TopPLogitsWarper(0.0)]),
 ])
 def test_warpers_keep_the_tokens_transformers_keeps(
         logits: torch.Tensor, params: SamplingParams, warper: list[Any]) -> None:

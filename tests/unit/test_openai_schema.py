@@ -141,6 +141,10 @@ def test_out_of_range_controls_are_refused(field: str, value: object) -> None:
     assert info.value.param == field
 
 
+def test_top_p_zero_is_taken_as_openai_takes_it() -> None:
+    assert run(completion(top_p=0.0)).sampling.top_p == 0.0  # the likeliest token alone
+
+
 def test_best_of_samples_its_candidates_with_logprobs_and_returns_n() -> None:
     parsed = run(completion(best_of=5, n=2))
     assert parsed.sampling.n == 5 and parsed.num_returned == 2
@@ -235,8 +239,8 @@ def test_fields_a_request_leaves_out_take_the_model_s_sampling_defaults() -> Non
     assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, None)
 
 
-@pytest.mark.parametrize(("field", "value"), [("temperature", 2.5), ("top_p", 0.0),
-                                              ("top_k", -2)])
+@pytest.mark.parametrize(("field", "value"), [("temperature", 2.5), ("top_p", -0.1),
+                                              ("top_p", 1.01), ("top_k", -2)])
 def test_out_of_range_sampling_is_refused(field: str, value: float) -> None:
     with pytest.raises(InvalidRequest) as info:
         run(completion(**{field: value}))
