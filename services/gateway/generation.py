@@ -294,25 +294,8 @@ class Generator:
                 attempt += 1
                 if attempt > MAX_FAILOVERS:
                     raise
-                is_moved = isinstance(exc, RequestMoved)  # shed by a busy worker, not lost
-                (log.info if is_moved else log.warning)(
-                    "request.moved" if is_moved else "request.failover", request_id=request_id,
-                    error=exc.message, num_streamed=len(generated), attempt=attempt)
-                if not is_moved:
-                    ctx.metrics.failovers.inc()
-                span.add_event("migrated", {
-                    "halfmoon.attempt": attempt, "halfmoon.lost_worker": exc.worker_id,
-                    "halfmoon.output_tokens": len(generated), "halfmoon.error": exc.message})
-                # Before the continuation is queued: its `placed` event comes after this one.
-                await ctx.events.request("migrated", request_id, model=parsed.model,
-                                         attempt=attempt, num_output_tokens=len(generated),
-                                         lost_worker_id=exc.worker_id, error=exc.message)
-                stream.attempt = attempt
-                # What the attempt before left running (a prefill worker still holding its
-                # KV, a decode worker that was only slow) stops before this one is placed: a
-                # worker sees one attempt of a request at a time.
-                await self._abort(request_id, "placed again", attempt=attempt)
-                await self._publish(request_id, parsed, generated, attempt=attempt)
+                await self._place_again(request_id, parsed, stream, exc, generated,
+                                        attempt=attempt)
                 scored_prompt = []  # the new attempt sends its own
                 continue
             if is_prompt_piece(delta):  # ahead of the first token (`shared.token_batches`)
@@ -356,6 +339,32 @@ class Generator:
                 if delta.finish_reason is None:  # a stop string: decode still runs
                     await self._abort(request_id)
                 return
+
+    async def _place_again(self, request_id: str, parsed: ParsedRequest,
+                           stream: RequestStream, exc: WorkerLost, generated: list[int], *,
+                           attempt: int) -> None:
+        """A worker of the choice was lost (or shed it): its continuation, from the tokens
+        `generated` so far, queued as attempt `attempt`, said in its trace and events."""
+        ctx = self._ctx
+        is_moved = isinstance(exc, RequestMoved)  # shed by a busy worker, not lost
+        (log.info if is_moved else log.warning)(
+            "request.moved" if is_moved else "request.failover", request_id=request_id,
+            error=exc.message, num_streamed=len(generated), attempt=attempt)
+        if not is_moved:
+            ctx.metrics.failovers.inc()
+        trace.get_current_span().add_event("migrated", {
+            "halfmoon.attempt": attempt, "halfmoon.lost_worker": exc.worker_id,
+            "halfmoon.output_tokens": len(generated), "halfmoon.error": exc.message})
+        # Before the continuation is queued: its `placed` event comes after this one.
+        await ctx.events.request("migrated", request_id, model=parsed.model,
+                                 attempt=attempt, num_output_tokens=len(generated),
+                                 lost_worker_id=exc.worker_id, error=exc.message)
+        stream.attempt = attempt
+        # What the attempt before left running (a prefill worker still holding its KV, a
+        # decode worker that was only slow) stops before this one is placed: a worker sees
+        # one attempt of a request at a time.
+        await self._abort(request_id, "placed again", attempt=attempt)
+        await self._publish(request_id, parsed, generated, attempt=attempt)
 
     async def _report_end(self, request_id: str, parsed: ParsedRequest, stream: RequestStream,
                           clock: _TokenClock, progress: _Progress,
