@@ -7,8 +7,8 @@ once and records the replies in `assignment.Progress`: a side that accepted is k
 that refused is placed again (up to `max_placement_attempts`), one given up is told to drop
 the request. What was sent since a worker's last heartbeat counts as its pending work from
 the moment it is sent (taken back if refused), so requests placed between two heartbeats,
-or at once, do not pile onto one worker. The decisions are pure
-(`assignment`, `placement`); this module sends and receives.
+or at once, do not pile onto one worker. The decisions are pure (`assignment`,
+`placement`); this module sends and receives.
 """
 
 from __future__ import annotations

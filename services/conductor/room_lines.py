@@ -7,10 +7,10 @@ model comes back: `NoHealthyWorker`) and space on it (`Shortage`: no decode work
 model with KV room, or every prefill worker's queue full; running requests free both as they
 finish); each has its line (`holding.line_of`: one for room, one per missing role), and a
 request that tries again and finds that it now waits for something else goes to the back
-of that line. Each heartbeat of a worker of the model (it
-may be back, or show room) gives the request at the head of each line a turn to try again;
-a head that leaves (placed, refused, out of time) gives the next one a turn at once, since
-what let it go may let the next go too. A newcomer of a model with a line for room joins its
+of that line. Each heartbeat of a worker of the model (it may be back, or show room) gives
+the request at the head of each line a turn to try again; a head that leaves (placed,
+refused, out of time) gives the next one a turn at once, since what let it go may let the
+next go too. A newcomer of a model with a line for room joins its
 back, so the room that frees goes to the requests that waited longest, and nothing polls
 meanwhile.
 
