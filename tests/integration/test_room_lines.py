@@ -10,7 +10,6 @@ import asyncio
 import pytest
 
 from services.conductor.service import ConductorService
-from services.worker import DecodeService, PrefillService
 from tests.stack import Stack, eventually
 
 pytestmark = pytest.mark.e2e
@@ -18,6 +17,24 @@ pytestmark = pytest.mark.e2e
 # Each takes 7 of decode's 12 blocks (prompt + a block of output; one block is the growth
 # watermark): one runs at a time, the others wait for its blocks.
 BODY = {"model": "halfmoon-tiny", "prompt": "x" * 85, "max_tokens": 10}
+
+
+SHORT = {"model": "halfmoon-tiny", "prompt": "short", "max_tokens": 3}  # decode prefills it
+
+
+async def lose(stack: Stack, *roles: str) -> None:
+    """Stop the stack's worker of each role; back once the conductor sees none healthy."""
+    for role in roles:
+        await (stack.prefills if role == "prefill" else stack.decodes)[0].stop()
+    await eventually(lambda: not any(stack.conductor.workers.healthy(role) for role in roles),
+                     timeout_s=5)
+
+
+async def bring_back(stack: Stack, role: str) -> None:
+    """A new worker of `role` in place of the stopped one, with its config."""
+    workers = stack.prefills if role == "prefill" else stack.decodes
+    workers[0] = type(workers[0])(workers[0].config)
+    await workers[0].start()
 
 
 def short_pool(nats_url: str) -> Stack:
@@ -84,15 +101,12 @@ async def test_requests_wait_in_line_for_a_decode_worker_to_come_back(nats_url: 
     their first delivery and go at its first heartbeat. Before, each went back to the queue
     to be delivered again a fixed time later, and was refused after 5 s."""
     async with Stack(nats_url) as stack:
-        decode = stack.decodes[0]
-        await decode.stop()
-        await eventually(lambda: not stack.conductor.workers.healthy("decode"), timeout_s=5)
+        await lose(stack, "decode")
         asks = [asyncio.create_task(stack.post("/v1/completions", {**BODY, "max_tokens": 3}))
                 for _ in range(3)]
         await eventually(lambda: len(stack.conductor.room_lines) == 3)
         await asyncio.sleep(0.5)
-        stack.decodes[0] = DecodeService(decode.config)
-        await stack.decodes[0].start()
+        await bring_back(stack, "decode")
         replies = await asyncio.wait_for(asyncio.gather(*asks), 10)
         assert [status for status, _ in replies] == [200] * 3, replies
         registry = stack.conductor.metrics.registry
@@ -111,17 +125,13 @@ async def test_a_request_that_needs_no_missing_worker_is_placed_past_those_waiti
     worker prefills itself (`local_prefill_max_tokens`) is served meanwhile, not queued
     behind it: waiting for a worker is a line of its own, which newcomers try past."""
     async with Stack(nats_url, decode_options={"local_prefill_max_tokens": 16}) as stack:
-        prefill = stack.prefills[0]
-        await prefill.stop()
-        await eventually(lambda: not stack.conductor.workers.healthy("prefill"), timeout_s=5)
+        await lose(stack, "prefill")
         long = asyncio.create_task(stack.post("/v1/completions", {**BODY, "max_tokens": 3}))
         await eventually(lambda: len(stack.conductor.room_lines) == 1)
-        status, reply = await asyncio.wait_for(stack.post("/v1/completions", {
-            "model": "halfmoon-tiny", "prompt": "short", "max_tokens": 3}), 5)
+        status, reply = await asyncio.wait_for(stack.post("/v1/completions", SHORT), 5)
         assert status == 200, reply
         assert not long.done()
-        stack.prefills[0] = PrefillService(prefill.config)
-        await stack.prefills[0].start()
+        await bring_back(stack, "prefill")
         status, reply = await asyncio.wait_for(long, 10)
         assert status == 200, reply
         await stack.wait_blocks_free()
@@ -135,23 +145,16 @@ async def test_with_both_roles_gone_a_request_needing_only_the_one_back_is_not_h
     is served at once instead of behind it (one line for every missing worker held it until
     prefill came back, or the long one's 30 s hold ran out)."""
     async with Stack(nats_url, decode_options={"local_prefill_max_tokens": 16}) as stack:
-        prefill, decode = stack.prefills[0], stack.decodes[0]
-        await prefill.stop()
-        await decode.stop()
-        await eventually(lambda: not stack.conductor.workers.healthy("prefill")
-                         and not stack.conductor.workers.healthy("decode"), timeout_s=5)
+        await lose(stack, "prefill", "decode")
         long = asyncio.create_task(stack.post("/v1/completions", {**BODY, "max_tokens": 3}))
         await eventually(lambda: len(stack.conductor.room_lines) == 1)
-        short = asyncio.create_task(stack.post("/v1/completions", {
-            "model": "halfmoon-tiny", "prompt": "short", "max_tokens": 3}))
+        short = asyncio.create_task(stack.post("/v1/completions", SHORT))
         await eventually(lambda: len(stack.conductor.room_lines) == 2)
-        stack.decodes[0] = DecodeService(decode.config)
-        await stack.decodes[0].start()
+        await bring_back(stack, "decode")
         status, reply = await asyncio.wait_for(short, 5)
         assert status == 200, reply
         assert not long.done()
-        stack.prefills[0] = PrefillService(prefill.config)
-        await stack.prefills[0].start()
+        await bring_back(stack, "prefill")
         status, reply = await asyncio.wait_for(long, 10)
         assert status == 200, reply
         await stack.wait_blocks_free()
