@@ -282,7 +282,6 @@ def _num_blocks(send: Send) -> int:
     return blocks_needed(send.num_tokens, send.worker.block_size) if send.num_tokens else 0
 
 
-
 def describe(chosen: Plan, prefix: PrefixView | None, num_candidates: int
              ) -> dict[str, str | int]:
     """The decision and its inputs, as span attributes (`halfmoon.*`)."""

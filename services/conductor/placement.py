@@ -46,8 +46,6 @@ class PendingWork:
     num_prefill_tokens: int = 0  # prefill: uncached prompt tokens queued
 
 
-
-
 @dataclass(frozen=True)
 class PrefixView:
     """What the prefix index says about one prompt: its block count and, per worker, how
