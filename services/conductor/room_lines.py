@@ -10,9 +10,8 @@ request that tries again and finds that it now waits for something else goes to 
 of that line. Each heartbeat of a worker of the model (it may be back, or show room) gives
 the request at the head of each line a turn to try again; a head that leaves (placed,
 refused, out of time) gives the next one a turn at once, since what let it go may let the
-next go too. A newcomer of a model with a line for room joins its
-back, so the room that frees goes to the requests that waited longest, and nothing polls
-meanwhile.
+next go too. A newcomer of a model with a line for room joins its back, so the room that
+frees goes to the requests that waited longest, and nothing polls meanwhile.
 
 Before, such a request went back to the queue with a delay and was tried again blindly,
 up to JetStream's delivery limit, in no order, and was refused after five seconds (or, when
