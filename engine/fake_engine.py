@@ -124,11 +124,15 @@ def new_sequence(request_id: str, sampling: SamplingParams, prompt: list[int],
 
 
 def refuse_unserved(sampling: SamplingParams) -> None:
-    """A model-less engine can neither keep an output inside a grammar nor fork choices:
-    say so."""
+    """A model-less engine can neither keep an output inside a grammar or a token filter
+    nor fork choices: say so."""
     if sampling.grammar is not None:
         raise InvalidRequest("structured outputs need the torch engine (this worker has no "
                              "model)", param="response_format")
+    for param in ("allowed_token_ids", "bad_words"):
+        if getattr(sampling, param):
+            raise InvalidRequest(f"{param} needs the torch engine (this worker has no "
+                                 "model)", param=param)
     if sampling.n > 1:
         raise InvalidRequest("n > 1 needs the torch engine (this worker has no model)",
                              param="n")

@@ -1,6 +1,6 @@
 """Token sampling, one module for every worker (prefill's first token, decode's later ones):
-logit controls (bias, min_tokens, penalties), greedy or temperature with min-p, top-k and
-top-p, per-request seeds, and the logprobs a client asked for.
+logit controls (token filters, min_tokens, bias, penalties), greedy or temperature with
+min-p, top-k and top-p, per-request seeds, and the logprobs a client asked for.
 
 Logprobs are those of the model's own distribution (`log_softmax` of the raw logits), as
 OpenAI reports them, whatever controls shaped the pick.
@@ -14,7 +14,7 @@ stream, after a handoff or a failover alike.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -112,22 +112,21 @@ def prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int], count: 
 
 
 def has_controls(p: SamplingParams) -> bool:
-    return bool(p.logit_bias) or p.min_tokens > 0 or p.has_penalties
+    return (bool(p.logit_bias) or p.min_tokens > 0 or p.has_penalties
+            or bool(p.allowed_token_ids) or bool(p.bad_words))
 
 
 def apply_controls(logits: torch.Tensor, draw: Draw, eos_token_ids: Collection[int]) -> None:
-    """Shape one row of logits in place: the grammar's mask, bias, min_tokens, then the
-    penalties."""
+    """Shape one row of logits in place: the grammar's mask, the token filters and
+    min_tokens, bias, then the penalties."""
     p = draw.sampling
     if draw.matcher is not None:
         draw.matcher.mask(logits, draw.remaining, p.max_tokens)
+    for banned in _bans(logits, draw, eos_token_ids):
+        _mask_unless_empty(logits, banned)
     if p.logit_bias:
         ids, biases = zip(*p.logit_bias, strict=True)
         logits[list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
-    if len(draw.token_ids) - draw.output_start < p.min_tokens:
-        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-        if banned:
-            logits[sorted(banned)] = float("-inf")
     if not p.has_penalties:
         return
     context = torch.tensor(list(draw.token_ids), dtype=torch.long, device=logits.device)
@@ -141,6 +140,46 @@ def apply_controls(logits: torch.Tensor, draw: Draw, eos_token_ids: Collection[i
         counts = torch.bincount(output, minlength=logits.shape[-1]).to(logits.dtype)
         logits -= counts * p.frequency_penalty + (counts > 0).to(logits.dtype) \
             * p.presence_penalty
+
+
+def _bans(logits: torch.Tensor, draw: Draw, eos_token_ids: Collection[int]
+          ) -> Iterator[torch.Tensor]:
+    """The masks (True: banned) of one row, in order: outside `allowed_token_ids`, the
+    bad words' next tokens, eos and stop tokens before `min_tokens`."""
+    p = draw.sampling
+    if p.allowed_token_ids:
+        outside = torch.ones_like(logits, dtype=torch.bool)
+        outside[list(p.allowed_token_ids)] = False
+        yield outside
+    num_output = len(draw.token_ids) - draw.output_start
+    if completing := [word[-1] for word in p.bad_words
+                      if _output_ends_with(draw.token_ids, num_output, word[:-1])]:
+        yield _mask_of(logits, completing)
+    if num_output < p.min_tokens:
+        ends = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        if ends:
+            yield _mask_of(logits, ends)
+
+
+def _output_ends_with(token_ids: Sequence[int], num_output: int, prefix: tuple[int, ...]
+                      ) -> bool:
+    """Whether the last `num_output` of `token_ids` (the output) end with `prefix`."""
+    return not prefix or (num_output >= len(prefix)
+                          and tuple(token_ids[len(token_ids) - len(prefix):]) == prefix)
+
+
+def _mask_of(logits: torch.Tensor, token_ids: Collection[int]) -> torch.Tensor:
+    banned = torch.zeros_like(logits, dtype=torch.bool)
+    banned[sorted(token_ids)] = True
+    return banned
+
+
+def _mask_unless_empty(logits: torch.Tensor, banned: torch.Tensor) -> None:
+    """Mask `banned` in place unless no token would be left to draw (a filter that bans what
+    the grammar alone allows, an eos the only token allowed): a pick beats an empty row."""
+    masked = logits.masked_fill(banned, float("-inf"))
+    if bool(torch.isfinite(masked).any()):
+        logits.copy_(masked)
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None

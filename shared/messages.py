@@ -60,16 +60,22 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     # Controls on the logits, applied in this order before temperature (`engine.sampler`):
-    # `logit_bias` (token id, bias) added; eos and stop tokens masked until `min_tokens`
-    # output tokens; `repetition_penalty` on every token of prompt and output (> 1 dampens);
-    # `frequency_penalty` per occurrence and `presence_penalty` once, on output tokens
-    # (OpenAI's semantics). After temperature: `min_p`, `top_k`, `top_p`.
+    # the token filters (below) and, until `min_tokens` output tokens, eos and stop tokens
+    # masked; `logit_bias` (token id, bias) added; `repetition_penalty` on every token of
+    # prompt and output (> 1 dampens); `frequency_penalty` per occurrence and
+    # `presence_penalty` once, on output tokens (OpenAI's semantics). After temperature:
+    # `min_p`, `top_k`, `top_p`.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
     min_tokens: int = 0
+    # vLLM's token filters: only `allowed_token_ids` may be drawn (empty: any); of each
+    # `bad_words` sequence the last token is masked where the output so far ends with the
+    # rest of it. A mask that would leave no token (with the grammar's) is not applied.
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
     # Report each output token's logprob with this many alternatives (None: no logprobs);
     # and, computed on prefill only when asked, each prompt token's (such a prompt is
     # computed whole: the prefix cache keeps K/V, not the logits).

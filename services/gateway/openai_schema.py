@@ -78,6 +78,8 @@ class GenerationParams(GuidedParams, kw_only=True, forbid_unknown_fields=True):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None  # only these tokens may be drawn
+    bad_words: list[str] | None = None  # words the output must not write
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     return_token_ids: bool | None = None  # the prompt's and the output's ids beside the text
@@ -88,6 +90,15 @@ class GenerationParams(GuidedParams, kw_only=True, forbid_unknown_fields=True):
     # prompt, no for chat (its template writes them).
     add_special_tokens: bool | None = None
     response_format: ResponseFormat | None = None  # on completions too, as vLLM
+    # vLLM's, accepted for its clients: beam search is not served (`use_beam_search` true is
+    # refused; `length_penalty` weighs beams only), special tokens are written as the fast
+    # tokenizer writes them (as vLLM's fast detokenizer ignores the spacing flag), and
+    # priority scheduling is not served (a `priority` other than 0 is refused, as vLLM's
+    # default scheduler refuses it).
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    spaces_between_special_tokens: bool | None = None
+    priority: int | None = None
     # vLLM's structured-output extensions come from GuidedParams (guided.py).
     # Metadata only: accepted, no effect on generation.
     user: str | None = None

@@ -28,6 +28,7 @@ from services.gateway.model_catalog import ModelCatalog, ServedModel
 from services.gateway.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
+    GenerationParams,
     chat_messages,
     chat_tools,
     completion_prompts,
@@ -35,9 +36,16 @@ from services.gateway.openai_schema import (
 from services.gateway.request_stream import StreamTable
 from services.gateway.response_store import ResponseStore
 from services.gateway.structured import check_grammar
+from services.gateway.token_filters import bad_word_sequences
 from services.gateway.tokenizer import Tokenizer
 from services.gateway.tool_calls import ToolUse, tool_format
-from services.gateway.validation import ParsedRequest, chat_output, completion_output, validate
+from services.gateway.validation import (
+    Output,
+    ParsedRequest,
+    chat_output,
+    completion_output,
+    validate,
+)
 from shared.config import GatewayConfig
 from shared.errors import ConfigError, RequestAborted, WorkerUnavailable
 from shared.heartbeats import WorkerDirectory
@@ -249,9 +257,7 @@ class GatewayService(Service):
 
     def parse_completion(self, request: CompletionRequest, model: ServedModel
                          ) -> list[ParsedRequest]:
-        output = completion_output(request)
-        if output.grammar is not None:
-            check_grammar(output.grammar, output.grammar_param)
+        output = _checked(completion_output(request), request, model)
         tokenizer = model.tokenizer
         parsed = []
         for index, prompt in enumerate(completion_prompts(request)):
@@ -273,9 +279,7 @@ class GatewayService(Service):
     def parse_chat(self, request: ChatCompletionRequest, model: ServedModel
                    ) -> list[ParsedRequest]:
         text, use = self.render_chat(request, model)
-        output = chat_output(request, use)
-        if output.grammar is not None:
-            check_grammar(output.grammar, output.grammar_param)
+        output = _checked(chat_output(request, use), request, model)
         token_ids = model.tokenizer.encode(text,
                                            add_special_tokens=bool(request.add_special_tokens))
         return [validate(request, token_ids, model.limits, output=output,
@@ -312,3 +316,12 @@ class GatewayService(Service):
         can_prefill = num_prefill > 0 or any(d.local_prefill_max_tokens > 0 for d in decodes)
         return {"num_prefill_workers": num_prefill, "num_decode_workers": len(decodes),
                 "is_ready": can_prefill and bool(decodes)}
+
+
+def _checked(output: Output, request: GenerationParams, model: ServedModel) -> Output:
+    """`output` with its grammar checked against the compiler and the request's bad words
+    tokenized with its model's tokenizer."""
+    if output.grammar is not None:
+        check_grammar(output.grammar, output.grammar_param)
+    return dataclasses.replace(
+        output, bad_words=bad_word_sequences(request.bad_words, model.tokenizer))

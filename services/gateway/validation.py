@@ -23,8 +23,14 @@ from services.gateway.openai_schema import (
     ResponseFormat,
     forced_tool_grammar,
 )
+from services.gateway.token_filters import allowed_token_ids
 from services.gateway.tool_calls import ToolUse
-from shared.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
+from shared.errors import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    ModelNotFound,
+    UnsupportedParameter,
+)
 from shared.messages import GrammarSpec, SamplingParams
 
 
@@ -71,6 +77,7 @@ class Output:
     grammar_param: str = "response_format"  # the field that asked for it
     tools: ToolUse | None = None
     num_candidates: int | None = None  # `best_of`, when it asks for more than n
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences the output must not write
 
     def choices_per_prompt(self, n: int | None) -> int:
         """Choices generated per prompt: `best_of`'s candidates, else n."""
@@ -169,6 +176,7 @@ def validate(
         raise InvalidRequest("stream_options is only allowed when stream is true",
                              param="stream_options")  # as OpenAI and vLLM answer
     _check_prompt_logprobs(request)
+    _check_not_served(request)
     max_tokens = _max_tokens(request)
     prompt_token_ids = _truncated(prompt_token_ids, request.truncate_prompt_tokens,
                                   limits.max_model_len - max(1, max_tokens or 1))
@@ -298,6 +306,8 @@ def _sampling(request: GenerationParams, max_tokens: int, limits: Limits,
         presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
         logit_bias=_logit_bias(request.logit_bias, limits), min_p=min_p,
         min_tokens=min_tokens, logprobs=logprobs,
+        allowed_token_ids=allowed_token_ids(request.allowed_token_ids, limits.vocab_size),
+        bad_words=output.bad_words,
         prompt_logprobs=_prompt_logprobs(request, output), grammar=output.grammar,
         n=output.choices_per_prompt(request.n),
     )
@@ -309,6 +319,16 @@ def _prompt_logprobs(request: GenerationParams, output: Output) -> int | None:
     counts = [c for c in (output.logprobs if output.echo else None, request.prompt_logprobs)
               if c is not None]
     return max(counts) if counts else None
+
+
+def _check_not_served(request: GenerationParams) -> None:
+    """vLLM's fields accepted only at values that ask for nothing halfmoon lacks."""
+    if request.use_beam_search:
+        raise UnsupportedParameter("halfmoon does not serve beam search",
+                                   param="use_beam_search")
+    if request.priority:
+        raise UnsupportedParameter("halfmoon does not schedule by priority: priority must "
+                                   "be 0", param="priority")
 
 
 def _check_range(param: str, value: float, low: float, high: float) -> None:

@@ -86,6 +86,44 @@ def test_min_tokens_masks_eos_and_stop_tokens_like_transformers(logits: torch.Te
         controlled(logits, SamplingParams(max_tokens=1, min_tokens=4), eos), logits)
 
 
+def test_bad_words_mask_like_transformers_over_the_output(logits: torch.Tensor) -> None:
+    """vLLM's bad words: a word's last token is masked where the output (not the prompt)
+    ends with the rest of it; a one-token word always. Transformers' processor matches over
+    the ids it is given: here the output alone."""
+    output = PROMPT[OUTPUT_START:]  # [63, 2, 40, 11]
+    words = ((3,), (40, 11, 5), (2, 40, 8), (17, 63, 2, 40, 11, 12), (11, 6))
+    expected = hf.NoBadWordsLogitsProcessor([list(w) for w in words], eos_token_id=None)(
+        torch.tensor([output]), logits.clone())
+    got = controlled(logits, SamplingParams(max_tokens=1, bad_words=words))
+    torch.testing.assert_close(got, expected)
+    assert {t for t in range(logits.shape[-1]) if got[0, t] == float("-inf")} == {3, 5, 6}
+
+
+def test_allowed_token_ids_keep_only_those_tokens(logits: torch.Tensor) -> None:
+    allowed = (4, 40, 63)
+    expected = hf.PrefixConstrainedLogitsProcessor(lambda batch, ids: list(allowed), 1)(
+        torch.tensor([PROMPT]), logits.clone())
+    got = controlled(logits, SamplingParams(max_tokens=1, allowed_token_ids=allowed))
+    torch.testing.assert_close(got, expected)
+    params = SamplingParams(max_tokens=1, temperature=2.0, allowed_token_ids=allowed)
+    drawn = {sample(logits, [Draw(params, seed, PROMPT, OUTPUT_START)])[0].token_id
+             for seed in range(40)}
+    assert drawn <= set(allowed) and len(drawn) > 1
+
+
+def test_a_filter_that_would_leave_no_token_yields(logits: torch.Tensor) -> None:
+    """Allowing only eos while min_tokens bans it, or banning every allowed token: the later
+    mask is not applied (a pick, not an empty row that would draw nothing)."""
+    eos = (2,)
+    only_eos = controlled(logits, SamplingParams(max_tokens=1, allowed_token_ids=eos,
+                                                 min_tokens=9), eos)
+    assert torch.isfinite(only_eos[0]).nonzero().flatten().tolist() == [2]
+    params = SamplingParams(max_tokens=1, temperature=1.0, allowed_token_ids=(4, 5),
+                            bad_words=((4,), (5,)))
+    (pick,) = sample(logits, [Draw(params, 1, PROMPT, OUTPUT_START)])
+    assert pick.token_id in (4, 5)
+
+
 @pytest.mark.parametrize(("params", "warper"), [
     (SamplingParams(max_tokens=1, temperature=0.7, min_p=0.05),
      [hf.TemperatureLogitsWarper(0.7), hf.MinPLogitsWarper(0.05)]),

@@ -13,6 +13,7 @@ import openai
 import pytest
 import torch
 
+from services.gateway.token_filters import bad_word_sequences
 from services.gateway.tokenizer import HfTokenizer
 from tests.engine.hf_models import greedy_reference, hf_model
 from tests.stack import PATHS, Stack, torch_stack_on
@@ -228,6 +229,35 @@ async def test_sampling_controls_shape_the_output(sdk: openai.AsyncOpenAI, tiny_
     assert penalized.choices[0].text != plain.choices[0].text
 
 
+async def test_token_filters_keep_tokens_out_of_the_output(sdk: openai.AsyncOpenAI,
+                                                          tiny_dir: Path) -> None:
+    """`allowed_token_ids` and `bad_words` on prefill's first token and decode's later
+    ones: sampled only from the allowed; greedy, a word of the plain output banned."""
+    allowed = [5, 40, 77, 300]
+    sampled = await sdk.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=3,
+        extra_body={"ignore_eos": True, "allowed_token_ids": allowed,
+                    "return_token_ids": True})
+    drawn = sampled.choices[0].model_extra["token_ids"]
+    assert len(drawn) == 12 and set(drawn) <= set(allowed)
+    tokenizer = HfTokenizer(tiny_dir)
+    options = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    plain = (await sdk.completions.create(**options, extra_body={
+        "ignore_eos": True, "return_token_ids": True})).choices[0].model_extra["token_ids"]
+    word = next(w for w in (tokenizer.decode([t]).strip() for t in plain)
+                if w and any(_holds(plain, s) for s in bad_word_sequences([w], tokenizer)))
+    filtered = (await sdk.completions.create(**options, extra_body={
+        "ignore_eos": True, "return_token_ids": True, "bad_words": [word]})
+                ).choices[0].model_extra["token_ids"]
+    assert filtered != plain and len(filtered) == 12
+    assert not any(_holds(filtered, s) for s in bad_word_sequences([word], tokenizer))
+
+
+def _holds(token_ids: list[int], sequence: tuple[int, ...]) -> bool:
+    return any(tuple(token_ids[i:i + len(sequence)]) == sequence
+               for i in range(len(token_ids) - len(sequence) + 1))
+
+
 async def test_a_seeded_sampled_request_is_the_same_disaggregated_and_colocated(
         nats_url: str, tiny_dir: Path) -> None:
     """One sampler, and randomness addressed by output position: prefill's first token and
@@ -253,6 +283,10 @@ async def test_a_seeded_sampled_request_is_the_same_disaggregated_and_colocated(
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"bad_words": [" "]}, "bad_words"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"priority": 2}, "priority"),
     ({"frobnicate": True}, "frobnicate"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {

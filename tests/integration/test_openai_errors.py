@@ -126,6 +126,9 @@ async def test_sdk_raises_typed_errors(stack: Stack) -> None:
         with pytest.raises(openai.BadRequestError, match="n > 1 needs the torch engine"):
             await sdk.chat.completions.create(model=MODEL, n=3, messages=[
                 {"role": "user", "content": "a"}])
+        with pytest.raises(openai.BadRequestError, match="bad_words needs the torch engine"):
+            await sdk.completions.create(model=MODEL, prompt="a",
+                                         extra_body={"bad_words": ["moon"]})
 
 
 async def test_bad_requests_do_not_disturb_requests_in_flight(stack: Stack) -> None:

@@ -240,3 +240,11 @@ def test_a_request_and_tokens_from_before_sampling_controls_and_logprobs_still_d
         b'{"type":"TokenBatch","worker_id":"d","items":[{"request_id":"cmpl-1","index":1,'
         b'"token_ids":[98],"finish_reason":null,"num_cached_tokens":0}]}', type=TokenBatch)
     assert batch.items[0].logprobs is None and batch.items[0].prompt_logprobs is None
+
+
+def test_sampling_from_before_the_token_filters_still_decodes() -> None:
+    payload = json.loads(msgspec.json.encode(SAMPLES["generate_request"]))
+    del payload["sampling"]["allowed_token_ids"], payload["sampling"]["bad_words"]
+    decoded = msgspec.json.decode(json.dumps(payload), type=GenerateRequest)
+    assert decoded == SAMPLES["generate_request"]
+    assert (decoded.sampling.allowed_token_ids, decoded.sampling.bad_words) == ((), ())
