@@ -302,7 +302,8 @@ def _sampling(request: GenerationParams, max_tokens: int, limits: Limits,
     logprobs = 0 if output.logprobs is None and output.num_candidates else output.logprobs
     return SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=request.seed, stop_token_ids=stop_token_ids, ignore_eos=bool(request.ignore_eos),
+        seed=_seed(request.seed), stop_token_ids=stop_token_ids,
+        ignore_eos=bool(request.ignore_eos),
         presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
         logit_bias=_logit_bias(request.logit_bias, limits), min_p=min_p,
         min_tokens=min_tokens, logprobs=logprobs,
@@ -329,6 +330,13 @@ def _check_not_served(request: GenerationParams) -> None:
     if request.priority:
         raise UnsupportedParameter("halfmoon does not schedule by priority: priority must "
                                    "be 0", param="priority")
+
+
+def _seed(seed: int | None) -> int | None:
+    """A 64-bit seed, as OpenAI's and vLLM's: past that range seeds would share streams."""
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        raise InvalidRequest("seed must lie in [-2^63, 2^63 - 1]", param="seed")
+    return seed
 
 
 def _check_range(param: str, value: float, low: float, high: float) -> None:

@@ -287,6 +287,7 @@ async def test_a_seeded_sampled_request_is_the_same_disaggregated_and_colocated(
     ({"bad_words": [" "]}, "bad_words"),
     ({"use_beam_search": True}, "use_beam_search"),
     ({"priority": 2}, "priority"),
+    ({"seed": 2**63}, "seed"),
     ({"frobnicate": True}, "frobnicate"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {
