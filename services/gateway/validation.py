@@ -170,13 +170,7 @@ def validate(
     truncated first when `truncate_prompt_tokens` asks)."""
     if request.model != limits.model:
         raise ModelNotFound(f"The model `{request.model}` does not exist", param="model")
-    if not 1 <= (1 if request.n is None else request.n) <= MAX_CHOICES:
-        raise InvalidRequest(f"n must lie in [1, {MAX_CHOICES}]", param="n")
-    if request.stream_options is not None and not request.stream:
-        raise InvalidRequest("stream_options is only allowed when stream is true",
-                             param="stream_options")  # as OpenAI and vLLM answer
-    _check_prompt_logprobs(request)
-    _check_not_served(request)
+    _check_fields(request)
     max_tokens = _max_tokens(request)
     prompt_token_ids = _truncated(prompt_token_ids, request.truncate_prompt_tokens,
                                   limits.max_model_len - max(1, max_tokens or 1))
@@ -274,12 +268,6 @@ def _sampling(request: GenerationParams, max_tokens: int, limits: Limits,
     top_p = defaults.top_p if request.top_p is None else request.top_p
     _check_range("temperature", temperature, 0.0, 2.0)
     _check_range("top_p", top_p, 0.0, 1.0)  # 0, as OpenAI takes it: the likeliest token
-    if request.top_k is None:
-        top_k = defaults.top_k
-    elif request.top_k < -1:
-        raise InvalidRequest("top_k must be -1, 0 (off) or positive", param="top_k")
-    else:  # -1 or 0 means "off" in vLLM's API; accept both for compatibility.
-        top_k = request.top_k if request.top_k > 0 else None
     presence = request.presence_penalty or 0.0
     frequency = request.frequency_penalty or 0.0
     repetition = (defaults.repetition_penalty if request.repetition_penalty is None
@@ -294,15 +282,12 @@ def _sampling(request: GenerationParams, max_tokens: int, limits: Limits,
     min_tokens = request.min_tokens or 0
     if not 0 <= min_tokens <= max_tokens:
         raise InvalidRequest("min_tokens must lie in [0, max_tokens]", param="min_tokens")
-    stop_token_ids = tuple(request.stop_token_ids or ())
-    if any(not 0 <= t < limits.vocab_size for t in stop_token_ids):
-        raise InvalidRequest(f"stop_token_ids must lie in [0, {limits.vocab_size})",
-                             param="stop_token_ids")
     # best_of ranks its candidates by their tokens' logprobs, asked for or not.
     logprobs = 0 if output.logprobs is None and output.num_candidates else output.logprobs
     return SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=_seed(request.seed), stop_token_ids=stop_token_ids,
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+        top_k=_top_k(request.top_k, defaults), seed=_seed(request.seed),
+        stop_token_ids=_stop_token_ids(request.stop_token_ids, limits),
         ignore_eos=bool(request.ignore_eos),
         presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
         logit_bias=_logit_bias(request.logit_bias, limits), min_p=min_p,
@@ -322,14 +307,36 @@ def _prompt_logprobs(request: GenerationParams, output: Output) -> int | None:
     return max(counts) if counts else None
 
 
-def _check_not_served(request: GenerationParams) -> None:
-    """vLLM's fields accepted only at values that ask for nothing halfmoon lacks."""
+def _check_fields(request: GenerationParams) -> None:
+    """The checks of fields that need no prompt: choices, streaming, prompt logprobs, and
+    vLLM's fields accepted only at values that ask for nothing halfmoon lacks."""
+    if not 1 <= (1 if request.n is None else request.n) <= MAX_CHOICES:
+        raise InvalidRequest(f"n must lie in [1, {MAX_CHOICES}]", param="n")
+    if request.stream_options is not None and not request.stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true",
+                             param="stream_options")  # as OpenAI and vLLM answer
+    _check_prompt_logprobs(request)
     if request.use_beam_search:
         raise UnsupportedParameter("halfmoon does not serve beam search",
                                    param="use_beam_search")
     if request.priority:
         raise UnsupportedParameter("halfmoon does not schedule by priority: priority must "
                                    "be 0", param="priority")
+
+
+def _top_k(top_k: int | None, defaults: SamplingDefaults) -> int | None:
+    if top_k is None:
+        return defaults.top_k
+    if top_k < -1:
+        raise InvalidRequest("top_k must be -1, 0 (off) or positive", param="top_k")
+    return top_k if top_k > 0 else None  # -1 and 0 are vLLM's "off": both accepted
+
+
+def _stop_token_ids(token_ids: list[int] | None, limits: Limits) -> tuple[int, ...]:
+    if any(not 0 <= t < limits.vocab_size for t in token_ids or ()):
+        raise InvalidRequest(f"stop_token_ids must lie in [0, {limits.vocab_size})",
+                             param="stop_token_ids")
+    return tuple(token_ids or ())
 
 
 def _seed(seed: int | None) -> int | None:
