@@ -2,10 +2,11 @@
 
 Runs in the engine thread, between model steps. A sequence holds blocks only for the tokens
 computed so far (plus those of the step about to run); when the pool cannot give a running
-sequence its next block, the most recently admitted running sequence gives up all of its
-blocks and is computed again later (prompt and output so far; its full prompt blocks stay in
-the prefix cache, so that is cheap). `up-front` reservation, the engine's earlier policy and
-the memory benchmark's baseline, instead takes prompt + `max_tokens` at admission.
+sequence its next block, the most recently admitted running sequence (of the least urgent
+priority) gives up all of its blocks and is computed again later (prompt and output so far;
+its full prompt blocks stay in the prefix cache, so that is cheap). `up-front` reservation,
+the engine's earlier policy and the memory benchmark's baseline, instead takes prompt +
+`max_tokens` at admission.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ class BlockGrowth:
 
     def secure(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """Blocks for every token the batch computes, taken as sequences grow. A prompt that
-        finds none waits, and the prompts behind it too (first come, first served); a
-        running sequence that finds none takes them from the most recently admitted running
-        sequence, preempted by recompute (possibly itself). What of the batch can run."""
+        finds none waits, and the prompts behind it too (in line's order); a running
+        sequence that finds none takes them from a running one, preempted by recompute
+        (possibly itself: `_victim`). What of the batch can run."""
         sequences, counts = [], []
         for seq, count in zip(batch.sequences, batch.num_new_tokens, strict=True):
             if batch.is_prefill != (seq in self.scheduler.waiting):
@@ -54,7 +55,7 @@ class BlockGrowth:
         return ScheduledBatch(sequences, counts, batch.is_prefill)
 
     def allocate(self, count: int, keep: Sequence) -> list[int]:
-        """`count` blocks, preempting running sequences (most recently admitted first, never
+        """`count` blocks, preempting running sequences (`_victim_order`, never
         `keep`) while the pool is short; `CapacityExhausted` when none is left to take."""
         while True:
             try:
@@ -69,8 +70,8 @@ class BlockGrowth:
               secured: list[Sequence]) -> int:
         """How many of its next `count` tokens `seq` now holds blocks for (all or none). A
         sequence without blocks first takes its cached prefix (`admit`), which may leave
-        fewer to compute. A prompt takes blocks from others only when nothing runs (from
-        waiting prompts admitted after it: a chunked prompt may hold some)."""
+        fewer to compute. A prompt takes blocks from others only from less urgent running
+        sequences, or when nothing runs (`_victim`)."""
         is_first = seq.admitted < 0
         if is_first:
             self.runner.admit(seq)
@@ -104,17 +105,19 @@ class BlockGrowth:
 
     def _victim(self, seq: Sequence, is_prefill: bool, secured: list[Sequence]
                 ) -> Sequence | None:
-        """Whose blocks `seq` may take: the most recently admitted running sequence not
-        already given its blocks for this step (for a prompt, only when nothing runs: then
-        a waiting prompt admitted after it)."""
-        if is_prefill:
-            if self.scheduler.running:
-                return None
-            candidates = [s for s in self.scheduler.waiting
-                          if s.block_ids and s.admitted > seq.admitted]
+        """Whose blocks `seq` may take: of the running sequences not already given their
+        blocks for this step, the least urgent priority's most recently admitted. A prompt
+        takes only a less urgent running sequence's, and when nothing runs, those of a
+        prompt after it in line that holds some (a chunked one)."""
+        running = self.scheduler.running
+        if not is_prefill:
+            candidates = [s for s in running if s.block_ids]
+        elif running:
+            candidates = [s for s in running if s.block_ids and s.priority > seq.priority]
         else:
-            candidates = [s for s in self.scheduler.running if s.block_ids]
-        return max((s for s in candidates if s not in secured), key=lambda s: s.admitted,
+            candidates = [s for s in self.scheduler.waiting
+                          if s.block_ids and _victim_order(s) > _victim_order(seq)]
+        return max((s for s in candidates if s not in secured), key=_victim_order,
                    default=None)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -122,3 +125,8 @@ class BlockGrowth:
         if seq in self.scheduler.running:
             self.scheduler.preempt(seq)
             self.num_preemptions += 1
+
+
+def _victim_order(seq: Sequence) -> tuple[int, int]:
+    """Preempted first: the greatest (the least urgent priority, the latest admitted)."""
+    return seq.priority, seq.admitted

@@ -39,6 +39,7 @@ class PrefillRequest:
     sampling: SamplingParams
     on_layer: Callable[[int, list[int]], None] | None = None
     output_offset: int = 0  # a continuation: the prompt's last tokens are earlier output
+    priority: int = 0  # lower goes first (`engine.scheduler`)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class DecodeRequest:
     # one sequence per choice still to decode (`choice_id`), the others left out.
     first_token_ids: list[int] = field(default_factory=list)
     finished_choices: list[int] = field(default_factory=list)
+    priority: int = 0  # lower goes first (`engine.scheduler`)
 
 
 @dataclass(frozen=True)

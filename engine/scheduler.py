@@ -7,15 +7,22 @@ batch is flattened (no padding at all), so sorting by length would buy nothing; 
 fair. Decode (continuous batching): every running sequence advances one token per step, and
 sequences join and leave between steps.
 
-When both kinds wait, decode runs unless prefill is due: the oldest waiting prompt has waited
+When both kinds wait, decode runs unless prefill is due: the first waiting prompt has waited
 `max_wait_s`, or the waiting prompts fill the token budget. An engine with nothing to decode
 starts a prefill at once (waiting would only add latency). A preempted sequence (its blocks
 taken for others) waits first in line.
+
+Priorities (a request's `priority`, vLLM's: lower goes first; 0 unless the gateway's
+scheduling policy lets clients set it) order both queues: a prompt waits behind every prompt
+of its priority or a more urgent one, ahead of the less urgent (a preempted sequence first
+among its own priority), and a decode step past `max_batch_size` takes the most urgent
+sequences, those of one priority taking turns. With one priority the order is arrival's.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.sequence import Sequence
@@ -37,7 +44,8 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     def add_waiting(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """At the back of its priority's place in line."""
+        self.waiting.insert(_place(self.waiting, lambda queued: queued > seq.priority), seq)
 
     def add_running(self, seq: Sequence) -> None:
         self.running.append(seq)
@@ -68,16 +76,17 @@ class Scheduler:
         """The next decode step's sequences (also when the prefill due cannot run)."""
         if not self.running:
             return None
+        self.running.sort(key=_priority)  # stable: each priority's turns kept
         batch = self.running[: self.max_batch_size]
-        # Rotate so that, past max_batch_size, every sequence gets its turn.
+        # Rotate so that, past max_batch_size, every sequence of a priority gets its turn.
         self.running = self.running[self.max_batch_size:] + batch
         return ScheduledBatch(batch, [1] * len(batch), is_prefill=False)
 
     def preempt(self, seq: Sequence) -> None:
-        """A running sequence gives its blocks up: it waits first in line to be computed
-        again (prompt and output so far), then decodes on."""
+        """A running sequence gives its blocks up: it waits first in line (of its
+        priority) to be computed again (prompt and output so far), then decodes on."""
         self.running.remove(seq)
-        self.waiting.appendleft(seq)
+        self.waiting.insert(_place(self.waiting, lambda queued: queued >= seq.priority), seq)
 
     def _is_prefill_due(self, now_s: float) -> bool:
         if now_s - self.waiting[0].arrived_at_s >= self.max_wait_s:
@@ -99,3 +108,13 @@ class Scheduler:
     def finish_prefill(self, seq: Sequence) -> None:
         """`seq`'s prompt is fully computed: it leaves the waiting queue."""
         self.waiting.remove(seq)
+
+
+def _priority(seq: Sequence) -> int:
+    return seq.priority
+
+
+def _place(queue: deque[Sequence], goes_after: Callable[[int], bool]) -> int:
+    """The index of the first queued sequence whose priority `goes_after` the newcomer."""
+    return next((i for i, queued in enumerate(queue) if goes_after(queued.priority)),
+                len(queue))

@@ -38,8 +38,10 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked
     matcher: Matcher | None = None  # its place in the grammar of a structured output
     # When it got its first blocks (an engine-wide count; -1: it holds none yet, or it was
-    # preempted). The most recently admitted running sequence is preempted first.
+    # preempted). The most recently admitted running sequence of the least urgent priority
+    # is preempted first.
     admitted: int = -1
+    priority: int = 0  # lower goes first (vLLM's); the scheduler's order
 
     def __post_init__(self) -> None:
         if self.output_start < 0:

@@ -260,7 +260,7 @@ class TorchEngine:
         await self.prepare(request.sampling)
         future: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
         seq = self._new_sequence(request.request_id, request.prompt_token_ids, request.sampling,
-                                 request.output_offset)
+                                 request.output_offset, request.priority)
         seq.is_prefill_only = True
         seq.on_layer = request.on_layer
         self._prefills[request.request_id] = (seq, future)
@@ -280,7 +280,7 @@ class TorchEngine:
         self._check_prompt(request.prompt_token_ids)
         n = request.sampling.n
         seq = self._new_sequence(choice_id(request.request_id, 0, n), request.prompt_token_ids,
-                                 request.sampling, request.output_offset)
+                                 request.sampling, request.output_offset, request.priority)
         if n > 1:  # the other choices fork from it at its first token
             self._choices[request.request_id] = [
                 choice_id(request.request_id, j, n) for j in range(n)]
@@ -315,7 +315,8 @@ class TorchEngine:
         sequences = []
         for choice, token in enumerate(first_tokens):
             seq = self._new_sequence(choice_id(request.request_id, choice, n),
-                                     [*request.prompt_token_ids, token], request.sampling)
+                                     [*request.prompt_token_ids, token], request.sampling,
+                                     priority=request.priority)
             if seq.seed is not None and choice:
                 seq.seed = sequences[0].seed + choice
             seq.num_prompt_tokens = len(request.prompt_token_ids)
@@ -439,12 +440,12 @@ class TorchEngine:
                                  param="prompt")
 
     def _new_sequence(self, request_id: str, token_ids: list[int], sampling: Any,
-                      output_offset: int = 0) -> Sequence:
+                      output_offset: int = 0, priority: int = 0) -> Sequence:
         return Sequence(request_id=request_id, token_ids=list(token_ids),
                         num_prompt_tokens=len(token_ids), sampling=sampling,
                         seed=base_seed(sampling),
                         arrived_at_s=time.monotonic(),
-                        output_start=len(token_ids) - output_offset)
+                        output_start=len(token_ids) - output_offset, priority=priority)
 
     def _submit(self, command: Any) -> None:
         if self._thread is None:
@@ -597,7 +598,7 @@ class TorchEngine:
         outputs = []
         for choice, pick in enumerate(picks, start=1):
             fork = self._new_sequence(choice_id(parent, choice, n), seq.token_ids[:num_prompt],
-                                      seq.sampling)
+                                      seq.sampling, priority=seq.priority)
             fork.seed = None if seq.seed is None else seq.seed + choice
             fork.output_start, fork.num_cached = seq.output_start, seq.num_cached
             try:

@@ -144,6 +144,11 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     models_dir: Annotated[str | None, about(
         "other models' files, one directory each by model name (`<dir>/<model>`), for models "
         "whose workers' own directories this gateway cannot read")] = None
+    scheduling_policy: Annotated[Literal["fcfs", "priority"], about(
+        "fcfs: requests wait in arrival order, and a request's `priority` other than 0 is "
+        "refused (as vLLM's default); priority: clients set `priority` (lower goes first) "
+        "where requests wait: the conductor's lines for room, the engines' queues and "
+        "preemption")] = "fcfs"
     responses_ttl_s: Annotated[float, about(
         "how long stored Responses API responses (`store`) are kept in NATS KV, for "
         "previous_response_id and GET /v1/responses/{id}; 0: none is stored", ge=0)] = 86400.0

@@ -179,6 +179,10 @@ class GenerateRequest(Message, frozen=True, kw_only=True):
     # where it answers `StreamQuery` and `OpenStreamsQuery` ("": too old to answer).
     attempt: int = 0
     status_subject: str = ""
+    # vLLM's: lower is served first where requests wait (the conductor's lines for room,
+    # the engines' queues and preemption); 0 unless the gateway's scheduling policy is
+    # `priority`.
+    priority: int = 0
 
 
 class PrefixSource(msgspec.Struct, frozen=True, kw_only=True):

@@ -117,11 +117,13 @@ PATHS = ("disaggregated", "colocated")
 
 
 def torch_stack_on(path: str, nats_url: str, model_dir: str, *,
-                   conductor: dict[str, Any] | None = None, **worker: Any) -> Stack:
+                   conductor: dict[str, Any] | None = None,
+                   gateway: dict[str, Any] | None = None, **worker: Any) -> Stack:
     """A stack on the torch engine serving by one path: `disaggregated` (a prefill and a
     decode worker) or `colocated` (one decode worker that prefills for itself)."""
     options = {"engine": "torch", "model_path": model_dir, "num_blocks": 256, **worker}
-    common = {"gateway_options": {"model_path": model_dir}, "conductor_options": conductor or {}}
+    common = {"gateway_options": {"model_path": model_dir, **(gateway or {})},
+              "conductor_options": conductor or {}}
     if path == "colocated":
         return Stack(nats_url, num_prefill=0, worker={**options,
                                                       "local_prefill_max_tokens": 1 << 30},

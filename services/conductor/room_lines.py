@@ -13,6 +13,10 @@ refused, out of time) gives the next one a turn at once, since what let it go ma
 next go too. A newcomer of a model with a line for room joins its back, so the room that
 frees goes to the requests that waited longest, and nothing polls meanwhile.
 
+A request's priority (`GenerateRequest.priority`, lower first) orders each line: a waiter
+stands behind those of its priority or a more urgent one, ahead of the less urgent, and a
+newcomer more urgent than every waiter of its model's line tries at once, as if none waited.
+
 Before, such a request went back to the queue with a delay and was tried again blindly,
 up to JetStream's delivery limit, in no order, and was refused after five seconds (or, when
 the prefill queues were full, got a 503 as if no prefill worker were alive): a burst larger
@@ -35,9 +39,10 @@ LATE_TRY_S = 0.05
 class Waiter:
     """One request in a line; `turn` is set when it may try again."""
 
-    def __init__(self, line: str, request_id: str) -> None:
+    def __init__(self, line: str, request_id: str, priority: int = 0) -> None:
         self.line = line
         self.request_id = request_id
+        self.priority = priority
         self.turn = asyncio.Event()
 
     def __repr__(self) -> str:
@@ -54,14 +59,16 @@ class RoomLines:
     def __len__(self) -> int:
         return sum(len(line) for line in self._lines.values())
 
-    def has_line(self, name: str) -> bool:
-        return bool(self._lines.get(name))
+    def has_line(self, name: str, priority: int = 0) -> bool:
+        """Whether line `name` holds a waiter of `priority` or a more urgent one."""
+        return any(waiter.priority <= priority for waiter in self._lines.get(name, ()))
 
-    def join(self, name: str, request_id: str) -> Waiter:
-        """A place at the back of the line; its first turn comes with the next heartbeat
-        of one of the model's workers (or when the waiters ahead leave)."""
-        waiter = Waiter(name, request_id)
-        self._lines.setdefault(name, deque()).append(waiter)
+    def join(self, name: str, request_id: str, priority: int = 0) -> Waiter:
+        """A place at the back of the line (of its priority's part); its first turn comes
+        with the next heartbeat of one of the model's workers (or when the waiters ahead
+        leave)."""
+        waiter = Waiter(name, request_id, priority)
+        self._stand(waiter)
         if self.is_closed:
             waiter.turn.set()
         return waiter
@@ -86,11 +93,17 @@ class RoomLines:
             self.leave(waiter)
 
     def move(self, waiter: Waiter, name: str) -> None:
-        """To the back of line `name` (what it waits for now is another line's)."""
+        """To the back of line `name` (of its priority's part: what it waits for now is
+        another line's)."""
         if waiter.line != name:
             self.leave(waiter)
             waiter.line = name
-            self._lines.setdefault(name, deque()).append(waiter)
+            self._stand(waiter)
+
+    def _stand(self, waiter: Waiter) -> None:
+        line = self._lines.setdefault(waiter.line, deque())
+        line.insert(next((i for i, ahead in enumerate(line) if ahead.priority > waiter.priority),
+                         len(line)), waiter)
 
     def leave(self, waiter: Waiter) -> None:
         """Out of its line; when it was the head, the next one has a turn at once."""

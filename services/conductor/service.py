@@ -151,10 +151,11 @@ class ConductorService(Service):
                                          "halfmoon.request_id": request.request_id,
                                          "halfmoon.policy": self.config.policy,
                                          **redelivery.span_attributes(request, msg)})
-        # A model with requests waiting for room: the room that frees is theirs first.
+        # A model with requests waiting for room (as urgent as this one, or more): the room
+        # that frees is theirs first.
         line, hold_s = request.model, holding.shortage_hold_s(self.config,
                                                               self.placer.rules.slo.ttft_s)
-        if not self.room_lines.has_line(request.model):
+        if not self.room_lines.has_line(request.model, request.priority):
             if (waits := await self._place(request, msg, in_hand, schedule)) is None:
                 if schedule is not None:
                     schedule.end()
@@ -162,7 +163,7 @@ class ConductorService(Service):
             line, hold_s = waits
         in_hand.keep()
         self.metrics.room_waits.inc()
-        waiter = self.room_lines.join(line, request.request_id)
+        waiter = self.room_lines.join(line, request.request_id, request.priority)
         self.spawn(self._wait_for_room(request, msg, in_hand, waiter, schedule, hold_s),
                    "room-line")
 

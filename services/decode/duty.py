@@ -227,7 +227,8 @@ class DecodeDuty(Duty):
             del self._local[request_id]
             self.engine.generate(PrefillRequest(request_id, request.prompt_token_ids,
                                                 request.sampling,
-                                                output_offset=request.output_offset))
+                                                output_offset=request.output_offset,
+                                                priority=request.priority))
             self._open_choices(request, [], [], [])
             self._count_commit("local")
 
@@ -290,7 +291,7 @@ class DecodeDuty(Duty):
             first_token_id=message.first_token_id, sampling=request.sampling,
             is_kv_ready=message.transport != "none", output_offset=request.output_offset,
             first_token_ids=message.first_token_ids,
-            finished_choices=message.finished_choices,
+            finished_choices=message.finished_choices, priority=request.priority,
         ))
         first_tokens = message.first_token_ids or [message.first_token_id]
         first_logprobs: list[TokenLogprob | None] = (

@@ -220,12 +220,7 @@ class Generator:
         progress = [_Progress() for _ in range(n)]
         error: HalfmoonError | None = None
         span = trace.get_current_span()  # the request's root span, when tracing
-        # What OpenTelemetry's GenAI conventions name, by their names (trace UIs and
-        # queries know them, as they do vLLM's); halfmoon's own under `halfmoon.`.
-        span.set_attributes({"halfmoon.request_id": request_id,
-                             "gen_ai.request.model": parsed.model,
-                             "gen_ai.request.max_tokens": parsed.sampling.max_tokens,
-                             "gen_ai.usage.input_tokens": len(parsed.prompt_token_ids)})
+        _describe(span, request_id, parsed)
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
             # Before the request is queued: every other event of it comes after this one.
@@ -397,6 +392,7 @@ class Generator:
             prompt_token_ids=parsed.prompt_token_ids + generated, sampling=sampling,
             reply_subject=ctx.reply_subject, created_at_s=time.time(),
             output_offset=len(generated), attempt=attempt, status_subject=ctx.status_subject,
+            priority=parsed.priority,
         )
         payload = encode(message)
         if len(payload) + _COMMAND_WRAPPING_BYTES > ctx.nc.max_payload:
@@ -425,3 +421,15 @@ class Generator:
             await self._ctx.nc.publish(self._ctx.subjects.abort, encode(abort))
         except nats.errors.Error as exc:
             log.warning("abort.publish_failed", request_id=request_id, error=repr(exc))
+
+
+def _describe(span: trace.Span, request_id: str, parsed: ParsedRequest) -> None:
+    """The request on its root span: what OpenTelemetry's GenAI conventions name, by their
+    names (trace UIs and queries know them, as they do vLLM's); halfmoon's own under
+    `halfmoon.`."""
+    span.set_attributes({"halfmoon.request_id": request_id,
+                         "gen_ai.request.model": parsed.model,
+                         "gen_ai.request.max_tokens": parsed.sampling.max_tokens,
+                         "gen_ai.usage.input_tokens": len(parsed.prompt_token_ids)})
+    if parsed.priority:
+        span.set_attribute("halfmoon.priority", parsed.priority)

@@ -92,12 +92,12 @@ class GenerationParams(GuidedParams, kw_only=True, forbid_unknown_fields=True):
     response_format: ResponseFormat | None = None  # on completions too, as vLLM
     # vLLM's, accepted for its clients: beam search is not served (`use_beam_search` true is
     # refused; `length_penalty` weighs beams only), special tokens are written as the fast
-    # tokenizer writes them (as vLLM's fast detokenizer ignores the spacing flag), and
-    # priority scheduling is not served (a `priority` other than 0 is refused, as vLLM's
-    # default scheduler refuses it).
+    # tokenizer writes them (as vLLM's fast detokenizer ignores the spacing flag).
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     spaces_between_special_tokens: bool | None = None
+    # Lower is served first where requests wait; other than 0 only under the gateway's
+    # `--scheduling-policy priority` (refused otherwise, as vLLM's default scheduler does).
     priority: int | None = None
     # vLLM's structured-output extensions come from GuidedParams (guided.py).
     # Metadata only: accepted, no effect on generation.

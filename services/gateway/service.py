@@ -47,7 +47,12 @@ from services.gateway.validation import (
     validate,
 )
 from shared.config import GatewayConfig
-from shared.errors import ConfigError, RequestAborted, WorkerUnavailable
+from shared.errors import (
+    ConfigError,
+    RequestAborted,
+    UnsupportedParameter,
+    WorkerUnavailable,
+)
 from shared.heartbeats import WorkerDirectory
 from shared.jetstream_assets import Redeclare, ensure_bucket, ensure_work_queue, read_registry
 from shared.messages import (
@@ -257,7 +262,7 @@ class GatewayService(Service):
 
     def parse_completion(self, request: CompletionRequest, model: ServedModel
                          ) -> list[ParsedRequest]:
-        output = _checked(completion_output(request), request, model)
+        output = self._checked(completion_output(request), request, model)
         tokenizer = model.tokenizer
         parsed = []
         for index, prompt in enumerate(completion_prompts(request)):
@@ -279,11 +284,25 @@ class GatewayService(Service):
     def parse_chat(self, request: ChatCompletionRequest, model: ServedModel
                    ) -> list[ParsedRequest]:
         text, use = self.render_chat(request, model)
-        output = _checked(chat_output(request, use), request, model)
+        output = self._checked(chat_output(request, use), request, model)
         token_ids = model.tokenizer.encode(text,
                                            add_special_tokens=bool(request.add_special_tokens))
         return [validate(request, token_ids, model.limits, output=output,
                          default_max_tokens=None)]
+
+    def _checked(self, output: Output, request: GenerationParams, model: ServedModel
+                 ) -> Output:
+        """`output` with its grammar checked against the compiler and the request's bad
+        words tokenized with its model's tokenizer; a priority only where this gateway's
+        scheduling policy serves one (vLLM's default refuses it alike)."""
+        if request.priority and self.config.scheduling_policy != "priority":
+            raise UnsupportedParameter("this gateway schedules first come, first served: "
+                                       "priority must be 0 (or start it with "
+                                       "--scheduling-policy priority)", param="priority")
+        if output.grammar is not None:
+            check_grammar(output.grammar, output.grammar_param)
+        return dataclasses.replace(
+            output, bad_words=bad_word_sequences(request.bad_words, model.tokenizer))
 
     def render_chat(self, request: ChatCompletionRequest, model: ServedModel
                     ) -> tuple[str, ToolUse | None]:
@@ -317,11 +336,3 @@ class GatewayService(Service):
         return {"num_prefill_workers": num_prefill, "num_decode_workers": len(decodes),
                 "is_ready": can_prefill and bool(decodes)}
 
-
-def _checked(output: Output, request: GenerationParams, model: ServedModel) -> Output:
-    """`output` with its grammar checked against the compiler and the request's bad words
-    tokenized with its model's tokenizer."""
-    if output.grammar is not None:
-        check_grammar(output.grammar, output.grammar_param)
-    return dataclasses.replace(
-        output, bad_words=bad_word_sequences(request.bad_words, model.tokenizer))

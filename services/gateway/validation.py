@@ -65,6 +65,7 @@ class ParsedRequest:
     # cumulative logprob. None: every choice is returned.
     num_returned: int | None = None
     prompt_logprobs: int | None = None  # vLLM's: alternatives per prompt token, when asked
+    priority: int = 0  # vLLM's: lower first where requests wait (`GenerateRequest.priority`)
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,7 @@ def validate(
         tools=output.tools,
         num_returned=(request.n or 1) if output.num_candidates else None,
         prompt_logprobs=request.prompt_logprobs,
+        priority=request.priority or 0,
     )
 
 
@@ -308,8 +310,9 @@ def _prompt_logprobs(request: GenerationParams, output: Output) -> int | None:
 
 
 def _check_fields(request: GenerationParams) -> None:
-    """The checks of fields that need no prompt: choices, streaming, prompt logprobs, and
-    vLLM's fields accepted only at values that ask for nothing halfmoon lacks."""
+    """The checks of fields that need no prompt: choices, streaming, prompt logprobs, beam
+    search (not served) and a priority of 64 bits (the gateway's policy decides whether
+    one other than 0 is served)."""
     if not 1 <= (1 if request.n is None else request.n) <= MAX_CHOICES:
         raise InvalidRequest(f"n must lie in [1, {MAX_CHOICES}]", param="n")
     if request.stream_options is not None and not request.stream:
@@ -319,9 +322,8 @@ def _check_fields(request: GenerationParams) -> None:
     if request.use_beam_search:
         raise UnsupportedParameter("halfmoon does not serve beam search",
                                    param="use_beam_search")
-    if request.priority:
-        raise UnsupportedParameter("halfmoon does not schedule by priority: priority must "
-                                   "be 0", param="priority")
+    if request.priority is not None and not -(2**63) <= request.priority < 2**63:
+        raise InvalidRequest("priority must lie in [-2^63, 2^63 - 1]", param="priority")
 
 
 def _top_k(top_k: int | None, defaults: SamplingDefaults) -> int | None:

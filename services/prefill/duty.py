@@ -248,7 +248,7 @@ class PrefillDuty(Duty):
                     stream.on_layer(layer, block_ids)
         result = await self.engine.prefill(PrefillRequest(
             request.request_id, request.prompt_token_ids, request.sampling, on_layer=on_layer,
-            output_offset=request.output_offset,
+            output_offset=request.output_offset, priority=request.priority,
         ))
         self._observe_prefill(request, result, started, layers)
         self.worker.kv_events.publish_soon()

@@ -140,3 +140,56 @@ async def test_a_decode_worker_grows_its_reservations_and_preempts_when_short(
             await decode.close()
     finally:
         await roomy.close()
+
+
+async def test_an_urgent_prompt_takes_the_blocks_of_less_urgent_running_requests(
+        llama_dir: Path) -> None:
+    """Eight requests run in a pool that holds all they will grow to, until too little is
+    left for a long prompt beside them; two such prompts then come, more urgent: they take
+    blocks from the running ones (preempted by recompute) and finish first, where at one
+    priority they would wait for one of those to end. Every output is the one it gets
+    alone."""
+    long = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    normal = PROMPTS[:8]
+    urgent = [[(7 * j + i) % 290 + 5 for j in range(100)] for i in range(2)]
+    roomy = await start_engine(llama_dir, num_blocks=1024)
+    try:
+        alone = {f"n{i}": await first_run(roomy, prompt, long)
+                 for i, prompt in enumerate(normal)}
+        alone |= {f"u{i}": await first_run(roomy, prompt, short)
+                  for i, prompt in enumerate(urgent)}
+    finally:
+        await roomy.close()
+    num_blocks = sum(-(-(len(p) + long.max_tokens) // 4) for p in normal)
+    engine = await start_engine(llama_dir, num_blocks=num_blocks, max_batch_size=32)
+    try:
+        for i, prompt in enumerate(normal):
+            engine.generate(PrefillRequest(f"n{i}", prompt, long))
+        outputs: dict[str, list[int]] = {name: [] for name in alone}
+        order: list[str] = []
+        async with asyncio.timeout(60):
+            # A 100-token prompt needs 26 blocks, and one spare per running request.
+            while engine.stats().num_free_blocks >= 26 + len(normal):
+                for out in await engine.next_step():
+                    outputs[out.request_id].append(out.token_id)
+            assert all(len(outputs[f"n{i}"]) < 90 for i in range(len(normal)))
+            for i, prompt in enumerate(urgent):
+                engine.generate(PrefillRequest(f"u{i}", prompt, short, priority=-1))
+            while len(order) < len(alone):
+                for out in await engine.next_step():
+                    assert out.error is None, out.error
+                    outputs[out.request_id].append(out.token_id)
+                    if out.finish_reason is not None:
+                        order.append(out.request_id)
+        assert sorted(order[:2]) == ["u0", "u1"]
+        assert outputs == alone
+        assert engine.stats().num_preemptions > 0
+    finally:
+        await engine.close()
+
+
+async def first_run(engine: TorchEngine, prompt: list[int], sampling: SamplingParams
+                    ) -> list[int]:
+    engine.generate(PrefillRequest("alone", prompt, sampling))
+    return (await collect(engine, {"alone"}))["alone"]

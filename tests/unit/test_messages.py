@@ -242,9 +242,11 @@ def test_a_request_and_tokens_from_before_sampling_controls_and_logprobs_still_d
     assert batch.items[0].logprobs is None and batch.items[0].prompt_logprobs is None
 
 
-def test_sampling_from_before_the_token_filters_still_decodes() -> None:
+def test_a_request_from_before_token_filters_and_priorities_still_decodes() -> None:
     payload = json.loads(msgspec.json.encode(SAMPLES["generate_request"]))
     del payload["sampling"]["allowed_token_ids"], payload["sampling"]["bad_words"]
+    del payload["priority"]
     decoded = msgspec.json.decode(json.dumps(payload), type=GenerateRequest)
     assert decoded == SAMPLES["generate_request"]
     assert (decoded.sampling.allowed_token_ids, decoded.sampling.bad_words) == ((), ())
+    assert decoded.priority == 0

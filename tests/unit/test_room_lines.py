@@ -48,6 +48,26 @@ async def test_a_waiter_moved_to_another_line_waits_at_its_back() -> None:
     assert len(lines) == 2
 
 
+async def test_waiters_stand_by_priority_then_arrival() -> None:
+    """Lower is more urgent: a waiter stands behind its priority and the more urgent, and a
+    line counts for a newcomer only with a waiter as urgent as it, or more."""
+    lines = RoomLines()
+    normal, late = lines.join("a", "n", 0), lines.join("a", "l", 5)
+    assert lines.has_line("a", 0) and not lines.has_line("a", -1)
+    urgent = lines.join("a", "u", -1)
+    second = lines.join("a", "n2", 0)
+    lines.wake_head("a")
+    assert urgent.turn.is_set() and not normal.turn.is_set()
+    lines.leave(urgent)
+    assert normal.turn.is_set()
+    lines.leave(normal)
+    assert second.turn.is_set() and not late.turn.is_set()
+    moved = lines.join("b", "m", -1)
+    lines.move(moved, "a")  # to the back of its priority's part: ahead of "n2"
+    lines.wake_head("a")
+    assert moved.turn.is_set() and not late.turn.is_set()
+
+
 async def test_a_waiter_tries_at_each_turn_until_settled() -> None:
     lines = RoomLines()
     waiter = lines.join("a", "r1")

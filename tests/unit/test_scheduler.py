@@ -1,4 +1,4 @@
-"""The engine scheduler without a model: batching, chunking, waiting, rotation."""
+"""The engine scheduler without a model: batching, chunking, waiting, rotation, priorities."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from shared.messages import SamplingParams
 
 
 def seq(request_id: str, num_tokens: int, arrived_at_s: float = 0.0,
-        num_computed: int = 0) -> Sequence:
+        num_computed: int = 0, priority: int = 0) -> Sequence:
     return Sequence(request_id=request_id, token_ids=list(range(num_tokens)),
                     num_prompt_tokens=num_tokens, sampling=SamplingParams(max_tokens=4),
-                    seed=None, arrived_at_s=arrived_at_s, num_computed=num_computed)
+                    seed=None, arrived_at_s=arrived_at_s, num_computed=num_computed,
+                    priority=priority)
 
 
 def scheduler(**options: float) -> Scheduler:
@@ -93,3 +94,35 @@ def test_remove_takes_a_sequence_out_of_either_queue() -> None:
     assert s.remove("w") is not None and s.remove("r") is not None
     assert s.remove("w") is None
     assert s.schedule(now_s=0.0) is None
+
+
+def test_prompts_wait_by_priority_then_arrival() -> None:
+    s = scheduler(max_batch_tokens=1000, max_batch_size=8)
+    for name, priority in (("a", 0), ("b", 5), ("c", -1), ("d", 0), ("e", -1)):
+        s.add_waiting(seq(name, 5, priority=priority))
+    batch = s.schedule(now_s=0.0)
+    assert batch is not None
+    assert [x.request_id for x in batch.sequences] == ["c", "e", "a", "d", "b"]
+
+
+def test_a_preempted_sequence_waits_first_among_its_priority() -> None:
+    s = scheduler(max_batch_tokens=1000, max_batch_size=8)
+    urgent, late = seq("urgent", 5, priority=-1), seq("late", 5, priority=1)
+    for queued in (urgent, seq("w", 5), late):
+        s.add_waiting(queued)
+    running = seq("r", 6, num_computed=5)
+    s.add_running(running)
+    s.preempt(running)
+    assert [x.request_id for x in s.waiting] == ["urgent", "r", "w", "late"]
+
+
+def test_decode_takes_the_most_urgent_and_rotates_within_a_priority() -> None:
+    s = scheduler(max_batch_size=2)
+    for name, priority in (("a", 0), ("b", 0), ("u", -1), ("c", 0)):
+        s.add_running(seq(name, 4, num_computed=3, priority=priority))
+    steps = []
+    for _ in range(3):
+        batch = s.schedule(now_s=0.0)
+        assert batch is not None
+        steps.append([x.request_id for x in batch.sequences])
+    assert steps == [["u", "a"], ["u", "b"], ["u", "c"]]

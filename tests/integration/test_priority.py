@@ -1,0 +1,66 @@
+"""Priority scheduling through the stack (`--scheduling-policy priority`): a more urgent
+request overtakes less urgent ones where requests wait for KV (the conductor's line for
+room, the engine's queue and its preemption), and a gateway that schedules first come,
+first served refuses a priority."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.stack import PATHS, Stack, torch_stack_on
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "halfmoon-tiny"
+NUM_LESS_URGENT = 4
+
+
+async def finishing_order(stack: Stack, priority: int) -> list[str]:
+    """Four requests that take turns in one-sequence decode steps, then one more with
+    `priority` once they stream: which finished when."""
+    order: list[str] = []
+
+    async def run(name: str, prompt: str, max_tokens: int, priority: int = 0) -> None:
+        status, body = await stack.post("/v1/completions", {
+            "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "priority": priority})
+        assert status == 200, body
+        order.append(name)
+
+    started = [asyncio.create_task(run(f"n{i}", f"request number {i} says", 200))
+               for i in range(NUM_LESS_URGENT)]
+    await asyncio.sleep(0.3)  # placed, and taking turns (800 steps in all)
+    await run("urgent", "an urgent request says", 200, priority)
+    await asyncio.gather(*started)
+    return order
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_a_more_urgent_request_goes_first_in_each_step(
+        nats_url: str, tiny_dir: Path, path: str) -> None:
+    """One sequence per decode step: the less urgent take turns, the urgent one runs in
+    every step from its arrival to its end (at one priority it would take its turn too)."""
+    async with torch_stack_on(path, nats_url, str(tiny_dir), max_batch_size=1,
+                              gateway={"scheduling_policy": "priority"}) as stack:
+        order = await finishing_order(stack, priority=-1)
+        await stack.wait_blocks_free()
+    assert order[0] == "urgent", order
+
+
+async def test_a_first_come_first_served_gateway_refuses_a_priority(
+        nats_url: str, tiny_dir: Path) -> None:
+    async with torch_stack_on("disaggregated", nats_url, str(tiny_dir)) as stack, \
+            aiohttp.ClientSession() as session:
+        for priority, expected in ((0, 200), (3, 400)):
+            async with session.post(f"{stack.gateway.url}/v1/completions", json={
+                    "model": MODEL, "prompt": "hi", "max_tokens": 2,
+                    "priority": priority}) as response:
+                assert response.status == expected
+                if expected == 400:
+                    body = await response.json()
+                    assert body["error"]["param"] == "priority"
+                    assert "--scheduling-policy priority" in body["error"]["message"]
