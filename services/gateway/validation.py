@@ -288,7 +288,7 @@ def _sampling(request: GenerationParams, max_tokens: int, limits: Limits,
     logprobs = 0 if output.logprobs is None and output.num_candidates else output.logprobs
     return SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-        top_k=_top_k(request.top_k, defaults), seed=_seed(request.seed),
+        top_k=_top_k(request.top_k, defaults), seed=_int64("seed", request.seed),
         stop_token_ids=_stop_token_ids(request.stop_token_ids, limits),
         ignore_eos=bool(request.ignore_eos),
         presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
@@ -322,8 +322,7 @@ def _check_fields(request: GenerationParams) -> None:
     if request.use_beam_search:
         raise UnsupportedParameter("halfmoon does not serve beam search",
                                    param="use_beam_search")
-    if request.priority is not None and not -(2**63) <= request.priority < 2**63:
-        raise InvalidRequest("priority must lie in [-2^63, 2^63 - 1]", param="priority")
+    _int64("priority", request.priority)
 
 
 def _top_k(top_k: int | None, defaults: SamplingDefaults) -> int | None:
@@ -341,11 +340,12 @@ def _stop_token_ids(token_ids: list[int] | None, limits: Limits) -> tuple[int, .
     return tuple(token_ids or ())
 
 
-def _seed(seed: int | None) -> int | None:
-    """A 64-bit seed, as OpenAI's and vLLM's: past that range seeds would share streams."""
-    if seed is not None and not -(2**63) <= seed < 2**63:
-        raise InvalidRequest("seed must lie in [-2^63, 2^63 - 1]", param="seed")
-    return seed
+def _int64(param: str, value: int | None) -> int | None:
+    """A 64-bit integer, as OpenAI's and vLLM's seeds are (past that range seeds would share
+    streams)."""
+    if value is not None and not -(2**63) <= value < 2**63:
+        raise InvalidRequest(f"{param} must lie in [-2^63, 2^63 - 1]", param=param)
+    return value
 
 
 def _check_range(param: str, value: float, low: float, high: float) -> None:
