@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -36,7 +35,7 @@ from pathlib import Path
 
 from bench import planner_compare
 from bench.client import RequestRecord
-from bench.control_path import launch
+from bench.control_path import launched
 from bench.results import Slo, Summary, summarize
 from bench.serve import add_workload_flags, benchmark, build_workload
 from bench.utilization import UtilizationProbe, WorkerUtilization
@@ -136,15 +135,11 @@ def run_one(args: argparse.Namespace, setup: str, load: float,
             requests: list[BenchRequest], slo: Slo) -> Run:
     time_scale = args.time_scale if args.engine == "sim" else 1.0
     nats_port = free_port()
-    process, url = launch(*cluster_args(args, setup), "--nats-port", str(nats_port),
-                          env=scaled_timeouts(time_scale))
-    try:
+    with launched(*cluster_args(args, setup), "--nats-port", str(nats_port),
+                  env=scaled_timeouts(time_scale)) as (_, url):
         run = asyncio.run(measure(
             url, f"nats://127.0.0.1:{nats_port}", at_load(requests, load, time_scale), slo,
             time_scale, args.workers))
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
     return replace(run, setup=setup, load=load)
 
 

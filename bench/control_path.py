@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import aiohttp
@@ -120,6 +122,18 @@ def launch(*up_args: str, logs: list[str] | None = None, env: dict[str, str] | N
     raise SystemExit(f"halfmoon up {' '.join(up_args)} exited with {process.wait()}")
 
 
+@contextlib.contextmanager
+def launched(*up_args: str, logs: list[str] | None = None, env: dict[str, str] | None = None
+             ) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`launch`, stopped (SIGTERM, as Ctrl-C would) when the block ends, however it ends."""
+    process, url = launch(*up_args, logs=logs, env=env)
+    try:
+        yield process, url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+
+
 def print_table(results: list[LevelResult]) -> None:
     base = results[0]
     print(f"{'clients':>7} {'requests':>8} {'err':>4} {'req/s':>8} {'tok/s':>9} "
@@ -147,14 +161,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args()
-    process, url = ((None, args.url) if args.url
-                    else launch("--engine", "fake", "--log-level", "warning"))
-    try:
-        results = asyncio.run(main_async(args, url))
-    finally:
-        if process is not None:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=30)
+    if args.url:
+        results = asyncio.run(main_async(args, args.url))
+    else:
+        with launched("--engine", "fake", "--log-level", "warning") as (_, url):
+            results = asyncio.run(main_async(args, url))
     print_table(results)
     if args.json_path:
         with open(args.json_path, "w") as out:

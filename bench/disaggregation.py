@@ -31,7 +31,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.control_path import launch
+from bench.control_path import launched
 from bench.results import percentile
 
 SETUPS = {
@@ -137,13 +137,9 @@ def measure(model: str, model_dir: Path | None, setup: str, args: argparse.Names
             rate: float) -> Run:
     logs: list[str] = []
     model_flags = ("--model", str(model_dir)) if model_dir is not None else ()
-    process, url = launch("--log-level", "debug", *model_flags, *SETUPS[setup], logs=logs)
     run = Run(model, setup, model_dir.name if model_dir is not None else "halfmoon-tiny")
-    try:
+    with launched("--log-level", "debug", *model_flags, *SETUPS[setup], logs=logs) as (_, url):
         asyncio.run(drive(url, run, args, rate))
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
     read_kv_logs(logs, run)
     return run
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.control_path import launch
+from bench.control_path import launched
 from bench.results import percentile
 from bench.trace import DEFAULT_TRACE, TraceRequest, TraceScaling, load_trace
 
@@ -139,12 +138,8 @@ def run_policy(policy: str, requests: list[TraceRequest], args: argparse.Namespa
                "--num-blocks", str(args.num_blocks), "--max-model-len", str(args.max_model_len)]
     if args.ttft_slo_ms is not None:
         up_args += ["--ttft-slo-ms", str(args.ttft_slo_ms)]
-    process, url = launch(*up_args)
-    try:
+    with launched(*up_args) as (_, url):
         outcomes, wall_s = asyncio.run(replay(url, requests))
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
     return summarize(policy, outcomes, wall_s)
 
 

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
 
-from bench.control_path import MODEL, launch
+from bench.control_path import MODEL, launched
 from bench.results import percentile
 
 
@@ -110,15 +109,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="bursts per mode")
     parser.add_argument("--max-batch-size", type=int, default=8)
     args = parser.parse_args()
-    process, url = ((None, args.url) if args.url else launch(
-        "--scheduling-policy", "priority", "--max-batch-size", str(args.max_batch_size),
-        "--log-level", "warning"))
-    try:
-        modes = asyncio.run(run(url, args))
-    finally:
-        if process is not None:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=30)
+    if args.url:
+        modes = asyncio.run(run(args.url, args))
+    else:
+        with launched("--scheduling-policy", "priority", "--max-batch-size",
+                      str(args.max_batch_size), "--log-level", "warning") as (_, url):
+            modes = asyncio.run(run(url, args))
     print_table(modes)
 
 

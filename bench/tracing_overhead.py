@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import signal
 import statistics
 import subprocess
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import rotel
 
-from bench.control_path import LevelResult, launch, run_level
+from bench.control_path import LevelResult, launched, run_level
 from bench.process_cpu import stack_cpu_s
 from shared.nats_server import free_port
 
@@ -68,13 +67,9 @@ def mean(values: list[float]) -> float:
 @contextlib.contextmanager
 def stack(up_args: list[str], args: argparse.Namespace) -> Iterator[tuple[str, int]]:
     """`halfmoon up --engine fake` with these flags, warmed up; its URL and pid."""
-    process, url = launch("--engine", "fake", "--log-level", "warning", *up_args)
-    try:
+    with launched("--engine", "fake", "--log-level", "warning", *up_args) as (process, url):
         asyncio.run(run_level(url, args.concurrency, 1.0, args.max_tokens))  # warm-up
         yield url, process.pid
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
 
 
 def window(url: str, pid: int, args: argparse.Namespace) -> Window:
