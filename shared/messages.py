@@ -663,16 +663,16 @@ class RequestEvent(Message, frozen=True, kw_only=True):
     the bus: dashboards, billing, audit. Never carries prompt or output text, only ids,
     counts and timings. Who publishes each kind, and what it fills in:
 
-        accepted      gateway    model, num_prompt_tokens (published before the request is
-                                 queued: the first event of every request)
+        accepted      gateway    model, num_prompt_tokens, priority (published before the
+                                 request is queued: the first event of every request)
         placed        conductor  prefill_worker_id, decode_worker_id, path, placement_s
         first_token   gateway    worker ids, num_cached_tokens, ttft_s
         kv_committed  prefill    worker ids, num_kv_bytes, transport, kv_seconds,
                                  kv_compression, num_kv_wire_bytes
         finished      gateway    worker ids, token counts, finish_reason ("stop" | "length",
                                  or "abort" when the client left first), ttft_s, e2e_s,
-                                 itl_mean_s, itl_max_s
-        failed        gateway    error_code, error, e2e_s
+                                 itl_mean_s, itl_max_s, priority
+        failed        gateway    error_code, error, e2e_s, priority
         migrated      gateway    attempt, num_output_tokens so far, lost_worker_id (a
                                  continuation is queued after a worker was lost; this
                                  event goes first, its `placed` after)
@@ -709,6 +709,7 @@ class RequestEvent(Message, frozen=True, kw_only=True):
     lost_worker_id: str = ""
     error_code: str = ""
     error: str = ""
+    priority: int = 0  # the request's (`GenerateRequest.priority`)
 
 
 class CudaIpcHandle(msgspec.Struct, frozen=True, kw_only=True):

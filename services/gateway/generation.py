@@ -225,7 +225,8 @@ class Generator:
         try:
             # Before the request is queued: every other event of it comes after this one.
             await ctx.events.request("accepted", request_id, model=parsed.model,
-                                     num_prompt_tokens=len(parsed.prompt_token_ids))
+                                     num_prompt_tokens=len(parsed.prompt_token_ids),
+                                     priority=parsed.priority)
             await self._publish(request_id, parsed, [], attempt=0)
             if n == 1:  # no layer per token in the way
                 async for chunk in self._follow(request_id, parsed, streams[0], clocks[0],
@@ -367,7 +368,8 @@ class Generator:
         """The request's last public event: finished (or aborted by its client) or failed."""
         common = {"model": parsed.model, "num_prompt_tokens": len(parsed.prompt_token_ids),
                   "num_cached_tokens": progress.num_cached,
-                  "num_output_tokens": len(progress.generated), **progress.workers(stream)}
+                  "num_output_tokens": len(progress.generated), "priority": parsed.priority,
+                  **progress.workers(stream)}
         timings = clock.timings()
         if error is not None:
             await self._ctx.events.request("failed", request_id, error_code=error.code.value,

@@ -11,7 +11,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.stack import PATHS, Stack, torch_stack_on
+from tests.integration.test_events import subscriber
+from tests.stack import PATHS, Stack, eventually, torch_stack_on
 
 pytestmark = pytest.mark.e2e
 
@@ -45,10 +46,16 @@ async def test_a_more_urgent_request_goes_first_in_each_step(
     """One sequence per decode step: the less urgent take turns, the urgent one runs in
     every step from its arrival to its end (at one priority it would take its turn too)."""
     async with torch_stack_on(path, nats_url, str(tiny_dir), max_batch_size=1,
-                              gateway={"scheduling_policy": "priority"}) as stack:
+                              gateway={"scheduling_policy": "priority"}) as stack, \
+            subscriber(stack) as events:
         order = await finishing_order(stack, priority=-1)
         await stack.wait_blocks_free()
+        await eventually(lambda: sum(e.kind == "finished" for e in events) == len(order))
     assert order[0] == "urgent", order
+    # Public events say each request's priority, for dashboards that split by it.
+    priorities = {e.priority for e in events if e.kind in ("accepted", "finished")}
+    assert priorities == {0, -1}
+    assert sum(e.priority == -1 for e in events if e.kind in ("accepted", "finished")) == 2
 
 
 async def test_a_first_come_first_served_gateway_refuses_a_priority(
