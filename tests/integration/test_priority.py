@@ -1,7 +1,9 @@
 """Priority scheduling through the stack (`--scheduling-policy priority`): a more urgent
-request overtakes less urgent ones where requests wait for KV (the conductor's line for
-room, the engine's queue and its preemption), and a gateway that schedules first come,
-first served refuses a priority."""
+request goes first in every decode step it shares with less urgent ones, whether the decode
+worker or a prefill worker computed its prompt, and its priority is on its public events;
+a gateway that schedules first come, first served refuses a priority. (The engine's queue
+and preemption: `tests/unit/test_scheduler.py`, `tests/engine/test_preemption.py`; the
+conductor's lines: `tests/unit/test_room_lines.py`.)"""
 
 from __future__ import annotations
 
