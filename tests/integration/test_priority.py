@@ -3,7 +3,7 @@ request goes first in every decode step it shares with less urgent ones, whether
 worker or a prefill worker computed its prompt, and its priority is on its public events;
 a gateway that schedules first come, first served refuses a priority. (The engine's queue
 and preemption: `tests/unit/test_scheduler.py`, `tests/engine/test_preemption.py`; the
-conductor's lines: `tests/unit/test_room_lines.py`.)"""
+conductor's lines: `tests/unit/test_room_lines.py`, `tests/integration/test_room_lines.py`.)"""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Requests that find no room (decode KV, a prefill queue place, a healthy worker of a
 role) wait in line at the conductor: a burst larger than the pool is served, first come
-first served, requests wait for a decode worker to come back, and a conductor that stops
-hands its line back to the queue."""
+first served (a more urgent request ahead), requests wait for a decode worker to come back,
+and a conductor that stops hands its line back to the queue."""
 
 from __future__ import annotations
 
@@ -63,6 +63,28 @@ async def test_a_burst_larger_than_the_kv_pool_is_served_in_arrival_order(
                                          {"step": "held_here"}) is None
         assert len(stack.conductor.room_lines) == 0
         await stack.wait_blocks_free()
+
+
+async def test_a_more_urgent_request_is_placed_ahead_of_those_waiting_longer(
+        nats_url: str) -> None:
+    """One request runs at a time in the short pool, the others wait in line; one more
+    urgent (the gateway serving priorities) comes last and is placed before those that
+    were still waiting (at least the last three: the first two may have run by then)."""
+    async with Stack(nats_url, worker={"fake_token_delay_s": 0.02},
+                     decode_options={"num_blocks": 12},
+                     gateway_options={"scheduling_policy": "priority"}) as stack:
+        finished: list[str] = []
+
+        async def ask(name: str, delay_s: float, priority: int = 0) -> None:
+            await asyncio.sleep(delay_s)  # into the queue in this order
+            status, reply = await stack.post("/v1/completions", {**BODY, "priority": priority})
+            assert status == 200, reply
+            finished.append(name)
+
+        await asyncio.gather(*(ask(f"n{i}", 0.05 * i) for i in range(5)),
+                             ask("urgent", 0.3, priority=-1))
+        assert finished.index("urgent") < min(finished.index(f"n{i}") for i in (2, 3, 4)), \
+            finished
 
 
 async def test_a_stopping_conductor_hands_its_waiting_requests_to_the_next(
