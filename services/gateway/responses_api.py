@@ -122,6 +122,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # No effect: it bounds calls to built-in tools, and none runs here (function tools are
     # the client's to call).
     max_tool_calls: int | None = None
+    priority: int | None = None  # vLLM's, as on chat: lower first (`--scheduling-policy`)
     # Metadata only: accepted, no effect on generation.
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -161,7 +162,7 @@ def chat_request(request: ResponsesRequest, history: list[InputItem] | None = No
         response_format=None if fmt is None else _response_format(fmt),
         user=request.user, metadata=request.metadata, store=request.store,
         service_tier=request.service_tier, prompt_cache_key=request.prompt_cache_key,
-        safety_identifier=request.safety_identifier,
+        safety_identifier=request.safety_identifier, priority=request.priority,
     )
 
 

@@ -73,3 +73,8 @@ async def test_a_first_come_first_served_gateway_refuses_a_priority(
                     body = await response.json()
                     assert body["error"]["param"] == "priority"
                     assert "--scheduling-policy priority" in body["error"]["message"]
+        async with session.post(f"{stack.gateway.url}/v1/responses", json={
+                "model": MODEL, "input": "hi", "max_output_tokens": 2,
+                "priority": 3}) as response:
+            assert response.status == 400
+            assert (await response.json())["error"]["param"] == "priority"

@@ -92,10 +92,11 @@ def test_every_field_of_the_api_may_be_sent_unset() -> None:
               "include", "stream", "stream_options", "tools", "tool_choice",
               "parallel_tool_calls", "text", "reasoning", "truncation", "previous_response_id",
               "conversation", "background", "prompt", "max_tool_calls", "store", "metadata",
-              "user", "service_tier", "prompt_cache_key", "safety_identifier"]
+              "user", "service_tier", "prompt_cache_key", "safety_identifier", "priority"]
     body = msgspec.json.encode({"model": "m", "input": "hi", **dict.fromkeys(fields)})
     assert chat_request(decoded(body)).messages[-1].content == "hi"
     assert chat_request(decoded(b'{"model": "m", "input": "hi", "max_tool_calls": 3}'))
+    assert chat_request(decoded(b'{"model": "m", "input": "hi", "priority": -2}')).priority == -2
 
 
 def test_logprobs_are_asked_by_include_or_top_logprobs() -> None:
