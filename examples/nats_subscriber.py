@@ -4,7 +4,8 @@
 
 Every second: requests per second finished, in flight, failed and aborted; TTFT and
 inter-token latency percentiles over the last `--window-s` seconds (as the gateway measured
-them for its clients); KV bytes moved per transport. It needs only `nats-py` and the JSON
+them for its clients); KV bytes moved per transport; and, where requests of several
+priorities finished, each priority's median end-to-end latency. It needs only `nats-py` and the JSON
 payloads documented in docs/contract/ (RequestEvent on
 `halfmoon.<cluster>.v1.events.request.<kind>`), not halfmoon itself: copy it and adapt it.
 """
@@ -74,7 +75,22 @@ class View:
             f"ITL ms   p50 {_ms(percentile(itl, 50))}  p90 {_ms(percentile(itl, 90))}  "
             f"p99 {_ms(percentile(itl, 99))}   (per-request mean)",
             f"KV moved {kv}",
+            *self._by_priority(events),
         ]
+
+    @staticmethod
+    def _by_priority(events: list[dict[str, Any]]) -> list[str]:
+        """Where requests of more than one priority finished (a cluster that schedules by
+        priority): each one's end-to-end latency."""
+        e2e: dict[int, list[float]] = {}
+        for event in events:
+            if event.get("e2e_s") is not None:
+                e2e.setdefault(event.get("priority", 0), []).append(event["e2e_s"] * 1000)
+        if len(e2e) < 2:
+            return []
+        return ["E2E ms p50 by priority  " + "   ".join(
+            f"{priority}: {_ms(percentile(values, 50)).strip()}"
+            for priority, values in sorted(e2e.items()))]
 
 
 def _ms(value: float | None) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import re
 import sys
 from collections.abc import AsyncIterator
@@ -139,3 +140,19 @@ async def test_the_example_subscriber_shows_the_clusters_traffic(torch_stack: St
     assert "finished 3" in last[0] and "failed 0" in last[0], last
     assert re.search(r"TTFT ms\s+p50\s+\d+\.\d", last[1]), last
     assert re.search(r"KV moved shm \d+\.\d\d MB", last[3]), last
+
+
+def test_the_example_subscriber_splits_latency_by_priority_when_there_are_several(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = importlib.util.spec_from_file_location("nats_subscriber", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "nats_subscriber", example)  # for its dataclass
+    spec.loader.exec_module(example)
+    view = example.View()
+    for i, (priority, e2e_s) in enumerate([(0, 2.0), (0, 4.0), (-1, 0.5)]):
+        view.apply({"kind": "finished", "request_id": f"r{i}", "e2e_s": e2e_s,
+                    "priority": priority})
+        if i == 1:
+            assert not any("by priority" in line for line in view.lines())  # one priority
+    assert view.lines()[-1] == "E2E ms p50 by priority  -1: 500.0   0: 2000.0"
