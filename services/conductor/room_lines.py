@@ -60,8 +60,10 @@ class RoomLines:
         return sum(len(line) for line in self._lines.values())
 
     def has_line(self, name: str, priority: int = 0) -> bool:
-        """Whether line `name` holds a waiter of `priority` or a more urgent one."""
-        return any(waiter.priority <= priority for waiter in self._lines.get(name, ()))
+        """Whether line `name` holds a waiter of `priority` or a more urgent one (its head
+        is its most urgent)."""
+        line = self._lines.get(name)
+        return bool(line) and line[0].priority <= priority
 
     def join(self, name: str, request_id: str, priority: int = 0) -> Waiter:
         """A place at the back of the line (of its priority's part); its first turn comes
