@@ -23,6 +23,7 @@ def about(text: str, **limits: float) -> msgspec.Meta:
 
 # Ranges of optional settings (a limit goes on the number, inside the `| None`).
 Positive = Annotated[float, msgspec.Meta(gt=0)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 Share = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
 
@@ -205,10 +206,13 @@ class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):
         "a request that finds no healthy worker of a role waits this long, in its model's "
         "line, for one to come back (a restart, a stalled worker, a healed partition, a "
         "NATS node lost) before its 503", ge=0)] = 30.0
-    kv_short_hold_s: Annotated[float, about(
+    # By default as long as its client waits: a burst that takes longer than a fixed hold to
+    # drain got 429s in its tail, where colocated workers queue it and serve it all.
+    kv_short_hold_s: Annotated[NonNegative | None, about(
         "a request that finds no room (no decode worker with KV room, every prefill "
         "queue full) waits this long (at most the TTFT SLO), in its model's line, for "
-        "running requests to free some before its 429; 0: refuse at once", ge=0)] = 30.0
+        "running requests to free some before its 429 (default: while its gateway waits, "
+        "until 2 s before --request-max-age-s); 0: refuse at once")] = None
     policy: Annotated[PrefillPolicy, about("how a prefill worker is chosen")] = "cache-aware"
     ttft_slo_ms: Annotated[Positive | None, about(
         "reject a request (429) when the best predicted time to first token exceeds "

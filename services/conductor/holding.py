@@ -27,6 +27,10 @@ if TYPE_CHECKING:
 WORKER_ROLES: tuple[WorkerRole, ...] = get_args(WorkerRole)
 RETRY_S = 0.5  # a held request is delivered again at least this much later
 MAX_DELIVER = 8  # deliveries of one request message before JetStream drops it
+# A request waiting for room as long as its gateway waits (`request_max_age_s`, as the
+# gateway's `request_timeout_s`) is refused this much earlier: its client gets the 429 that
+# says why, not the gateway's 504.
+ANSWER_MARGIN_S = 2.0
 
 
 def waits_in_line(error: HalfmoonError) -> bool:
@@ -68,9 +72,12 @@ def hold_s(error: HalfmoonError, config: ConductorConfig, ttft_slo_s: float | No
 
 def shortage_hold_s(config: ConductorConfig, ttft_slo_s: float | None) -> float:
     """How long, from its creation, a request may wait for room (decode KV, a prefill
-    queue) in its model's line (`room_lines`); never past the TTFT SLO (the answer would
-    come too late anyway)."""
+    queue) in its model's line (`room_lines`): `kv_short_hold_s`, by default as long as its
+    gateway waits, less `ANSWER_MARGIN_S`; never past the TTFT SLO (the answer would come
+    too late anyway)."""
     hold = config.kv_short_hold_s
+    if hold is None:
+        hold = max(0.0, config.request_max_age_s - ANSWER_MARGIN_S)
     return hold if ttft_slo_s is None else min(hold, ttft_slo_s)
 
 

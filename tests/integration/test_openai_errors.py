@@ -11,6 +11,7 @@ import openai
 import pytest
 from nats.aio.msg import Msg
 
+from services.conductor import holding
 from services.worker import DecodeService
 from shared.messages import AbortRequest
 from shared.nats_client import subscribed
@@ -324,10 +325,11 @@ async def test_missing_api_key_through_the_sdk_is_401(nats_url: str) -> None:
 
 async def test_a_request_waits_for_kv_that_running_requests_will_free(nats_url: str) -> None:
     """Decode's pool is full of running requests (placement saw no KV room): the conductor
-    holds the newcomer until they finish and free their blocks, instead of a 429."""
+    holds the newcomer until they finish and free their blocks, instead of a 429 (by
+    default, for as long as its gateway waits)."""
     async with Stack(nats_url, worker={"fake_token_delay_s": 0.02},
                      decode_options={"num_blocks": 12},
-                     conductor_options={"kv_short_hold_s": 6.0,
+                     conductor_options={"request_max_age_s": 8.0,
                                         "no_worker_hold_s": 0.0}) as stack:
         # Each takes 7 of the 12 blocks at placement (prompt + a block of output; one block
         # is the growth watermark): one fits at a time, and the others find no room.
@@ -339,12 +341,16 @@ async def test_a_request_waits_for_kv_that_running_requests_will_free(nats_url: 
         await stack.wait_blocks_free()
 
 
-async def test_kv_that_does_not_free_within_the_hold_ends_in_a_429(nats_url: str) -> None:
-    """Held, then refused; and while held, the request was never sent to a worker, so no
-    worker was told to drop it (before, each delivery broadcast an abort to all of them)."""
+@pytest.mark.parametrize("hold", [{"kv_short_hold_s": 1.5},
+                                  {"request_max_age_s": 1.5 + holding.ANSWER_MARGIN_S}],
+                         ids=["kv_short_hold", "default_hold"])
+async def test_kv_that_does_not_free_within_the_hold_ends_in_a_429(
+        nats_url: str, hold: dict[str, float]) -> None:
+    """Held, then refused (by default just before the gateway would stop waiting); and
+    while held, the request was never sent to a worker, so no worker was told to drop it
+    (before, each delivery broadcast an abort to all of them)."""
     async with Stack(nats_url, worker={"fake_token_delay_s": 0.05},
-                     decode_options={"num_blocks": 12},
-                     conductor_options={"kv_short_hold_s": 1.5}) as stack:
+                     decode_options={"num_blocks": 12}, conductor_options=hold) as stack:
         body = {**GOOD, "prompt": "x" * 85, "max_tokens": 100}  # runs ~5 s, holds 7 blocks
         running = asyncio.create_task(stack.post("/v1/completions", body))
         await eventually(lambda: stack.decodes[0].engine.stats().num_running == 1)

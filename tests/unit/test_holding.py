@@ -29,6 +29,16 @@ def test_a_kv_shortage_is_never_held_past_the_ttft_slo() -> None:
     assert holding.hold_s(KvShortage("x"), CONFIG, 0.8) == 0.8
 
 
+def test_by_default_room_is_waited_for_while_the_gateway_waits() -> None:
+    """Until just before the request's max age (its gateway's patience), so the client
+    hears the 429, not a 504; a TTFT SLO still cuts it short."""
+    config = ConductorConfig(request_max_age_s=40.0)
+    assert config.kv_short_hold_s is None
+    assert holding.hold_s(KvShortage("x"), config, None) == 40.0 - holding.ANSWER_MARGIN_S
+    assert holding.hold_s(KvShortage("x"), config, 5.0) == 5.0
+    assert holding.hold_s(KvShortage("x"), ConductorConfig(request_max_age_s=1.0), None) == 0
+
+
 def test_a_missing_worker_and_no_room_wait_in_line_and_nothing_else_does() -> None:
     for error in (NoHealthyWorker("x"), ModelLoading("x", load_s=1.0), KvShortage("x")):
         assert holding.waits_in_line(error)
