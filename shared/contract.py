@@ -82,7 +82,8 @@ def channels() -> list[Channel]:
                 "worker every few seconds (which of these does a client still wait for?).",
                 "request", reply=(m.StreamStatus, m.OpenStreams)),
         Channel("abort", s.abort, (m.AbortRequest,),
-                "Stop a request and free its blocks (every worker listens).", "core"),
+                "Stop a request and free its blocks (every worker listens); one its gateway "
+                "ended is not placed (the conductors listen too).", "core"),
         Channel("prefillTask", s.prefill_task(worker), (m.PrefillTask,),
                 "Conductor to prefill worker.", "request", reply=m.DispatchReply),
         Channel("decodeReserve", s.decode_reserve(worker), (m.DecodeReservation,),

@@ -366,9 +366,10 @@ def request_failed(request_id: str, error: HalfmoonError, worker_id: str) -> Req
 
 
 class AbortRequest(Message, frozen=True, kw_only=True):
-    """Command on `Subjects.abort` (every worker listens): stop the request, free its blocks.
-    Published by the gateway (client gone, stop string hit) or the conductor (placement
-    failed; or one side given up while the request is placed elsewhere: `worker_id`)."""
+    """Command on `Subjects.abort` (every worker listens, and the conductors): stop the
+    request, free its blocks. Published by the gateway (client gone, stop string hit) or the
+    conductor (placement failed; or one side given up while the request is placed
+    elsewhere: `worker_id`)."""
 
     request_id: str
     reason: str = ""
@@ -379,6 +380,10 @@ class AbortRequest(Message, frozen=True, kw_only=True):
     # a conductor that stood still) is then refused, not run for no one. 0: none.
     attempt: int = 0
     before_delivery: int = 0
+    # By its gateway, done with the request (its client has the answer or is gone): nothing
+    # of it is placed again. A conductor drops it if it has not placed it yet (waiting for
+    # room, or still queued), instead of computing it for no one.
+    is_ended: bool = False
 
 
 class StoredResponse(Message, frozen=True, kw_only=True):

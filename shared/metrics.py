@@ -84,6 +84,9 @@ class ConductorMetrics(ServiceMetrics):
         self.room_waits = Counter("halfmoon_room_waits", "requests that waited in line for room "
                                   "(a healthy worker of a role, decode KV, a prefill queue)",
                                   registry=r)
+        self.abandoned = Counter("halfmoon_requests_abandoned", "requests their gateway "
+                                 "ended (the client gone) before they were placed: dropped",
+                                 registry=r)
         self.room_waiting = Gauge("halfmoon_room_waiting_requests", "requests waiting in line "
                                     "for room now", registry=r)
         self.placement_seconds = Histogram("halfmoon_placement_seconds",

@@ -69,7 +69,7 @@ def _conductor(s: Subjects) -> Permissions:
                  *_consumer_api(s.kv_events_stream), f"$JS.FC.{s.kv_events_stream}.>",
                  *_object_store(s.snapshot_bucket), *_bucket_reader(s.workers_bucket),
                  *_bucket_writer(s.planner_bucket)),
-        subscribe=(_INBOX, s.all_heartbeats, s.decode_replacement))
+        subscribe=(_INBOX, s.all_heartbeats, s.decode_replacement, s.abort))
 
 
 def _worker(s: Subjects, role: str) -> tuple[str, ...]:

@@ -125,6 +125,13 @@ class RoomLines:
         if line:
             line[0].turn.set()
 
+    def wake(self, request_id: str) -> None:
+        """The request's waiter, if one waits, tries again now (its gateway ended it)."""
+        for line in self._lines.values():
+            for waiter in line:
+                if waiter.request_id == request_id:
+                    waiter.turn.set()
+
     def close(self) -> None:
         """Every waiter wakes, to hand its request back (the conductor stops)."""
         self.is_closed = True

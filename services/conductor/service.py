@@ -9,8 +9,9 @@ side accepted (`placer`, over the pure decisions of `assignment`, `placement`,
 gateway gets `RequestFailed` (429 for capacity, 503 for no workers) and any accepted side is
 aborted; a request for a model no worker of a role serves is held while one loads it
 (`model_loader`), one that finds no room (a healthy worker of a role, decode KV, a prefill
-queue) waits in its model's line (`room_lines`), and what the conductor sends goes through
-its `outbox`. A request JetStream delivers again may have been placed already: its gateway
+queue) waits in its model's line (`room_lines`), one its gateway ended meanwhile (the
+client gone) is dropped (`abandoned`), and what the conductor sends goes through its
+`outbox`. A request JetStream delivers again may have been placed already: its gateway
 is asked first (`redelivery`). A decode side lost after prefill is replaced with the KV kept
 (`decode_replacement`). The global prefix index follows the workers' KV events
 (`prefix_follower`).
@@ -30,6 +31,7 @@ from nats.aio.msg import Msg
 from opentelemetry.trace import Span
 
 from services.conductor import assignment, holding, redelivery
+from services.conductor.abandoned import Abandoned
 from services.conductor.decode_replacement import DecodeReplacer
 from services.conductor.intake import InHand, RequestIntake
 from services.conductor.model_loader import ModelLoader
@@ -45,6 +47,7 @@ from shared.errors import HalfmoonError, Shortage, SloViolation
 from shared.heartbeats import WorkerDirectory
 from shared.jetstream_assets import read_registry
 from shared.messages import (
+    AbortRequest,
     DecodeReplacement,
     GenerateRequest,
     WorkerHeartbeat,
@@ -80,6 +83,7 @@ class ConductorService(Service):
         self.decode_replacer = DecodeReplacer(self.workers, self.placer, self.outbox,
                                               self.instance_id)
         self.room_lines = RoomLines()  # requests waiting for room, by model
+        self.abandoned = Abandoned()
         self.redeliveries = redelivery.Redeliveries(self.metrics, self.outbox.abort,
                                                     self.outbox.tell_gateway)
         # Gauges read at scrape time, not kept up to date on every heartbeat.
@@ -91,6 +95,7 @@ class ConductorService(Service):
 
     async def _setup(self) -> None:
         await self.serve(self.subjects.all_heartbeats, WorkerHeartbeat, self._on_heartbeat)
+        await self.serve(self.subjects.abort, AbortRequest, self._on_abort)
         await self.serve(self.subjects.decode_replacement, DecodeReplacement,
                          self.decode_replacer.replace, queue=self.subjects.conductor_consumer)
         for heartbeat in await read_registry(self.nc.jetstream(), self.subjects.workers_bucket):
@@ -120,6 +125,10 @@ class ConductorService(Service):
         for line in holding.lines_of(heartbeat.model):  # it may be back, or have room now
             self.room_lines.wake_head(line)
 
+    async def _on_abort(self, abort: AbortRequest) -> None:
+        if self.abandoned.note(abort):  # its gateway is done with it: if it waits, it goes
+            self.room_lines.wake(abort.request_id)
+
     async def _handle(self, msg: Msg, in_hand: InHand) -> None:
         """Error boundary: decode -> place -> ack; invalid -> term; unexpected -> nak; held
         past its ack wait -> nothing more (its delivery again decides); no room (no
@@ -134,6 +143,9 @@ class ConductorService(Service):
         if (age_s := holding.age_s(request, msg)) > self.config.request_max_age_s:
             self.log.warning("request.expired", request_id=request.request_id, age_s=age_s)
             await msg.ack()
+            return
+        if request.request_id in self.abandoned:
+            await self._drop_abandoned(request, msg)
             return
         try:
             if msg.metadata.num_delivered > 1 and not await self.redeliveries.may_place(
@@ -237,6 +249,9 @@ class ConductorService(Service):
             if in_hand.is_lapsed():
                 self._let_go(request)
                 return True
+            if request.request_id in self.abandoned:
+                await self._drop_abandoned(request, msg)
+                return True
             if (waits := await self._place(request, msg, in_hand, schedule)) is None:
                 return True
             line, hold_s = waits  # for what this try found missing: its line, its hold
@@ -260,6 +275,11 @@ class ConductorService(Service):
         nak."""
         self.log.warning("request.delivery_lapsed", request_id=request.request_id)
         self.metrics.deliveries_lapsed.inc()
+
+    async def _drop_abandoned(self, request: GenerateRequest, msg: Msg) -> None:
+        self.log.info("request.abandoned", request_id=request.request_id)
+        self.metrics.abandoned.inc()
+        await msg.ack()
 
     async def _reject(self, request: GenerateRequest, error: HalfmoonError) -> None:
         self.log.info("request.rejected", request_id=request.request_id, code=error.code,

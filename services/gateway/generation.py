@@ -415,10 +415,11 @@ class Generator:
 
     async def _abort(self, request_id: str, reason: str = "gateway", *,
                      attempt: int = 0) -> None:
-        """Every worker drops the request; with `attempt`, the request is placed again as
-        that attempt, and a late command of an earlier one is refused."""
+        """Every worker drops the request, and without `attempt` every conductor (it is
+        ended: not placed again); with `attempt`, the request is placed again as that
+        attempt, and a late command of an earlier one is refused."""
         abort = AbortRequest(request_id=request_id, reason=reason, attempt=attempt,
-                             before_delivery=1 if attempt else 0)
+                             before_delivery=1 if attempt else 0, is_ended=not attempt)
         try:
             await self._ctx.nc.publish(self._ctx.subjects.abort, encode(abort))
         except nats.errors.Error as exc:

@@ -250,3 +250,10 @@ def test_a_request_from_before_token_filters_and_priorities_still_decodes() -> N
     assert decoded == SAMPLES["generate_request"]
     assert (decoded.sampling.allowed_token_ids, decoded.sampling.bad_words) == ((), ())
     assert decoded.priority == 0
+
+
+def test_an_abort_from_before_ended_requests_still_decodes_as_not_ending_it() -> None:
+    """An older gateway's abort leaves a request waiting at a conductor to be placed."""
+    decoded = msgspec.json.decode(b'{"type":"AbortRequest","request_id":"cmpl-1"}',
+                                  type=AbortRequest)
+    assert decoded == AbortRequest(request_id="cmpl-1") and not decoded.is_ended
