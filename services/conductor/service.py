@@ -250,7 +250,7 @@ class ConductorService(Service):
                 self._let_go(request)
                 return True
             if request.request_id in self.abandoned:
-                await self._drop_abandoned(request, msg)
+                await self._drop_abandoned(request, msg, schedule)
                 return True
             if (waits := await self._place(request, msg, in_hand, schedule)) is None:
                 return True
@@ -276,8 +276,11 @@ class ConductorService(Service):
         self.log.warning("request.delivery_lapsed", request_id=request.request_id)
         self.metrics.deliveries_lapsed.inc()
 
-    async def _drop_abandoned(self, request: GenerateRequest, msg: Msg) -> None:
+    async def _drop_abandoned(self, request: GenerateRequest, msg: Msg,
+                              schedule: Span | None = None) -> None:
         self.log.info("request.abandoned", request_id=request.request_id)
+        if schedule is not None:
+            schedule.add_event("abandoned")
         self.metrics.abandoned.inc()
         await msg.ack()
 
