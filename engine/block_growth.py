@@ -66,6 +66,24 @@ class BlockGrowth:
                     raise
                 self._preempt(victim)
 
+    def allocate_over(self, count: int, priority: int) -> list[int]:
+        """`count` blocks for work of `priority` that is not in the batch (a decode
+        reservation): when the pool is short, taken from the running sequences less urgent
+        than it (`_victim_order`), preempted by recompute, if they hold enough; else
+        `CapacityExhausted`, and none is preempted."""
+        victims = sorted((s for s in self.scheduler.running
+                          if s.block_ids and s.priority > priority),
+                         key=_victim_order, reverse=True)
+        if self.allocator.num_available + sum(len(s.block_ids) for s in victims) < count:
+            return self.allocator.allocate(count)  # raises, unless blocks freed meanwhile
+        while True:
+            try:
+                return self.allocator.allocate(count)
+            except CapacityExhausted:
+                if not victims:
+                    raise
+                self._preempt(victims.pop(0))
+
     def _grow(self, seq: Sequence, count: int, *, is_prefill: bool,
               secured: list[Sequence]) -> int:
         """How many of its next `count` tokens `seq` now holds blocks for (all or none). A

@@ -235,6 +235,11 @@ class FakeEngine:
                 num_prompt_tokens: int = 0) -> list[int]:
         return self.ledger.reserve(request_id, num_tokens)
 
+    async def reserve_over(self, request_id: str, num_tokens: int, *, priority: int,
+                           num_choices: int = 1, num_prompt_tokens: int = 0) -> list[int]:
+        """As `reserve`: this engine keeps arrival order, whatever the priority."""
+        return self.ledger.reserve(request_id, num_tokens)
+
     def generate(self, request: PrefillRequest) -> None:
         if not request.prompt_token_ids:
             raise InvalidRequest("empty prompt", param="prompt")

@@ -112,6 +112,8 @@ class EngineStats:
     num_prompt_tokens_computed: int = 0  # since start (prefix-cache hits not included)
     num_preemptions: int = 0  # running sequences whose blocks were taken, since start
     max_model_len: int = 0  # the longest sequence (prompt and output) it holds; 0: no limit
+    # Blocks its running sequences hold, by priority: what a more urgent request may take.
+    blocks_by_priority: dict[int, int] = field(default_factory=dict)
 
 
 class PrefillEngine(Protocol):
@@ -146,6 +148,13 @@ class DecodeEngine(Protocol):
         shared); returns the blocks the prompt's KV goes to first. An engine whose sequences
         grow (the torch engine) takes only the prompt's and a block of headroom. Raises
         `CapacityExhausted`."""
+
+    async def reserve_over(self, request_id: str, num_tokens: int, *, priority: int,
+                           num_choices: int = 1, num_prompt_tokens: int = 0) -> list[int]:
+        """`reserve`, for a request of `priority` the pool is short for: running requests
+        less urgent than it give up their blocks (preempted, computed again later) when
+        they hold enough; else `CapacityExhausted`. An engine without priorities (the
+        fake and simulated ones) answers as `reserve`."""
 
     def join(self, request: DecodeRequest) -> None:
         """Add a reserved request to the running decode batch."""

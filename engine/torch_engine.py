@@ -119,6 +119,7 @@ class TorchEngine:
         # A prefill's run, by request id: its sequence (a run placed again after an abort
         # makes a new one) and the future its caller awaits.
         self._prefills: dict[str, tuple[Sequence, asyncio.Future[PrefillResult]]] = {}
+        self._reserving: set[asyncio.Future[list[int]]] = set()  # `reserve_over`s under way
         self._parked: dict[str, Sequence] = {}  # prefilled, KV held until release()
         self._reserved: dict[str, list[int]] = {}
         self._local: set[str] = set()  # colocated requests (generate)
@@ -240,7 +241,7 @@ class TorchEngine:
         if self._thread is not None:
             await self._thread.stop()
             self._thread = None
-        for _, future in self._prefills.values():
+        for future in [run for _, run in self._prefills.values()] + list(self._reserving):
             if not future.done():
                 future.set_exception(EngineFailure("engine closed"))
         self._prefills.clear()
@@ -297,6 +298,23 @@ class TorchEngine:
         rest is taken as the choices grow (`BlockGrowth`)."""
         per_choice, own = self._choice_blocks(num_prompt_tokens, num_tokens)
         blocks = self.allocator.allocate(per_choice + (num_choices - 1) * own)
+        self._reserved[request_id] = blocks
+        return list(blocks)
+
+    async def reserve_over(self, request_id: str, num_tokens: int, *, priority: int,
+                           num_choices: int = 1, num_prompt_tokens: int = 0) -> list[int]:
+        """`reserve` in the engine thread, between steps, preempting running sequences less
+        urgent than `priority` when the pool is short (`BlockGrowth.allocate_over`): the
+        blocks they free go to the reservation before any step takes them back."""
+        per_choice, own = self._choice_blocks(num_prompt_tokens, num_tokens)
+        count = per_choice + (num_choices - 1) * own
+        future: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        self._reserving.add(future)
+        self._submit(lambda: self._take_over(future, count, priority))
+        try:
+            blocks = await future
+        finally:
+            self._reserving.discard(future)
         self._reserved[request_id] = blocks
         return list(blocks)
 
@@ -414,6 +432,7 @@ class TorchEngine:
             num_prompt_tokens_computed=self._num_prompt_computed,
             num_preemptions=self._growth.num_preemptions if self._growth is not None else 0,
             max_model_len=self.max_model_len,
+            blocks_by_priority=_blocks_by_priority(list(self.scheduler.running)),
         )
 
     @property
@@ -648,6 +667,12 @@ class TorchEngine:
             return
         self.runner.free(seq)
 
+    def _take_over(self, future: asyncio.Future[list[int]], count: int, priority: int) -> None:
+        try:
+            self._post(self._hand_over, future, self.growth.allocate_over(count, priority), None)
+        except HalfmoonError as exc:
+            self._post(self._hand_over, future, [], exc)
+
     def _drop(self, request_id: str) -> None:
         seq = self.scheduler.remove(request_id) or self._parked.pop(request_id, None)
         if seq is not None:
@@ -665,10 +690,19 @@ class TorchEngine:
         else:  # aborted meanwhile, maybe placed here again since: the result is no one's
             self._submit(lambda: self._drop_sequence(seq))
 
+    def _hand_over(self, future: asyncio.Future[list[int]], blocks: list[int],
+                   error: HalfmoonError | None) -> None:
+        if future.done():  # its caller gave up (cancelled), or the engine closed
+            self.allocator.free(blocks)
+        elif error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(blocks)
+
     def _on_crash(self, exc: BaseException) -> None:
         self._crash = exc
         self._outputs.put_nowait([])
-        for _, future in self._prefills.values():
+        for future in [run for _, run in self._prefills.values()] + list(self._reserving):
             if not future.done():
                 future.set_exception(EngineFailure(f"engine thread crashed: {exc!r}"))
 
@@ -676,3 +710,11 @@ class TorchEngine:
         run = self._prefills.get(seq.request_id)
         if run is not None and run[0] is seq and not run[1].done():
             run[1].set_exception(error)
+
+
+def _blocks_by_priority(running: list[Sequence]) -> dict[int, int]:
+    """Blocks the running sequences hold, by their priority."""
+    held: dict[int, int] = {}
+    for seq in running:
+        held[seq.priority] = held.get(seq.priority, 0) + len(seq.block_ids)
+    return held

@@ -355,6 +355,7 @@ class WorkerService(Service):
             loading_model=self._loading.model if self._loading is not None else "",
             loading_role=self._loading.role if self._loading is not None else None,
             started_at_s=self.started_at_s, max_model_len=stats.max_model_len,
+            kv_blocks_by_priority=stats.blocks_by_priority,
         )
 
     async def _stop_intake(self) -> None:

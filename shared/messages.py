@@ -445,6 +445,10 @@ class WorkerHeartbeat(Message, frozen=True, kw_only=True):
     # where its whole KV pool holds less (0: no limit of its own). Gateways admit no request
     # past the least of a model's live workers.
     max_model_len: int = 0
+    # Blocks its running requests hold, by priority (`GenerateRequest.priority`): room for
+    # a more urgent request, whose reservation preempts them (empty: none runs, or a worker
+    # from before priorities).
+    kv_blocks_by_priority: dict[int, int] = msgspec.field(default_factory=dict)
 
 
 class RoleChange(Message, frozen=True, kw_only=True):

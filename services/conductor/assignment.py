@@ -185,7 +185,8 @@ def plan(request: GenerateRequest, view: ClusterView, progress: Progress, rules:
 def _plan_local(request: GenerateRequest, candidates: Sequence[WorkerHeartbeat],
                 view: ClusterView, progress: Progress) -> Plan:
     num_tokens = num_kv_tokens(request)
-    worker = pick_decode(candidates, progress.excluded, view.pending, num_tokens)
+    worker = pick_decode(candidates, progress.excluded, view.pending, num_tokens,
+                         request.priority)
     reservation = DecodeReservation(request=request, prefill_worker_id=worker.worker_id,
                                     is_local_prefill=True, delivery=progress.delivery)
     send = Send("decode", worker, reservation, num_tokens=num_tokens)
@@ -198,7 +199,8 @@ def _plan_paired(request: GenerateRequest, view: ClusterView, progress: Progress
     decode = view.known(progress.kept.get("decode"))
     if decode is None:  # not chosen yet, or its heartbeats vanished: choose (again)
         progress.kept.pop("decode", None)
-        decode = pick_decode(view.decode, progress.excluded, view.pending, num_tokens)
+        decode = pick_decode(view.decode, progress.excluded, view.pending, num_tokens,
+                             request.priority)
     prefill = view.known(progress.kept.get("prefill"))
     is_new_prefill = prefill is None
     if prefill is None:

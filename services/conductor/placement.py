@@ -197,15 +197,23 @@ def _blocks_wanted(worker: WorkerHeartbeat, num_tokens: int) -> int:
         FREE_WATERMARK * worker.num_total_blocks)
 
 
+def _blocks_to_take(worker: WorkerHeartbeat, priority: int) -> int:
+    """Blocks a request of `priority` may take from the worker's less urgent ones."""
+    return sum(blocks for held_by, blocks in worker.kv_blocks_by_priority.items()
+               if held_by > priority)
+
+
 def pick_decode(
     workers: Sequence[WorkerHeartbeat],
     excluded: Collection[str],
     pending: Mapping[str, PendingWork],
     num_tokens: int,
+    priority: int = 0,
 ) -> WorkerHeartbeat:
     """The least-loaded healthy decode worker with room for `num_tokens` of KV and, since
     its running requests grow, a watermark of free blocks (`FREE_WATERMARK` of its pool)
-    left after them."""
+    left after them. Blocks of running requests less urgent than `priority` count as room
+    (its reservation preempts them)."""
     candidates = [w for w in workers if w.worker_id not in excluded]
     if not candidates:
         raise NoHealthyWorker("no healthy decode worker", role="decode")
@@ -216,7 +224,7 @@ def pick_decode(
     chosen = None
     for worker in candidates:
         room = (worker.num_free_blocks - pending.get(worker.worker_id, _NO_PENDING).num_blocks
-                - _blocks_wanted(worker, num_tokens))
+                - _blocks_wanted(worker, num_tokens) + _blocks_to_take(worker, priority))
         key = (_decode_work_s(worker, pending, unmeasured_step_s), _load(worker, pending), -room,
                worker.worker_id)
         if room >= 0 and (best is None or key < best):

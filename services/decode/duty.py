@@ -48,6 +48,7 @@ from services.duty import Duty, Handler
 from services.kv_leases import Lease
 from services.superseded import Mark
 from shared.errors import (
+    CapacityExhausted,
     ErrorCode,
     HalfmoonError,
     InvalidRequest,
@@ -102,6 +103,7 @@ class DecodeDuty(Duty):
     def __init__(self, worker: WorkerService) -> None:
         super().__init__(worker)
         self._reservations: dict[str, Reservation] = {}
+        self._taking: dict[str, bool] = {}  # taking blocks from less urgent ones: aborted?
         self._local: dict[str, GenerateRequest] = {}  # colocated, until readied
         self._active: dict[str, GenerateRequest] = {}  # by choice id (`choice_id`)
         self._choices: dict[str, list[str]] = {}  # n > 1: a request's open choices
@@ -156,10 +158,8 @@ class DecodeDuty(Duty):
             marks.placed(request.request_id, request.attempt, message.delivery)
             return self._prefill_here(request)
         if reservation is None:
-            num_prompt = len(request.prompt_token_ids)
-            block_ids = self.engine.reserve(
-                request.request_id, num_prompt + request.sampling.max_tokens,
-                num_choices=request.sampling.n, num_prompt_tokens=num_prompt)
+            if (block_ids := await self._reserve(request)) is None:
+                return self.worker.refusal("aborted while blocks were taken for it")
             reservation = Reservation(request, message.prefill_worker_id, block_ids,
                                       self._readying(request))
             self._reservations[request.request_id] = reservation
@@ -180,6 +180,31 @@ class DecodeDuty(Duty):
                           attempt=request.attempt, delivery=message.delivery)
         await self.nc.publish(self.subjects.kv_target(message.prefill_worker_id), encode(target))
         return self.worker.accept()
+
+    async def _reserve(self, request: GenerateRequest) -> list[int] | None:
+        """Blocks for the request: at once; or, the pool short, those of running requests
+        less urgent than it, preempted (in the engine thread, between steps: the one wait
+        here). None when it was aborted meanwhile (its blocks are given back)."""
+        num_prompt = len(request.prompt_token_ids)
+        request_id, num_tokens = request.request_id, num_prompt + request.sampling.max_tokens
+        try:
+            return self.engine.reserve(request_id, num_tokens, num_choices=request.sampling.n,
+                                       num_prompt_tokens=num_prompt)
+        except CapacityExhausted:
+            if request.priority >= max(self.engine.stats().blocks_by_priority,
+                                      default=request.priority):
+                raise  # nothing running is less urgent
+        self._taking[request_id] = False
+        try:
+            block_ids = await self.engine.reserve_over(
+                request_id, num_tokens, priority=request.priority,
+                num_choices=request.sampling.n, num_prompt_tokens=num_prompt)
+        finally:
+            is_aborted = self._taking.pop(request_id)
+        if is_aborted:
+            self.engine.abort(request_id)
+            return None
+        return block_ids
 
     def _attempt_held(self, request_id: str) -> int | None:
         """Which attempt of the request this worker holds (reserved, prefilling, decoding)."""
@@ -444,6 +469,8 @@ class DecodeDuty(Duty):
             self._active.pop(choice, None)
             self._spans.abort(choice)
         self._sent.drop(request_id)
+        if request_id in self._taking:
+            self._taking[request_id] = True
         self.leases.release("decode_reservation", request_id)
         self._reservations.pop(request_id, None)
         self._local.pop(request_id, None)

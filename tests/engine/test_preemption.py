@@ -10,7 +10,7 @@ import pytest
 
 from engine.protocol import DecodeRequest, PrefillRequest, TokenOutput
 from engine.torch_engine import TorchEngine
-from shared.errors import InvalidRequest
+from shared.errors import CapacityExhausted, InvalidRequest
 from shared.messages import SamplingParams
 from tests.engine.test_against_transformers import GREEDY, collect, generate, start_engine
 
@@ -193,3 +193,42 @@ async def first_run(engine: TorchEngine, prompt: list[int], sampling: SamplingPa
                     ) -> list[int]:
     engine.generate(PrefillRequest("alone", prompt, sampling))
     return (await collect(engine, {"alone"}))["alone"]
+
+
+async def test_a_reservation_more_urgent_than_running_requests_takes_their_blocks(
+        llama_dir: Path) -> None:
+    """A decode worker's pool full of running requests: a reservation at their priority is
+    refused and preempts none; a more urgent one gets its blocks from them (preempted by
+    recompute), and they all finish as they would alone."""
+    long = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    normal = PROMPTS[:6]
+    roomy = await start_engine(llama_dir, num_blocks=1024)
+    try:
+        alone = {f"n{i}": await first_run(roomy, prompt, long)
+                 for i, prompt in enumerate(normal)}
+    finally:
+        await roomy.close()
+    num_blocks = sum(-(-(len(p) + long.max_tokens) // 4) for p in normal)
+    engine = await start_engine(llama_dir, num_blocks=num_blocks, max_batch_size=32)
+    try:
+        for i, prompt in enumerate(normal):
+            engine.generate(PrefillRequest(f"n{i}", prompt, long, priority=1))
+        outputs: dict[str, list[int]] = {name: [] for name in alone}
+        async with asyncio.timeout(60):
+            while engine.stats().num_free_blocks >= 25:  # a 100-token prompt's, and more
+                for out in await engine.next_step():
+                    outputs[out.request_id].append(out.token_id)
+            assert engine.stats().blocks_by_priority.keys() == {1}
+            with pytest.raises(CapacityExhausted):
+                await engine.reserve_over("same", 100, priority=1, num_prompt_tokens=100)
+            assert engine.stats().num_preemptions == 0
+            blocks = await engine.reserve_over("urgent", 100, priority=0, num_prompt_tokens=100)
+            assert len(blocks) >= 25 and engine.stats().num_preemptions > 0
+            assert engine.abort("urgent")  # its blocks back: the preempted ones come back
+            while any(len(outputs[name]) < long.max_tokens for name in alone):
+                for out in await engine.next_step():
+                    assert out.error is None, out.error
+                    outputs[out.request_id].append(out.token_id)
+        assert outputs == alone
+    finally:
+        await engine.close()

@@ -78,3 +78,40 @@ async def test_a_first_come_first_served_gateway_refuses_a_priority(
                 "priority": 3}) as response:
             assert response.status == 400
             assert (await response.json())["error"]["param"] == "priority"
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_a_more_urgent_request_takes_kv_from_less_urgent_running_ones(
+        nats_url: str, tiny_dir: Path, path: str) -> None:
+    """The decode pool nearly full of less urgent requests: a more urgent one is placed at
+    once (the conductor counts their blocks as its room) and its reservation, or its
+    prompt, preempts some of them; it finishes first, where it would wait for one of them
+    to end, and every output is the one it gets alone."""
+    prompts = [f"request number {i} says" for i in range(3)]
+    urgent = " ".join(f"w{j % 50}" for j in range(240))  # ~30 blocks of KV
+    async with torch_stack_on(path, nats_url, str(tiny_dir), num_blocks=96,
+                              gateway={"scheduling_policy": "priority"}) as stack:
+        async def run(prompt: str, max_tokens: int, priority: int = 0) -> str:
+            status, body = await stack.post("/v1/completions", {
+                "model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "priority": priority})
+            assert status == 200, body
+            return str(body["choices"][0]["text"])
+
+        alone = [await run(prompt, 500) for prompt in prompts] + [await run(urgent, 8)]
+        decode = stack.decodes[0].engine
+        preempted_before = decode.stats().num_preemptions
+        order: list[int] = []
+
+        async def timed(i: int, prompt: str, max_tokens: int, priority: int = 0) -> str:
+            text = await run(prompt, max_tokens, priority)
+            order.append(i)
+            return text
+
+        running = [asyncio.create_task(timed(i, p, 500)) for i, p in enumerate(prompts)]
+        await eventually(lambda: decode.stats().num_free_blocks < 28, timeout_s=30)
+        first = await timed(3, urgent, 8, priority=-1)
+        assert [*await asyncio.gather(*running), first] == alone
+        assert order[0] == 3, order
+        assert decode.stats().num_preemptions > preempted_before
+        await stack.wait_blocks_free()

@@ -73,6 +73,17 @@ def test_decode_without_room_now_is_a_kv_shortage_that_clears_up() -> None:
         pick_decode([worker("a", "decode", free=1)], (), {}, num_tokens=1000)
 
 
+def test_blocks_of_less_urgent_running_requests_are_room_for_a_more_urgent_one() -> None:
+    """Its reservation preempts them; blocks of requests as urgent or more are no room."""
+    busy = msgspec.structs.replace(worker("a", "decode", free=1),
+                                   kv_blocks_by_priority={-1: 40, 0: 30, 2: 20})
+    for priority in (2, 0):  # 20 blocks to take at 0: short of 64 + the watermark
+        with pytest.raises(KvShortage):
+            pick_decode([busy], (), {}, num_tokens=16 * 64, priority=priority)
+    assert pick_decode([busy], (), {}, num_tokens=16 * 40, priority=-1).worker_id == "a"
+    assert pick_decode([busy], (), {}, num_tokens=16 * 64, priority=-2).worker_id == "a"
+
+
 def test_a_request_larger_than_any_whole_pool_is_refused_outright() -> None:
     with pytest.raises(CapacityExhausted, match="more KV than any decode worker's whole pool"
                        ) as info:
