@@ -114,6 +114,8 @@ class EngineStats:
     max_model_len: int = 0  # the longest sequence (prompt and output) it holds; 0: no limit
     # Blocks its running sequences hold, by priority: what a more urgent request may take.
     blocks_by_priority: dict[int, int] = field(default_factory=dict)
+    # Prompt tokens not yet computed, by priority: what a request of a priority waits behind.
+    waiting_tokens_by_priority: dict[int, int] = field(default_factory=dict)
 
 
 class PrefillEngine(Protocol):

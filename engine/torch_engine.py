@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -432,7 +433,10 @@ class TorchEngine:
             num_prompt_tokens_computed=self._num_prompt_computed,
             num_preemptions=self._growth.num_preemptions if self._growth is not None else 0,
             max_model_len=self.max_model_len,
-            blocks_by_priority=_blocks_by_priority(list(self.scheduler.running)),
+            blocks_by_priority=_by_priority(list(self.scheduler.running),
+                                            lambda seq: len(seq.block_ids)),
+            waiting_tokens_by_priority=_by_priority(list(self.scheduler.waiting),
+                                                    lambda seq: seq.num_uncomputed),
         )
 
     @property
@@ -712,9 +716,10 @@ class TorchEngine:
             run[1].set_exception(error)
 
 
-def _blocks_by_priority(running: list[Sequence]) -> dict[int, int]:
-    """Blocks the running sequences hold, by their priority."""
-    held: dict[int, int] = {}
-    for seq in running:
-        held[seq.priority] = held.get(seq.priority, 0) + len(seq.block_ids)
-    return held
+def _by_priority(sequences: list[Sequence], count: Callable[[Sequence], int]
+                 ) -> dict[int, int]:
+    """`count` summed over the sequences of each priority."""
+    totals: dict[int, int] = {}
+    for seq in sequences:
+        totals[seq.priority] = totals.get(seq.priority, 0) + count(seq)
+    return totals

@@ -356,6 +356,7 @@ class WorkerService(Service):
             loading_role=self._loading.role if self._loading is not None else None,
             started_at_s=self.started_at_s, max_model_len=stats.max_model_len,
             kv_blocks_by_priority=stats.blocks_by_priority,
+            num_waiting_tokens_by_priority=stats.waiting_tokens_by_priority,
         )
 
     async def _stop_intake(self) -> None:

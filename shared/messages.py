@@ -449,6 +449,9 @@ class WorkerHeartbeat(Message, frozen=True, kw_only=True):
     # a more urgent request, whose reservation preempts them (empty: none runs, or a worker
     # from before priorities).
     kv_blocks_by_priority: dict[int, int] = msgspec.field(default_factory=dict)
+    # `num_waiting_tokens` by priority: a request waits behind its own and the more urgent
+    # (empty: none waits, or a worker from before priorities: behind all of them).
+    num_waiting_tokens_by_priority: dict[int, int] = msgspec.field(default_factory=dict)
 
 
 class RoleChange(Message, frozen=True, kw_only=True):

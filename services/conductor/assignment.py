@@ -225,7 +225,8 @@ def _seed_inputs(request: GenerateRequest, decode: WorkerHeartbeat, rules: Rules
                  ) -> SeedInputs:
     return SeedInputs(num_prompt_tokens=len(request.prompt_token_ids),
                       block_size=decode.block_size, decode_zone=decode.zone,
-                      default_tokens_per_s=rules.default_prefill_tokens_per_s)
+                      default_tokens_per_s=rules.default_prefill_tokens_per_s,
+                      priority=request.priority)
 
 
 def _prefix_source(prefill: WorkerHeartbeat, view: ClusterView, progress: Progress,
@@ -260,7 +261,8 @@ def admit(request: GenerateRequest, chosen: Plan, pending: Mapping[str, PendingW
             (source.num_blocks - cached) * prefill.kv_bytes_per_block)
     queued = pending.get(prefill.worker_id, PendingWork()).num_prefill_tokens
     ttft_s = predicted_ttft_s(prefill, uncached_tokens(request, prefill, prefix, source) + queued,
-                              rules.default_prefill_tokens_per_s, transfer_s)
+                              rules.default_prefill_tokens_per_s, transfer_s,
+                              priority=request.priority)
     check_slo(ttft_s, predicted_tbt_s(chosen.decode), rules.slo)
 
 

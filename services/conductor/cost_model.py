@@ -44,13 +44,23 @@ class Slo:
 
 def predicted_ttft_s(worker: WorkerHeartbeat, uncached_tokens: int,
                      default_tokens_per_s: float, transfer_s: float = 0.0,
-                     load_s: float = 0.0) -> float:
-    tokens = worker.num_waiting_tokens + uncached_tokens
+                     load_s: float = 0.0, priority: int | None = None) -> float:
+    """With `priority`, the queue is what waits ahead of a request of that priority (its
+    own and the more urgent; all of it where the worker does not say)."""
+    tokens = queued_tokens(worker, priority) + uncached_tokens
     if worker.prefill_s_per_token > 0.0:
         compute_s = worker.prefill_overhead_s + worker.prefill_s_per_token * tokens
     else:
         compute_s = tokens / (worker.prefill_tokens_per_s or default_tokens_per_s)
     return load_s + transfer_s + compute_s
+
+
+def queued_tokens(worker: WorkerHeartbeat, priority: int | None = None) -> int:
+    """The prompt tokens a request of `priority` (None: any) waits behind on the worker."""
+    by_priority = worker.num_waiting_tokens_by_priority
+    if priority is None or not by_priority:
+        return worker.num_waiting_tokens
+    return sum(tokens for waiting, tokens in by_priority.items() if waiting <= priority)
 
 
 @dataclass(frozen=True)

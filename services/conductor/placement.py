@@ -77,6 +77,7 @@ class SeedInputs:
     block_size: int
     decode_zone: str = ""
     default_tokens_per_s: float = 2000.0
+    priority: int = 0  # the request's: it waits behind its own and the more urgent
 
 
 FREE_WATERMARK = 0.02  # of a decode worker's blocks, kept free for its requests to grow
@@ -150,7 +151,8 @@ def seed_cost(worker: WorkerHeartbeat, fastest: float, pending: Mapping[str, Pen
     cached_blocks = prefix.cached_blocks.get(worker.worker_id, 0)
     uncached = max(1, seed.num_prompt_tokens - cached_blocks * seed.block_size)
     queued = pending.get(worker.worker_id, _NO_PENDING).num_prefill_tokens
-    ttft = predicted_ttft_s(worker, uncached + queued, seed.default_tokens_per_s)
+    ttft = predicted_ttft_s(worker, uncached + queued, seed.default_tokens_per_s,
+                            priority=seed.priority)
     score = seed_score(
         worker, load=_load(worker, pending),
         max_queue=worker.max_queue or 4 * worker.max_batch_size,

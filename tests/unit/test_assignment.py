@@ -170,3 +170,18 @@ def test_admission_rejects_what_cannot_meet_the_ttft_slo() -> None:
     assignment.admit(REQUEST, chosen, {}, None, Rules(slo=Slo(ttft_s=1.0)))  # 0.4 s: fine
     with pytest.raises(SloViolation):
         assignment.admit(REQUEST, chosen, {}, None, Rules(slo=Slo(ttft_s=0.1)))
+
+
+def test_admission_counts_only_the_queue_ahead_of_a_more_urgent_request() -> None:
+    """4,000 prompt tokens queued at priority 0: a request at 0 waits behind them (a TTFT
+    over 40 s), one at -1 behind none, as the engine's queue orders them."""
+    busy = msgspec.structs.replace(worker("p1"), prefill_tokens_per_s=100.0,
+                                   num_waiting_tokens=4000,
+                                   num_waiting_tokens_by_priority={0: 4000})
+    urgent = msgspec.structs.replace(REQUEST, priority=-1)
+    rules = Rules(slo=Slo(ttft_s=1.0))
+    chosen = assignment.plan(REQUEST, view(busy, worker("d1", "decode")), Progress(), Rules(),
+                             prefix=None, turn=0)
+    with pytest.raises(SloViolation):
+        assignment.admit(REQUEST, chosen, {}, None, rules)
+    assignment.admit(urgent, chosen, {}, None, rules)  # the same pair

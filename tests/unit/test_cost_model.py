@@ -39,6 +39,16 @@ def test_ttft_is_queue_plus_uncached_prompt_over_the_measured_rate() -> None:
     assert predicted_ttft_s(w, 1500, default_tokens_per_s=1.0) == pytest.approx(2.0)  # type: ignore[arg-type]
 
 
+def test_a_request_waits_behind_the_queued_prompts_of_its_priority_and_more_urgent() -> None:
+    w = measured("a", rate=1000.0, waiting_tokens=3000,
+                 num_waiting_tokens_by_priority={-1: 500, 0: 1000, 3: 1500})
+    for priority, queued in ((None, 3000), (-2, 0), (-1, 500), (0, 1500), (5, 3000)):
+        assert predicted_ttft_s(w, 1000, 1.0, priority=priority) == pytest.approx(  # type: ignore[arg-type]
+            (queued + 1000) / 1000)
+    older = measured("b", rate=1000.0, waiting_tokens=3000)  # says no priorities: all of it
+    assert predicted_ttft_s(older, 1000, 1.0, priority=-5) == pytest.approx(4.0)  # type: ignore[arg-type]
+
+
 def test_unmeasured_worker_uses_the_default_rate() -> None:
     assert predicted_ttft_s(worker("a"), 100, default_tokens_per_s=50.0) == pytest.approx(2.0)
 

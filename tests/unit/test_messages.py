@@ -122,6 +122,7 @@ SAMPLES: dict[str, Message] = {
         num_waiting=1, max_batch_size=64, num_free_blocks=100, num_total_blocks=128,
         block_size=16, heartbeat_interval_s=0.5, sent_at_s=1700000000.25, busy_s=12.5,
         started_at_s=1699999100.75, max_model_len=2048, kv_blocks_by_priority={-1: 4, 0: 20},
+        num_waiting_tokens_by_priority={0: 300},
     ),
 }
 
@@ -222,11 +223,13 @@ def test_heartbeat_from_a_worker_before_the_cost_fields_still_decodes() -> None:
     payload = json.loads(msgspec.json.encode(SAMPLES["worker_heartbeat"]))
     for newer in ("compute_score", "zone", "prefill_tokens_per_s", "num_waiting_tokens",
                   "decode_step_s", "max_queue", "prefill_overhead_s", "prefill_s_per_token",
-                  "local_prefill_max_tokens", "kv_blocks_by_priority"):
+                  "local_prefill_max_tokens", "kv_blocks_by_priority",
+                  "num_waiting_tokens_by_priority"):
         del payload[newer]
     decoded = msgspec.json.decode(json.dumps(payload), type=WorkerHeartbeat)
     assert (decoded.compute_score, decoded.zone, decoded.prefill_tokens_per_s) == (1.0, "", 0.0)
     assert decoded.kv_blocks_by_priority == {}  # no block counted as another's to take
+    assert decoded.num_waiting_tokens_by_priority == {}  # a request waits behind them all
 
 
 def test_a_request_and_tokens_from_before_sampling_controls_and_logprobs_still_decode() -> None:
