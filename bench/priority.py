@@ -9,6 +9,10 @@ same requests, the same stack, in the same run). Prints TTFT and end-to-end late
 class and mode, and each class's latency with priorities over its baseline.
 
     python -m bench.priority [--requests 64 --urgent-every 8 --rounds 4 --max-batch-size 8]
+                             [--num-blocks N]
+
+`--num-blocks` gives each worker a KV pool of N blocks: a server short of KV rather than of
+batch slots, where an urgent request takes blocks from running ones.
 """
 
 from __future__ import annotations
@@ -108,12 +112,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=4, help="bursts per mode")
     parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="each worker's KV pool, in blocks (default: halfmoon up's)")
     args = parser.parse_args()
     if args.url:
         modes = asyncio.run(run(args.url, args))
     else:
+        pool = ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
         with launched("--scheduling-policy", "priority", "--max-batch-size",
-                      str(args.max_batch_size), "--log-level", "warning") as (_, url):
+                      str(args.max_batch_size), *pool, "--log-level", "warning") as (_, url):
             modes = asyncio.run(run(url, args))
     print_table(modes)
 
