@@ -153,16 +153,10 @@ async def test_an_urgent_prompt_takes_the_blocks_of_less_urgent_running_requests
     short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     normal = PROMPTS[:8]
     urgent = [[(7 * j + i) % 290 + 5 for j in range(100)] for i in range(2)]
-    roomy = await start_engine(llama_dir, num_blocks=1024)
-    try:
-        alone = {f"n{i}": await first_run(roomy, prompt, long)
-                 for i, prompt in enumerate(normal)}
-        alone |= {f"u{i}": await first_run(roomy, prompt, short)
-                  for i, prompt in enumerate(urgent)}
-    finally:
-        await roomy.close()
-    num_blocks = sum(-(-(len(p) + long.max_tokens) // 4) for p in normal)
-    engine = await start_engine(llama_dir, num_blocks=num_blocks, max_batch_size=32)
+    alone = await outputs_alone(llama_dir, {
+        **{f"n{i}": (prompt, long) for i, prompt in enumerate(normal)},
+        **{f"u{i}": (prompt, short) for i, prompt in enumerate(urgent)}})
+    engine = await engine_fitting(llama_dir, normal, long)
     try:
         for i, prompt in enumerate(normal):
             engine.generate(PrefillRequest(f"n{i}", prompt, long))
@@ -189,6 +183,24 @@ async def test_an_urgent_prompt_takes_the_blocks_of_less_urgent_running_requests
         await engine.close()
 
 
+async def outputs_alone(llama_dir: Path, runs: dict[str, tuple[list[int], SamplingParams]]
+                        ) -> dict[str, list[int]]:
+    """Each run's output on an engine with room for all of them, one at a time."""
+    roomy = await start_engine(llama_dir, num_blocks=1024)
+    try:
+        return {name: await first_run(roomy, prompt, sampling)
+                for name, (prompt, sampling) in runs.items()}
+    finally:
+        await roomy.close()
+
+
+async def engine_fitting(llama_dir: Path, prompts: list[list[int]], sampling: SamplingParams
+                         ) -> TorchEngine:
+    """An engine whose pool (blocks of 4) holds just what `prompts` grow to."""
+    num_blocks = sum(-(-(len(p) + sampling.max_tokens) // 4) for p in prompts)
+    return await start_engine(llama_dir, num_blocks=num_blocks, max_batch_size=32)
+
+
 async def first_run(engine: TorchEngine, prompt: list[int], sampling: SamplingParams
                     ) -> list[int]:
     engine.generate(PrefillRequest("alone", prompt, sampling))
@@ -202,14 +214,9 @@ async def test_a_reservation_more_urgent_than_running_requests_takes_their_block
     recompute), and they all finish as they would alone."""
     long = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     normal = PROMPTS[:6]
-    roomy = await start_engine(llama_dir, num_blocks=1024)
-    try:
-        alone = {f"n{i}": await first_run(roomy, prompt, long)
-                 for i, prompt in enumerate(normal)}
-    finally:
-        await roomy.close()
-    num_blocks = sum(-(-(len(p) + long.max_tokens) // 4) for p in normal)
-    engine = await start_engine(llama_dir, num_blocks=num_blocks, max_batch_size=32)
+    alone = await outputs_alone(llama_dir,
+                                {f"n{i}": (prompt, long) for i, prompt in enumerate(normal)})
+    engine = await engine_fitting(llama_dir, normal, long)
     try:
         for i, prompt in enumerate(normal):
             engine.generate(PrefillRequest(f"n{i}", prompt, long, priority=1))
