@@ -11,26 +11,48 @@ took a prefill and decode KV from those still waited for.
 
 from __future__ import annotations
 
-from shared.messages import AbortRequest
+from nats.aio.msg import Msg
+from opentelemetry.trace import Span
+from prometheus_client import Counter
+
+from services.conductor.room_lines import RoomLines
+from shared.logs import get_logger
+from shared.messages import AbortRequest, GenerateRequest
+
+log = get_logger(__name__)
 
 MAX_REQUESTS = 65_536  # ended requests remembered (the oldest forgotten first)
 
 
 class Abandoned:
-    """The ids of the latest requests their gateways ended."""
+    """The ids of the latest requests their gateways ended; what waits of them in
+    `room_lines` is woken to be dropped, and `dropped` counts them."""
 
-    def __init__(self, max_requests: int = MAX_REQUESTS) -> None:
+    def __init__(self, room_lines: RoomLines, dropped: Counter,
+                 max_requests: int = MAX_REQUESTS) -> None:
+        self._room_lines = room_lines
+        self._dropped = dropped
         self._max_requests = max_requests
         self._ids: dict[str, None] = {}  # insertion-ordered
 
-    def note(self, abort: AbortRequest) -> bool:
-        """Remember the request of an abort that ends it; whether it did."""
+    async def on_abort(self, abort: AbortRequest) -> None:
+        """An abort on the bus: one that ends its request is remembered, and the request,
+        if it waits in line, tries again now (and is dropped)."""
         if not abort.is_ended:
-            return False
+            return
         self._ids[abort.request_id] = None
         if len(self._ids) > self._max_requests:
             del self._ids[next(iter(self._ids))]
-        return True
+        self._room_lines.wake(abort.request_id)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._ids
+
+    async def drop(self, request: GenerateRequest, msg: Msg, schedule: Span | None = None
+                   ) -> None:
+        """Settle the delivery of an abandoned request: acked, placed nowhere."""
+        log.info("request.abandoned", request_id=request.request_id)
+        if schedule is not None:
+            schedule.add_event("abandoned")
+        self._dropped.inc()
+        await msg.ack()

@@ -83,7 +83,7 @@ class ConductorService(Service):
         self.decode_replacer = DecodeReplacer(self.workers, self.placer, self.outbox,
                                               self.instance_id)
         self.room_lines = RoomLines()  # requests waiting for room, by model
-        self.abandoned = Abandoned()
+        self.abandoned = Abandoned(self.room_lines, self.metrics.abandoned)
         self.redeliveries = redelivery.Redeliveries(self.metrics, self.outbox.abort,
                                                     self.outbox.tell_gateway)
         # Gauges read at scrape time, not kept up to date on every heartbeat.
@@ -95,7 +95,7 @@ class ConductorService(Service):
 
     async def _setup(self) -> None:
         await self.serve(self.subjects.all_heartbeats, WorkerHeartbeat, self._on_heartbeat)
-        await self.serve(self.subjects.abort, AbortRequest, self._on_abort)
+        await self.serve(self.subjects.abort, AbortRequest, self.abandoned.on_abort)
         await self.serve(self.subjects.decode_replacement, DecodeReplacement,
                          self.decode_replacer.replace, queue=self.subjects.conductor_consumer)
         for heartbeat in await read_registry(self.nc.jetstream(), self.subjects.workers_bucket):
@@ -125,10 +125,6 @@ class ConductorService(Service):
         for line in holding.lines_of(heartbeat.model):  # it may be back, or have room now
             self.room_lines.wake_head(line)
 
-    async def _on_abort(self, abort: AbortRequest) -> None:
-        if self.abandoned.note(abort):  # its gateway is done with it: if it waits, it goes
-            self.room_lines.wake(abort.request_id)
-
     async def _handle(self, msg: Msg, in_hand: InHand) -> None:
         """Error boundary: decode -> place -> ack; invalid -> term; unexpected -> nak; held
         past its ack wait -> nothing more (its delivery again decides); no room (no
@@ -145,7 +141,7 @@ class ConductorService(Service):
             await msg.ack()
             return
         if request.request_id in self.abandoned:
-            await self._drop_abandoned(request, msg)
+            await self.abandoned.drop(request, msg)
             return
         try:
             if msg.metadata.num_delivered > 1 and not await self.redeliveries.may_place(
@@ -250,7 +246,7 @@ class ConductorService(Service):
                 self._let_go(request)
                 return True
             if request.request_id in self.abandoned:
-                await self._drop_abandoned(request, msg, schedule)
+                await self.abandoned.drop(request, msg, schedule)
                 return True
             if (waits := await self._place(request, msg, in_hand, schedule)) is None:
                 return True
@@ -275,14 +271,6 @@ class ConductorService(Service):
         nak."""
         self.log.warning("request.delivery_lapsed", request_id=request.request_id)
         self.metrics.deliveries_lapsed.inc()
-
-    async def _drop_abandoned(self, request: GenerateRequest, msg: Msg,
-                              schedule: Span | None = None) -> None:
-        self.log.info("request.abandoned", request_id=request.request_id)
-        if schedule is not None:
-            schedule.add_event("abandoned")
-        self.metrics.abandoned.inc()
-        await msg.ack()
 
     async def _reject(self, request: GenerateRequest, error: HalfmoonError) -> None:
         self.log.info("request.rejected", request_id=request.request_id, code=error.code,
