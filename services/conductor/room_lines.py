@@ -6,16 +6,19 @@ healthy worker of each role (one restarting, stalled, cut off by a partition or 
 model comes back: `NoHealthyWorker`) and space on it (`Shortage`: no decode worker of its
 model with KV room, or every prefill worker's queue full; running requests free both as they
 finish); each has its line (`holding.line_of`: one for room, one per missing role), and a
-request that tries again and finds that it now waits for something else goes to the back
-of that line. Each heartbeat of a worker of the model (it may be back, or show room) gives
-the request at the head of each line a turn to try again; a head that leaves (placed,
-refused, out of time) gives the next one a turn at once, since what let it go may let the
-next go too. A newcomer of a model with a line for room joins its back, so the room that
-frees goes to the requests that waited longest, and nothing polls meanwhile.
+request that tries again and finds that it now waits for something else goes into that line
+where its arrival places it (ahead of those that came after it: a request that waited for a
+prefill worker is not put behind the short prompts that came meanwhile). Each heartbeat of
+a worker of the model (it may be back, or show room) gives the request at the head of each
+line a turn to try again; a head that leaves (placed, refused, out of time) gives the next
+one a turn at once, since what let it go may let the next go too. A newcomer of a model
+with a line for room joins its back, so the room that frees goes to the requests that
+waited longest, and nothing polls meanwhile.
 
-A request's priority (`GenerateRequest.priority`, lower first) orders each line: a waiter
-stands behind those of its priority or a more urgent one, ahead of the less urgent, and a
-newcomer more urgent than every waiter of its model's line tries at once, as if none waited.
+A request's priority (`GenerateRequest.priority`, lower first) orders each line before its
+arrival: a waiter stands behind those of its priority that came first and the more urgent,
+ahead of the less urgent, and a newcomer more urgent than every waiter of its model's line
+tries at once, as if none waited.
 
 Before, such a request went back to the queue with a delay and was tried again blindly,
 up to JetStream's delivery limit, in no order, and was refused after five seconds (or, when
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
@@ -37,12 +41,15 @@ LATE_TRY_S = 0.05
 
 
 class Waiter:
-    """One request in a line; `turn` is set when it may try again."""
+    """One request in a line; `turn` is set when it may try again. It stands by its
+    priority, then by when its request arrived (Unix seconds; default: now)."""
 
-    def __init__(self, line: str, request_id: str, priority: int = 0) -> None:
+    def __init__(self, line: str, request_id: str, priority: int = 0,
+                 arrived_s: float | None = None) -> None:
         self.line = line
         self.request_id = request_id
         self.priority = priority
+        self.arrived_s = time.time() if arrived_s is None else arrived_s
         self.turn = asyncio.Event()
 
     def __repr__(self) -> str:
@@ -65,11 +72,12 @@ class RoomLines:
         line = self._lines.get(name)
         return bool(line) and line[0].priority <= priority
 
-    def join(self, name: str, request_id: str, priority: int = 0) -> Waiter:
+    def join(self, name: str, request_id: str, priority: int = 0,
+             arrived_s: float | None = None) -> Waiter:
         """A place at the back of the line (of its priority's part); its first turn comes
         with the next heartbeat of one of the model's workers (or when the waiters ahead
         leave)."""
-        waiter = Waiter(name, request_id, priority)
+        waiter = Waiter(name, request_id, priority, arrived_s)
         self._stand(waiter)
         if self.is_closed:
             waiter.turn.set()
@@ -95,8 +103,9 @@ class RoomLines:
             self.leave(waiter)
 
     def move(self, waiter: Waiter, name: str) -> None:
-        """To the back of line `name` (of its priority's part: what it waits for now is
-        another line's)."""
+        """Into line `name` (what it waits for now is another line's), where its priority
+        and arrival place it: ahead of those that came after it, which did not wait for
+        what it waited for."""
         if waiter.line != name:
             self.leave(waiter)
             waiter.line = name
@@ -104,8 +113,9 @@ class RoomLines:
 
     def _stand(self, waiter: Waiter) -> None:
         line = self._lines.setdefault(waiter.line, deque())
-        line.insert(next((i for i, ahead in enumerate(line) if ahead.priority > waiter.priority),
-                         len(line)), waiter)
+        place = (waiter.priority, waiter.arrived_s)
+        line.insert(next((i for i, ahead in enumerate(line)
+                          if (ahead.priority, ahead.arrived_s) > place), len(line)), waiter)
 
     def leave(self, waiter: Waiter) -> None:
         """Out of its line; when it was the head, the next one has a turn at once."""

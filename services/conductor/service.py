@@ -171,7 +171,8 @@ class ConductorService(Service):
             line, hold_s = waits
         in_hand.keep()
         self.metrics.room_waits.inc()
-        waiter = self.room_lines.join(line, request.request_id, request.priority)
+        waiter = self.room_lines.join(line, request.request_id, request.priority,
+                                      arrived_s=time.time() - holding.age_s(request, msg))
         self.spawn(self._wait_for_room(request, msg, in_hand, waiter, schedule, hold_s),
                    "room-line")
 

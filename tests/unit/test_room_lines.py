@@ -35,17 +35,20 @@ async def test_a_head_that_leaves_gives_the_next_a_turn_at_once() -> None:
     lines.leave(third)  # twice: nothing
 
 
-async def test_a_waiter_moved_to_another_line_waits_at_its_back() -> None:
+async def test_a_waiter_moved_to_another_line_stands_where_its_arrival_places_it() -> None:
+    """Behind those of that line that came before it, ahead of those that came after (it
+    waited for something else meanwhile, not less)."""
     lines = RoomLines()
-    moved, behind = lines.join("a", "r1"), lines.join("a", "r2")
-    ahead = lines.join("b", "r3")
+    earlier = lines.join("b", "r0", arrived_s=10.0)
+    moved, behind = lines.join("a", "r1", arrived_s=11.0), lines.join("a", "r2", arrived_s=12.0)
+    later = lines.join("b", "r3", arrived_s=13.0)
     lines.move(moved, "b")
     assert behind.turn.is_set()  # the head left "a": the next one's turn
     assert moved.line == "b" and not moved.turn.is_set()
-    lines.leave(ahead)
-    assert moved.turn.is_set()  # now the head of "b"
+    lines.leave(earlier)
+    assert moved.turn.is_set() and not later.turn.is_set()  # now the head of "b"
     lines.move(moved, "b")  # where it is already: nothing
-    assert len(lines) == 2
+    assert len(lines) == 3
 
 
 async def test_waiters_stand_by_priority_then_arrival() -> None:
@@ -63,7 +66,7 @@ async def test_waiters_stand_by_priority_then_arrival() -> None:
     lines.leave(normal)
     assert second.turn.is_set() and not late.turn.is_set()
     moved = lines.join("b", "m", -1)
-    lines.move(moved, "a")  # to the back of its priority's part: ahead of "n2"
+    lines.move(moved, "a")  # into its priority's part: ahead of "n2" (and "l")
     lines.wake_head("a")
     assert moved.turn.is_set() and not late.turn.is_set()
 
