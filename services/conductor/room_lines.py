@@ -74,9 +74,9 @@ class RoomLines:
 
     def join(self, name: str, request_id: str, priority: int = 0,
              arrived_s: float | None = None) -> Waiter:
-        """A place at the back of the line (of its priority's part); its first turn comes
-        with the next heartbeat of one of the model's workers (or when the waiters ahead
-        leave)."""
+        """A place in the line where its priority and arrival put it (a request just come:
+        at the back of its priority's part); its first turn comes with the next heartbeat
+        of one of the model's workers (or when the waiters ahead leave)."""
         waiter = Waiter(name, request_id, priority, arrived_s)
         self._stand(waiter)
         if self.is_closed:
