@@ -44,6 +44,15 @@ def _thread_cpu_s(pid: int, tid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime + stime
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds so far of one process, every thread of it."""
+    try:
+        tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return 0.0
+    return sum(_thread_cpu_s(pid, tid) for tid in tids)
+
+
 def stack_cpu_s(pid: int) -> Counter[str]:
     """CPU seconds so far of every process under `pid`, keyed `role` (main thread) and
     `role+threads` (its other threads)."""

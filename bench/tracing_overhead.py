@@ -7,7 +7,9 @@ once with every service exporting every span to the collector (`--tracing otlp-g
 stack is warmed up, then driven by `--concurrency` streaming clients for `--duration-s`.
 Prints requests/s and TTFT per mode, the traced/untraced ratios of the means and the median
 of the per-round throughput ratios (robust to one slow spell), and each process's CPU per
-request in each mode (`/proc`, main thread and other threads apart: `bench.process_cpu`).
+request in each mode (`/proc`, main thread and other threads apart: `bench.process_cpu`),
+the collector's included: it shares this machine's cores with the stack, where a deployment
+would run it elsewhere, so its CPU is a cost of this bench more than of tracing.
 This machine is shared and noisy, and a stack that runs slower also coalesces fewer tokens
 per message, so one window can be 10-20 % off the next: `--control` runs tracing off against
 tracing off, the same way, to show the noise floor of the ratio; `--against-sdk` runs both
@@ -38,7 +40,7 @@ from pathlib import Path
 import rotel
 
 from bench.control_path import LevelResult, launched, run_level
-from bench.process_cpu import stack_cpu_s
+from bench.process_cpu import process_cpu_s, stack_cpu_s
 from shared.nats_server import free_port
 
 ROTEL_AGENT = Path(rotel.__file__).parent / "rotel-agent"  # the collector's binary
@@ -73,11 +75,18 @@ def stack(up_args: list[str], args: argparse.Namespace) -> Iterator[tuple[str, i
 
 
 def window(url: str, pid: int, args: argparse.Namespace) -> Window:
-    before = stack_cpu_s(pid)
+    before = _cpu_s(pid, args.collector_pid)
     result = asyncio.run(run_level(url, args.concurrency, args.duration_s, args.max_tokens))
-    spent = stack_cpu_s(pid)
+    spent = _cpu_s(pid, args.collector_pid)
     spent.subtract(before)
     return Window(result, spent)
+
+
+def _cpu_s(pid: int, collector_pid: int) -> Counter[str]:
+    """CPU seconds so far of the stack under `pid` by role, and of the collector."""
+    seconds = stack_cpu_s(pid)
+    seconds["collector"] = process_cpu_s(collector_pid)
+    return seconds
 
 
 def measure(up_args: list[str], args: argparse.Namespace) -> Window:
@@ -148,12 +157,16 @@ def print_cpu(windows: dict[str, list[Window]]) -> None:
         num_requests = max(1, sum(w.result.num_requests for w in taken))
         per_request[mode] = {key: 1e6 * s / num_requests for key, s in total.items()}
     (baseline, off), (measured, on) = per_request.items()
-    keys = sorted(k for k in off.keys() | on.keys() if max(off.get(k, 0), on.get(k, 0)) >= 1)
+    keys = sorted(k for k in off.keys() | on.keys()
+                  if k != "collector" and max(off.get(k, 0), on.get(k, 0)) >= 1)
     print(f"CPU per request (us) {baseline:>12} {measured:>12} {'delta':>8}")
-    for key in [*keys, "all"]:
-        a = sum(off.values()) if key == "all" else off.get(key, 0.0)
-        b = sum(on.values()) if key == "all" else on.get(key, 0.0)
+    for key in [*keys, "stack", "collector"]:
+        a, b = (_stack_sum(cpu) if key == "stack" else cpu.get(key, 0.0) for cpu in (off, on))
         print(f"{key:<20} {a:>12.0f} {b:>12.0f} {b - a:>+8.0f}")
+
+
+def _stack_sum(cpu: dict[str, float]) -> float:
+    return sum(seconds for key, seconds in cpu.items() if key != "collector")
 
 
 def main() -> None:
@@ -173,6 +186,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         collector, grpc_port = start_collector(Path(workdir))
+        args.collector_pid = collector.pid
         traced = ["--tracing", "otlp-grpc", "--otlp-endpoint", f"http://127.0.0.1:{grpc_port}",
                   "--trace-sample-ratio", str(args.sample_ratio)]
         modes = {"off": ["--tracing", "off"],
