@@ -110,7 +110,7 @@ async def test_a_bf16_engine_holds_its_weights_as_configured_and_serves(
     try:
         policy = policy_for(torch.device("cpu"), torch.bfloat16, weights)
         assert policy is not None
-        model = engine._runner.model  # type: ignore[union-attr]
+        model = engine.runner.model
         o_proj = model.model.layers[0].self_attn.o_proj  # 1024 x 1024: large enough
         if policy.packed_dtype is None:
             assert o_proj.packed is None and o_proj.weight.dtype == torch.bfloat16
@@ -129,7 +129,7 @@ async def test_prepacked_fp32_weights_give_transformers_greedy_tokens(
     hf = hf_model(wide_llama_dir)
     engine = await start_engine(wide_llama_dir, cpu_weights="packed")
     try:
-        model = engine._runner.model  # type: ignore[union-attr]
+        model = engine.runner.model
         assert model.model.layers[0].mlp.down_proj.packed is not None
         prompts = PROMPTS[:3]
         assert await generate(engine, prompts) == [hf_greedy(hf, p, 32) for p in prompts]
