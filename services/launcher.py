@@ -154,9 +154,6 @@ class UpOptions:
             raise ConfigError("--nats-cluster starts an embedded cluster; --nats names one")
         if args.nats_cluster > 1 and args.js_replicas is None:
             settings.append(("js_replicas", min(3, args.nats_cluster)))
-        if args.request_timeout_s is not None and args.request_max_age_s is None:
-            # The conductor waits for a request (in line for room, too) while its gateway does.
-            settings.append(("request_max_age_s", args.request_timeout_s))
         is_colocated = args.mode == "colocated"
         if is_colocated:  # a colocated worker prefills every prompt it could ever hold
             settings.append(("local_prefill_max_tokens", 1 << 30))

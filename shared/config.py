@@ -196,8 +196,9 @@ class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):
     num_fetchers: Annotated[int, about(
         "pulls kept open on the request queue (each replica)", ge=1)] = 4
     request_max_age_s: Annotated[float, about(
-        "a request older than this when it is pulled is dropped as expired (its gateway "
-        "has given up)", gt=0)] = 60.0
+        "how long a gateway waits for a request that does not say (each says, from its "
+        "gateway's --request-timeout-s, since `wait_s`): older, it is dropped as expired; "
+        "and the request stream's least max age", gt=0)] = 60.0
     # Long enough for a restart (the launcher's, or a pod's whose model loads quickly), a
     # worker stalled for a while (a long pause, swapping) and one whose NATS node was cut off
     # (3 s of unanswered pings, then another node). The wait costs nothing when the worker
@@ -211,8 +212,8 @@ class ConductorConfig(ServiceConfig, frozen=True, kw_only=True):
     kv_short_hold_s: Annotated[NonNegative | None, about(
         "a request that finds no room (no decode worker with KV room, every prefill "
         "queue full) waits this long (at most the TTFT SLO), in its model's line, for "
-        "running requests to free some before its 429 (default: while its gateway waits, "
-        "until 2 s before --request-max-age-s); 0: refuse at once")] = None
+        "running requests to free some before its 429 (default, and at most: while its "
+        "gateway waits, until 2 s before); 0: refuse at once")] = None
     policy: Annotated[PrefillPolicy, about("how a prefill worker is chosen")] = "cache-aware"
     ttft_slo_ms: Annotated[Positive | None, about(
         "reject a request (429) when the best predicted time to first token exceeds "

@@ -6,6 +6,7 @@ a stream's leader moving after a node is lost), made again until it answers."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -31,7 +32,8 @@ _heartbeat_decoder = msgspec.json.Decoder(WorkerHeartbeat)
 async def ensure_work_queue(
     js: JetStreamContext, name: str, subject: str, max_age_s: float, *, replicas: int = 1
 ) -> None:
-    """Create the work-queue stream, or bring an existing one to this config."""
+    """Create the work-queue stream, or bring an existing one to this config; its max age
+    only grows (`_keep_longer_age`)."""
     await _ensure_stream(js, StreamConfig(
         name=name,
         subjects=[subject],
@@ -40,7 +42,7 @@ async def ensure_work_queue(
         max_age=max_age_s,
         duplicate_window=min(max_age_s, 120.0),
         num_replicas=replicas,
-    ))
+    ), keep_longer_age=True)
 
 
 # The prefix-cache event history a new conductor replays: bounded in age and size.
@@ -103,14 +105,16 @@ async def _reserving(create: Callable[[int], Awaitable[T]], max_bytes: int, what
 _FIXED_STREAM_SETTINGS = ("retention", "storage", "num_replicas")
 
 
-async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig, *,
+                         keep_longer_age: bool = False) -> None:
     """Create the stream, or bring an existing one to this config; an existing stream that
     differs in a fixed setting is a `ConfigError` naming each difference."""
-    await answered(lambda: _create_or_update_stream(js, config), f"stream {config.name}",
-                   within_s=ASSET_WAIT_S)
+    await answered(lambda: _create_or_update_stream(js, config, keep_longer_age),
+                   f"stream {config.name}", within_s=ASSET_WAIT_S)
 
 
-async def _create_or_update_stream(js: JetStreamContext, config: StreamConfig) -> None:
+async def _create_or_update_stream(js: JetStreamContext, config: StreamConfig,
+                                   keep_longer_age: bool) -> None:
     try:
         await js.add_stream(config)
         return
@@ -120,11 +124,25 @@ async def _create_or_update_stream(js: JetStreamContext, config: StreamConfig) -
     _refuse_differences(f"stream {config.name}", [
         (name, getattr(existing, name), getattr(config, name))
         for name in _FIXED_STREAM_SETTINGS])
+    if keep_longer_age:
+        config = _keep_longer_age(existing, config)
     changed = {name: (old, getattr(config, name)) for name in ("max_age", "max_bytes",
                                                               "duplicate_window", "subjects")
                if (old := getattr(existing, name)) != getattr(config, name)}
     await js.update_stream(config)
-    log.warning("jetstream.stream_updated", stream=config.name, changed=repr(changed))
+    if changed:
+        log.warning("jetstream.stream_updated", stream=config.name, changed=repr(changed))
+
+
+def _keep_longer_age(existing: StreamConfig, asked: StreamConfig) -> StreamConfig:
+    """The asked config, with the existing stream's max age where that is longer (0: none):
+    services that keep a message for different times (a gateway that waits longer for its
+    requests than a conductor's `request_max_age_s`) would otherwise cut each other's
+    messages short in turn, by the order they started in."""
+    if not existing.max_age or (asked.max_age and existing.max_age > asked.max_age):
+        return dataclasses.replace(asked, max_age=existing.max_age,
+                                   duplicate_window=existing.duplicate_window)
+    return asked
 
 
 # While a stream's leader moves (a node lost, an election: up to ~10 s after a partition)

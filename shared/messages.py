@@ -183,6 +183,11 @@ class GenerateRequest(Message, frozen=True, kw_only=True):
     # the engines' queues and preemption); 0 unless the gateway's scheduling policy is
     # `priority`.
     priority: int = 0
+    # How long from `created_at_s` its gateway waits for its first token (the gateway's
+    # `request_timeout_s`): the conductor holds it in line for room no longer, and drops it
+    # as expired past it. 0: not said (a gateway from before this field), the conductor's
+    # `request_max_age_s` then.
+    wait_s: float = 0.0
 
 
 class PrefixSource(msgspec.Struct, frozen=True, kw_only=True):

@@ -136,7 +136,7 @@ class ConductorService(Service):
             self.log.warning("request.invalid", error=str(exc))
             await msg.term()
             return
-        if (age_s := holding.age_s(request, msg)) > self.config.request_max_age_s:
+        if (age_s := holding.age_s(request, msg)) > holding.wait_of(request, self.config):
             self.log.warning("request.expired", request_id=request.request_id, age_s=age_s)
             await msg.ack()
             return
@@ -161,8 +161,8 @@ class ConductorService(Service):
                                          **redelivery.span_attributes(request, msg)})
         # A model with requests waiting for room (as urgent as this one, or more): the room
         # that frees is theirs first.
-        line, hold_s = request.model, holding.shortage_hold_s(self.config,
-                                                              self.placer.rules.slo.ttft_s)
+        line, hold_s = request.model, holding.shortage_hold_s(
+            self.config, self.placer.rules.slo.ttft_s, holding.wait_of(request, self.config))
         if not self.room_lines.has_line(request.model, request.priority):
             if (waits := await self._place(request, msg, in_hand, schedule)) is None:
                 if schedule is not None:
@@ -201,7 +201,8 @@ class ConductorService(Service):
                 return None
             age_s = holding.age_s(request, msg)
             ttft_slo_s = self.placer.rules.slo.ttft_s
-            hold_s = holding.hold_s(exc, self.config, ttft_slo_s)
+            wait_s = holding.wait_of(request, self.config)
+            hold_s = holding.hold_s(exc, self.config, ttft_slo_s, wait_s)
             # Short of room or of a worker, it waits to try again in this delivery: the sides
             # that accepted drop it. Not when a side was given up (a command unanswered, on
             # its way): that worker refuses the rest of this delivery, so the next one waits.
@@ -220,8 +221,8 @@ class ConductorService(Service):
                                         attempt=request.attempt,
                                         before_delivery=msg.metadata.num_delivered + 1)
             tracing.failed(schedule, exc)
-            delay_s = holding.retry_delay_s(exc, self.config, ttft_slo_s, age_s=age_s,
-                                            num_delivered=msg.metadata.num_delivered)
+            delay_s = holding.retry_delay_s(exc, self.config, ttft_slo_s, wait_s=wait_s,
+                                            age_s=age_s, num_delivered=msg.metadata.num_delivered)
             if delay_s is not None:
                 self.log.info("request.held", reason=exc.message)
                 self.redeliveries.held.note(request.request_id)

@@ -394,7 +394,7 @@ class Generator:
             prompt_token_ids=parsed.prompt_token_ids + generated, sampling=sampling,
             reply_subject=ctx.reply_subject, created_at_s=time.time(),
             output_offset=len(generated), attempt=attempt, status_subject=ctx.status_subject,
-            priority=parsed.priority,
+            priority=parsed.priority, wait_s=ctx.timeout_s,
         )
         payload = encode(message)
         if len(payload) + _COMMAND_WRAPPING_BYTES > ctx.nc.max_payload:

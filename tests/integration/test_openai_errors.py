@@ -329,8 +329,8 @@ async def test_a_request_waits_for_kv_that_running_requests_will_free(nats_url: 
     default, for as long as its gateway waits)."""
     async with Stack(nats_url, worker={"fake_token_delay_s": 0.02},
                      decode_options={"num_blocks": 12},
-                     conductor_options={"request_max_age_s": 8.0,
-                                        "no_worker_hold_s": 0.0}) as stack:
+                     gateway_options={"request_timeout_s": 8.0},
+                     conductor_options={"no_worker_hold_s": 0.0}) as stack:
         # Each takes 7 of the 12 blocks at placement (prompt + a block of output; one block
         # is the growth watermark): one fits at a time, and the others find no room.
         body = {**GOOD, "prompt": "x" * 85, "max_tokens": 20}
@@ -341,16 +341,18 @@ async def test_a_request_waits_for_kv_that_running_requests_will_free(nats_url: 
         await stack.wait_blocks_free()
 
 
-@pytest.mark.parametrize("hold", [{"kv_short_hold_s": 1.5},
-                                  {"request_max_age_s": 1.5 + holding.ANSWER_MARGIN_S}],
-                         ids=["kv_short_hold", "default_hold"])
+@pytest.mark.parametrize(("conductor", "gateway"), [
+    ({"kv_short_hold_s": 1.5}, {}),
+    ({}, {"request_timeout_s": 1.5 + holding.ANSWER_MARGIN_S}),
+], ids=["kv_short_hold", "default_hold"])
 async def test_kv_that_does_not_free_within_the_hold_ends_in_a_429(
-        nats_url: str, hold: dict[str, float]) -> None:
-    """Held, then refused (by default just before the gateway would stop waiting); and
-    while held, the request was never sent to a worker, so no worker was told to drop it
-    (before, each delivery broadcast an abort to all of them)."""
+        nats_url: str, conductor: dict[str, float], gateway: dict[str, float]) -> None:
+    """Held, then refused (by default just before the gateway would stop waiting, as its
+    request says: `wait_s`); and while held, the request was never sent to a worker, so no
+    worker was told to drop it (before, each delivery broadcast an abort to all of them)."""
     async with Stack(nats_url, worker={"fake_token_delay_s": 0.05},
-                     decode_options={"num_blocks": 12}, conductor_options=hold) as stack:
+                     decode_options={"num_blocks": 12}, conductor_options=conductor,
+                     gateway_options=gateway) as stack:
         body = {**GOOD, "prompt": "x" * 85, "max_tokens": 100}  # runs ~5 s, holds 7 blocks
         running = asyncio.create_task(stack.post("/v1/completions", body))
         await eventually(lambda: stack.decodes[0].engine.stats().num_running == 1)

@@ -1,6 +1,6 @@
 """The conductors' intake on a real nats-server: a request in hand stays with its conductor
 however long it takes; the consumer's ack_wait is short, also on a consumer an older
-conductor made."""
+conductor made; the request stream keeps the longest max age asked of it."""
 
 from __future__ import annotations
 
@@ -178,3 +178,22 @@ async def test_a_request_after_the_loop_stood_still_idle_is_not_taken_for_lapsed
         await tasks.cancel()
         await requests.close()
     assert seen == [(1, False)]
+
+
+async def test_the_request_stream_keeps_the_longest_max_age_asked(nc: NatsClient) -> None:
+    """A gateway that waits 300 s for its requests and a conductor whose
+    `request_max_age_s` is 60 declare the same stream: it keeps requests 300 s whichever
+    starts last (before, the last one's age won, and could cut the gateway's requests
+    short)."""
+    subjects = Subjects("intake-ages")
+    js = nc.jetstream()
+
+    async def max_age_s() -> float:
+        return (await js.stream_info(subjects.requests_stream)).config.max_age or 0.0
+
+    await ensure_work_queue(js, subjects.requests_stream, subjects.requests, max_age_s=60)
+    await ensure_work_queue(js, subjects.requests_stream, subjects.requests, max_age_s=300)
+    assert await max_age_s() == 300
+    await ensure_work_queue(js, subjects.requests_stream, subjects.requests, max_age_s=60)
+    assert await max_age_s() == 300
+    await js.delete_stream(subjects.requests_stream)
