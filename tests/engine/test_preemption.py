@@ -239,3 +239,25 @@ async def test_a_reservation_more_urgent_than_running_requests_takes_their_block
         assert outputs == alone
     finally:
         await engine.close()
+
+
+async def test_a_reservation_given_up_while_the_engine_thread_takes_it_frees_its_blocks(
+        llama_dir: Path) -> None:
+    """Its caller gone (an abort, a timeout) before the engine thread handed the blocks
+    over: they go back to the pool, not to no one."""
+    engine = await start_engine(llama_dir, num_blocks=64)
+    try:
+        taking = asyncio.create_task(
+            engine.reserve_over("gone", 40, priority=0, num_prompt_tokens=40))
+        await asyncio.sleep(0)  # submitted to the engine thread, waiting for its blocks
+        taking.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await taking
+        # Commands run in order and their results come back in order: once this one is
+        # handed over, the given-up one was too.
+        after = await engine.reserve_over("after", 40, priority=0, num_prompt_tokens=40)
+        assert engine.allocator.num_used == len(after)
+        assert not engine.abort("gone") and engine.abort("after")
+        assert engine.allocator.num_used == 0
+    finally:
+        await engine.close()
