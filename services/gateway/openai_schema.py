@@ -25,7 +25,9 @@ from services.gateway.tool_calls import (
 from shared.errors import InvalidRequest, UnsupportedParameter
 from shared.messages import GrammarSpec
 
-MAX_STOP_STRINGS = 4
+# OpenAI takes 4; vLLM and SGLang any number, and evaluation harnesses send more (lm-eval's
+# HumanEval and MBPP tasks: 5). Each is matched against every token's text, so some bound.
+MAX_STOP_STRINGS = 64
 MAX_PROMPTS = 256  # prompts in one completions request
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024

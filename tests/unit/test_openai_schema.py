@@ -247,10 +247,13 @@ def test_out_of_range_sampling_is_refused(field: str, value: float) -> None:
     assert info.value.param == field
 
 
-def test_stop_accepts_a_string_or_a_list_of_up_to_four() -> None:
+def test_stop_accepts_a_string_or_a_list_past_openai_s_four() -> None:
+    """As vLLM does: lm-eval's HumanEval task sends these five."""
     assert run(completion(stop="x")).stop == ["x"]
-    with pytest.raises(InvalidRequest, match="at most 4"):
-        run(completion(stop=["a", "b", "c", "d", "e"]))
+    humaneval = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
+    assert run(completion(stop=humaneval)).stop == humaneval
+    with pytest.raises(InvalidRequest, match="at most 64"):
+        run(completion(stop=[str(i) for i in range(65)]))
 
 
 def test_every_prompt_form() -> None:
