@@ -49,7 +49,8 @@ from transfer_engine.memory import LocalMemory
 from transfer_engine.registry import EndpointRegistry
 from transfer_engine.segment import Segment, sweep_orphans
 from transfer_engine.shm import ShmTransport
-from transfer_engine.tcp import TcpStats, TcpTransport
+from transfer_engine.tcp import TcpTransport
+from transfer_engine.tcp_link import TcpStats
 from transfer_engine.transport import Plan, Transport
 from transfer_engine.wire import Compression
 

@@ -19,7 +19,7 @@ from transfer_engine.config import TransferConfig
 from transfer_engine.engine import TransferEngine
 from transfer_engine.errors import PeerNotFound, ProtocolViolation, TransferFailed, TransferTimeout
 from transfer_engine.registry import LocalEndpointRegistry
-from transfer_engine.tcp import Link, TcpStats, _Job
+from transfer_engine.tcp_link import Job, Link, TcpStats
 
 
 @pytest.fixture
@@ -201,14 +201,14 @@ async def test_answers_read_together_settle_each_transfer_and_a_stray_one_fails_
     link.start()
     try:
         loop = asyncio.get_running_loop()
-        jobs = [_Job(wire.Op.NOTIFY, [], loop.create_future(), [b"%d" % i]) for i in range(3)]
+        jobs = [Job(wire.Op.NOTIFY, [], loop.create_future(), [b"%d" % i]) for i in range(3)]
         for job in jobs:
             job.deadline, job.timeout_s = loop.time() + 5, 5
             link.submit(job)
         await asyncio.sleep(0.05)  # requests 1, 2 and 3 (a NOTIFY is never merged)
         theirs.sendall(wire.ack(2) + wire.ack(3) + wire.ack(1))
         await asyncio.wait_for(asyncio.gather(*(job.future for job in jobs)), 5)
-        late = _Job(wire.Op.NOTIFY, [], loop.create_future(), [b"late"])
+        late = Job(wire.Op.NOTIFY, [], loop.create_future(), [b"late"])
         late.deadline, late.timeout_s = loop.time() + 5, 5
         link.submit(late)
         theirs.sendall(wire.ack(99))
