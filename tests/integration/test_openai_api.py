@@ -216,6 +216,34 @@ async def test_load_generators_default_bodies_are_served(
         assert all(c["usage"] is None for c in with_choices)
 
 
+# lm-eval 0.4's `local-completions` bodies: scoring continuations (token ids, echoed with
+# logprobs) and generating until stop strings (a task's `until` and the EOS: HumanEval's
+# five and one make six, a 400 while the gateway took OpenAI's four at most). lm-eval 0.4.13
+# itself ran against `halfmoon up` (disaggregated) with a local multiple-choice task: its 32
+# continuations' loglikelihoods equal transformers' on the same weights within 1e-6.
+LM_EVAL_LOGLIKELIHOOD = {"model": MODEL, "prompt": [[72, 105, 33], [72, 111]], "temperature": 0,
+                         "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+LM_EVAL_GENERATE = {"prompt": ["def f(x):\n    return"], "model": MODEL, "max_tokens": 8,
+                    "temperature": 0, "stop": ["\nclass", "\ndef", "\n#", "\nif", "\nprint",
+                                               "<|endoftext|>"], "seed": 1234}
+
+
+async def test_an_evaluation_harness_s_bodies_are_served(stack: Stack) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{stack.gateway.url}/v1/completions",
+                                json=LM_EVAL_LOGLIKELIHOOD) as response:
+            assert response.status == 200, await response.text()
+            scored = (await response.json())["choices"]
+        async with session.post(f"{stack.gateway.url}/v1/completions",
+                                json=LM_EVAL_GENERATE) as response:
+            assert response.status == 200, await response.text()
+            generated = (await response.json())["choices"]
+    # One choice per prompt, in order (their logprobs against transformers' on the torch
+    # engine: `test_echo_returns_prompt_logprobs_and_max_tokens_zero_the_prompt_alone`).
+    assert [choice["index"] for choice in scored] == [0, 1]
+    assert generated[0]["finish_reason"] in ("stop", "length")
+
+
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 3}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
