@@ -31,7 +31,7 @@ MAX_STOP_STRINGS = 64
 MAX_PROMPTS = 256  # prompts in one completions request
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
-MAX_CHOICES = 16  # n
+MAX_CHOICES = 128  # n: OpenAI's bound (vLLM has none; pass@k evaluations ask 100 and more)
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # Fields of OpenAI's API that would change the output and that halfmoon does not serve:
 # named in the refusal, like unknown fields.

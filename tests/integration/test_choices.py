@@ -65,6 +65,24 @@ async def test_n_choices_cost_one_prefill_and_one_transfer(stack: Stack) -> None
     await stack.wait_blocks_free(timeout_s=10)
 
 
+async def test_the_most_choices_openai_allows_fork_off_one_prefill(stack: Stack) -> None:
+    """n = 128 (pass@k evaluations sample as many): every choice its own 4 tokens, choice 0
+    what n = 1 draws from the seed, and the same choices again for the same seed."""
+    async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x", max_retries=0) as sdk:
+        async def draw(n: int) -> Any:
+            return await sdk.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=4, n=n, temperature=1.0, seed=17,
+                extra_body={"ignore_eos": True})
+
+        many, again, one = await draw(128), await draw(128), await draw(1)
+    assert [c.index for c in many.choices] == list(range(128))
+    assert many.usage is not None and many.usage.completion_tokens == 128 * 4
+    assert [c.text for c in again.choices] == [c.text for c in many.choices]
+    assert many.choices[0].text == one.choices[0].text
+    assert len({c.text for c in many.choices}) > 64  # each its own random stream
+    await stack.wait_blocks_free(timeout_s=10)
+
+
 async def test_streamed_choices_interleave_by_index(stack: Stack) -> None:
     async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="x", max_retries=0) as sdk:
         whole = await sdk.chat.completions.create(

@@ -276,8 +276,8 @@ async def test_a_seeded_sampled_request_is_the_same_disaggregated_and_colocated(
 
 @pytest.mark.parametrize(("extra", "param"), [
     ({"logprobs": 21}, "logprobs"),
-    ({"n": 17}, "n"),
-    ({"best_of": 17}, "best_of"),
+    ({"n": 129}, "n"),
+    ({"best_of": 129}, "best_of"),
     ({"best_of": 2, "n": 3}, "best_of"),
     ({"best_of": 3, "stream": True}, "best_of"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
