@@ -35,6 +35,7 @@ from shared.config_loading import add_config_flags, load_config
 from shared.errors import ConfigError, ServiceStartFailed
 from shared.logs import configure_logging
 from shared.model_dir import resolve_model_dir
+from shared.process_limits import raise_open_files_limit
 from shared.service import Service
 from shared.subjects import Subjects
 
@@ -231,6 +232,7 @@ def run_service(name: str, flags: dict[str, object]) -> int:
     config = load_config(config_type, flags=flags, env=os.environ,
                          toml_path=flags.get("config_path"))  # type: ignore[arg-type]
     configure_logging(config.log_level, config.log_format)
+    raise_open_files_limit()
     service = build(config)
     tracing.configure_tracing(name, service.instance_id, mode=config.tracing,
                               endpoint=config.otlp_endpoint,
