@@ -167,6 +167,7 @@ def benchmarks() -> dict[str, EntryPoint]:
 
 
 def run_benchmark(target: str, argv: list[str]) -> int:
+    raise_open_files_limit()  # a benchmark's clients hold a connection each
     main: Callable[[list[str]], int | None] = benchmarks()[target].load()
     return main(argv) or 0
 
