@@ -54,7 +54,8 @@ def permissions(role: str, subjects: Subjects, gateway_id: str | None = None) ->
 def _gateway(s: Subjects, gateway_id: str) -> Permissions:
     return Permissions(
         publish=(s.requests, s.abort, _any(s.stream_resume), s.all_request_events,
-                 *_stream_api(s.requests_stream, "INFO", "CREATE", "UPDATE"),
+                 # MSG.DELETE: a request its client left, out of the queue (`generation`).
+                 *_stream_api(s.requests_stream, "INFO", "CREATE", "UPDATE", "MSG.DELETE"),
                  *_bucket_reader(s.workers_bucket), *_bucket_writer(s.responses_bucket)),
         subscribe=(_INBOX, s.gateway(gateway_id), s.all_heartbeats))
 

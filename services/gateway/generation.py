@@ -63,6 +63,8 @@ MAX_FAILOVERS = 2
 # that acknowledgements already in its socket were read after their 2 s wait had run out, and
 # each retry added to the pile: past 15 s of them the request got a 503.
 MAX_QUEUEING = 512
+# How long a request its client left waits for its message to be taken out of the queue.
+UNQUEUE_WITHIN_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -227,7 +229,9 @@ class Generator:
             await ctx.events.request("accepted", request_id, model=parsed.model,
                                      num_prompt_tokens=len(parsed.prompt_token_ids),
                                      priority=parsed.priority)
-            await self._publish(request_id, parsed, [], attempt=0)
+            queued_seq = await self._publish(request_id, parsed, [], attempt=0)
+            for stream in streams:
+                stream.queued_seq = queued_seq
             if n == 1:  # no layer per token in the way
                 async for chunk in self._follow(request_id, parsed, streams[0], clocks[0],
                                                 progress[0]):
@@ -254,6 +258,7 @@ class Generator:
                 await self._abort(ids[j])
             if open_choices:
                 await self._abort(request_id)
+                await self._unqueue([streams[j] for j in open_choices])
             for j in range(n):
                 clocks[j].finish()
                 await self._report_end(ids[j], parsed, streams[j], clocks[j], progress[j],
@@ -360,7 +365,7 @@ class Generator:
         # decode worker that was only slow) stops before this one is placed: a worker sees
         # one attempt of a request at a time.
         await self._abort(request_id, "placed again", attempt=attempt)
-        await self._publish(request_id, parsed, generated, attempt=attempt)
+        stream.queued_seq = await self._publish(request_id, parsed, generated, attempt=attempt)
 
     async def _report_end(self, request_id: str, parsed: ParsedRequest, stream: RequestStream,
                           clock: _TokenClock, progress: _Progress,
@@ -381,9 +386,10 @@ class Generator:
                                        **common, **timings)
 
     async def _publish(self, request_id: str, parsed: ParsedRequest, generated: list[int],
-                       *, attempt: int) -> None:
+                       *, attempt: int) -> int:
         """Queue the request; after a lost worker, a continuation: the prompt plus what was
-        already streamed, for the tokens still owed, numbered on from there."""
+        already streamed, for the tokens still owed, numbered on from there. Returns the
+        message's sequence in the request stream."""
         ctx = self._ctx
         sampling = msgspec.structs.replace(
             parsed.sampling, max_tokens=parsed.sampling.max_tokens - len(generated))
@@ -407,11 +413,29 @@ class Generator:
         message_id = request_id if attempt == 0 else f"{request_id}/{attempt}"
         try:
             async with ctx.queueing:
-                await publish_to_stream(ctx.js, ctx.subjects.requests, payload,
-                                        msg_id=message_id, headers=tracing.inject(),
-                                        redeclare=ctx.redeclare_requests)
+                queued = await publish_to_stream(ctx.js, ctx.subjects.requests, payload,
+                                                 msg_id=message_id, headers=tracing.inject(),
+                                                 redeclare=ctx.redeclare_requests)
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             raise WorkerUnavailable(f"cannot queue the request: {str(exc) or repr(exc)}") from exc
+        return queued.seq
+
+    async def _unqueue(self, streams: list[RequestStream]) -> None:
+        """Take the requests of `streams` that no conductor placed yet out of the request
+        stream. Their abort reaches only the conductors up now: one that starts later (a
+        restart, the last one back after an outage) would place them for no one, and a
+        backlog of them would hold up the requests still waited for. A message a conductor
+        took meanwhile is gone already (the delete finds nothing) or in its hands (the abort
+        drops it). The stream is on disk and its sequences never repeat, so a sequence
+        names this request's message and no other's."""
+        ctx = self._ctx
+        for seq in {s.queued_seq for s in streams
+                    if s.placement is None and s.queued_seq is not None}:
+            try:
+                async with asyncio.timeout(UNQUEUE_WITHIN_S):
+                    await ctx.js.delete_msg(ctx.subjects.requests_stream, seq)
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError):
+                pass  # placed meanwhile, or the bus does not answer: the abort stands
 
     async def _abort(self, request_id: str, reason: str = "gateway", *,
                      attempt: int = 0) -> None:

@@ -47,6 +47,8 @@ class RequestStream:
         self.has_decoded = False  # a token came from the placement's decode worker
         self.lost_workers: set[str] = set()  # failed over from: their late failures are stale
         self.attempt = 0  # which placement of the request it follows (`GenerateRequest.attempt`)
+        # The JetStream sequence of the message that queued its attempt in the request stream.
+        self.queued_seq: int | None = None
         self._next_index = 0
         self._early: dict[int, TokenDelta] = {}
         self._queue: asyncio.Queue[TokenDelta | HalfmoonError] = asyncio.Queue()

@@ -1,6 +1,7 @@
 """A request whose client leaves before it is placed is dropped by the conductor, not
 computed for no one: while it waits in line for room, or when pulled from the queue after
-its gateway ended it."""
+its gateway ended it; and a conductor that starts after the client left (it heard no abort)
+never finds it: the gateway took it out of the queue."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from services.conductor.intake import InHand
+from services.conductor.service import ConductorService
 from shared.messages import GenerateRequest, RequestEvent
 from shared.nats_client import subscribed
 from tests.stack import Stack, eventually
@@ -92,3 +94,23 @@ async def test_a_request_its_gateway_ended_before_it_was_pulled_is_not_placed(
         await asyncio.sleep(0.3)
         assert placed == []
         assert stack.num_free_decode_blocks() == stack.decodes[0].engine.stats().num_total_blocks
+
+
+async def test_a_request_its_client_left_while_no_conductor_ran_is_never_placed(
+        nats_url: str) -> None:
+    """Its abort reached no conductor. Before, the conductor that started next placed it,
+    and after an outage such a backlog was computed ahead of the requests still waited for."""
+    async with Stack(nats_url) as stack, placed_events(stack) as placed:
+        await stack.conductor.stop()
+        await leave_after(stack, 0.5)
+        await eventually(lambda: len(stack.gateway.table) == 0)  # its end has run
+        info = await stack.gateway.nc.jetstream().stream_info(
+            stack.gateway.subjects.requests_stream)
+        assert info.state.messages == 0
+        stack.conductor = ConductorService(stack.conductor.config)
+        await stack.conductor.start()
+        await stack.wait_healthy()
+        status, reply = await stack.post("/v1/completions", BODY)
+        assert status == 200, reply
+        assert placed == [reply["id"]]
+        assert num_abandoned(stack) == 0  # nothing left to pull and drop

@@ -25,6 +25,7 @@ from shared.nats_client import auth_options, connect, dispatch, subscribed
 from shared.nats_server import EmbeddedNatsServer
 from shared.subjects import Subjects
 from tests.certs import CertFiles, TestCA
+from tests.integration.test_abandoned import leave_after
 from tests.integration.test_choices import counter
 from tests.stack import Stack, eventually
 
@@ -216,6 +217,24 @@ async def test_a_gateway_cannot_subscribe_to_another_gateways_tokens(
     await asyncio.sleep(0.2)
     assert delivered == []
 
+
+async def test_a_gateway_user_takes_a_request_its_client_left_out_of_the_queue(
+        secure_nats: SecureNats) -> None:
+    """No conductor runs to hear the abort: the gateway deletes the queued message itself
+    (`generation._unqueue`), which its user is allowed."""
+    violations_before = len(secure_nats.violations())
+    async with Stack(secure_nats.server.url, cluster=CLUSTER,
+                     prefill_options=secure_nats.flags("prefill"),
+                     decode_options=secure_nats.flags("decode"),
+                     conductor_options={"nats": secure_nats.auth("conductor")},
+                     gateway_options={"nats": secure_nats.auth("gateway-0"),
+                                      "gateway_id": "gateway-0"}) as stack:
+        await stack.conductor.stop()
+        await leave_after(stack, 0.5)
+        await eventually(lambda: len(stack.gateway.table) == 0)
+        info = await stack.gateway.nc.jetstream().stream_info(SUBJECTS.requests_stream)
+        assert info.state.messages == 0
+    assert secure_nats.violations()[violations_before:] == []
 
 
 async def test_nats_auth_writes_nkey_users_the_server_accepts(tmp_path: Path) -> None:
