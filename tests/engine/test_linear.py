@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from engine.linear import (
     CpuGemmPolicy,
     Linear,
+    cpu_has_amx,
     cpu_has_native_bf16,
     policy_for,
     prepacking_works,
@@ -66,10 +67,11 @@ def test_each_cpu_holds_its_weights_as_measured_fastest_there() -> None:
     cpu = torch.device("cpu")
     bf16, fp32 = policy_for(cpu, torch.bfloat16), policy_for(cpu, torch.float32)
     assert bf16 is not None and fp32 is not None
+    fp32_packed = torch.float32 if prepacking_works(torch.float32) else None
     if cpu_has_native_bf16():
         assert bf16.packed_dtype == (torch.bfloat16 if prepacking_works(torch.bfloat16)
                                      else None)
-        assert fp32.packed_dtype is None
+        assert fp32.packed_dtype == (None if cpu_has_amx() else fp32_packed)
     else:  # fp32 in oneDNN's layout for both where it works; bf16 left plain upcast
         assert bf16.packed_dtype == fp32.packed_dtype == (
             torch.float32 if prepacking_works(torch.float32) else None)
@@ -124,14 +126,14 @@ async def test_a_bf16_engine_holds_its_weights_as_configured_and_serves(
 
 
 def _packs_fp32_weights() -> bool:
-    """Whether an fp32 engine here holds its weights packed: only on a CPU without bf16
-    units (with them, fp32 stays plain), and where packing works at all."""
+    """Whether an fp32 engine here holds its weights packed: where packing works, but on a
+    CPU with AMX (there fp32 stays plain)."""
     policy = policy_for(torch.device("cpu"), torch.float32)
     return policy is not None and policy.packed_dtype == torch.float32
 
 
 @pytest.mark.skipif(not _packs_fp32_weights(),
-                    reason="this CPU holds fp32 weights plain (bf16 units), or cannot pack")
+                    reason="this CPU holds fp32 weights plain (AMX), or cannot pack")
 async def test_prepacked_fp32_weights_give_transformers_greedy_tokens(
         wide_llama_dir: Path) -> None:
     hf = hf_model(wide_llama_dir)
