@@ -22,8 +22,8 @@ Measured facts about CPU GEMMs, which the engine works around on CPU only (CUDA 
 * An fp32 model's weights are held in oneDNN's fp32 layout too, but on CPUs with AMX (the
   Sapphire Rapids VM above: there MKL's plain fp32 won at 1 row). On a 2-core AMD EPYC with
   AVX512-BF16 and no AMX (Zen 4), `python -m bench.engine_throughput --dtype float32` ran
-  decode at 1 / 8 / 32 sequences at 19.4 / 142 / 211 tok/s packed against 15.1 / 67.5 / 141
-  plain (transformers 15.0 / 63.2 / 143), prefill of 512 tokens 445 against 365.
+  decode at 1 / 8 / 32 sequences at 19.0 / 137 / 221 tok/s packed against 15.2 / 66.9 / 143
+  plain (transformers 14.9 / 64.9 / 145), prefill of 512 tokens 466 against 401 (README).
 * Small weights (under 2^20 values) stay plain: oneDNN's fixed cost per call outweighs its
   gain there (the built-in model's decode step took twice as long prepacked).
 * With plain weights (or a torch build without oneDNN's prepacking), a bf16 weight is
