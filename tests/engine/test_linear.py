@@ -73,8 +73,7 @@ def test_each_cpu_holds_its_weights_as_measured_fastest_there() -> None:
                                      else None)
         assert fp32.packed_dtype == (None if cpu_has_amx() else fp32_packed)
     else:  # fp32 in oneDNN's layout for both where it works; bf16 left plain upcast
-        assert bf16.packed_dtype == fp32.packed_dtype == (
-            torch.float32 if prepacking_works(torch.float32) else None)
+        assert bf16.packed_dtype == fp32.packed_dtype == fp32_packed
         assert bf16.upcast_min_tokens is not None and fp32.upcast_min_tokens is None
     assert policy_for(torch.device("meta"), torch.float32) is None
 
