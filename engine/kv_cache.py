@@ -40,8 +40,12 @@ class KvCache:
     def gather_blocks(self, layer: int, block_ids: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V (`[len(block_ids), block_size, heads, dim]`) of whole blocks."""
-        return (self.data[layer, 0].index_select(0, block_ids),
-                self.data[layer, 1].index_select(0, block_ids))
+        k, v = self.pools(layer)
+        return k.index_select(0, block_ids), v.index_select(0, block_ids)
+
+    def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every block in `layer` (`[num_blocks, block_size, heads, dim]`, views)."""
+        return self.data[layer, 0], self.data[layer, 1]
 
     def copy_block(self, source: int, target: int) -> None:
         """Every layer's K and V of block `source` into block `target`."""

@@ -158,12 +158,13 @@ class CausalLM(nn.Module):
                 module.set_policy(policy)
 
     def init_runtime(self, max_positions: int, device: torch.device,
-                  attention: str = "auto") -> None:
-        """Ready the model to run on `device`: rotary tables and the attention backend."""
+                     attention: str = "auto", kv_dtype: torch.dtype = torch.float32) -> None:
+        """Ready the model to run on `device`: rotary tables and the attention backend (for
+        a KV pool in `kv_dtype`)."""
         config = self.config
         self.rope = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta,
                                     config.rope_scaling, device)
-        self.attention = make_backend(attention, device, config.num_heads)
+        self.attention = make_backend(attention, device, config.num_heads, kv_dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: KvCache, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:

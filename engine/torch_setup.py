@@ -82,7 +82,7 @@ def load_model(config: ModelConfig, options: EngineOptions, device: torch.device
     model = model.to_empty(device=device).to(options.dtype)
     load_weights(model, options.model_dir, options.dtype)
     model.set_gemm_policy(policy_for(device, options.dtype, options.cpu_weights))
-    model.init_runtime(max_model_len, device, options.attention_backend)
+    model.init_runtime(max_model_len, device, options.attention_backend, options.dtype)
     return model.eval()
 
 
@@ -92,9 +92,10 @@ def decode_graphs(model: CausalLM, kv: KvCache, allocator: BlockAllocator,
     mode = options.decode_graphs
     if mode == "off":
         return None
-    if model.attention is None or model.attention.name != "torch" or model.config.moe:
-        raise ConfigError("decode graphs need --attention-backend torch and a dense model "
-                          "(mixture-of-experts routing has data-dependent shapes)")
+    if model.attention is None or model.attention.name not in ("torch", "inductor") \
+            or model.config.moe:
+        raise ConfigError("decode graphs need --attention-backend torch or inductor and a "
+                          "dense model (mixture-of-experts routing has data-dependent shapes)")
     # Never freed: the padding rows of every graph write their K/V here.
     pad_block = allocator.allocate(1)[0]
     capture = cuda_capture(torch.cuda.graph_pool_handle()) if mode == "cuda" else eager_capture

@@ -92,10 +92,15 @@ def test_flex_attention_equals_the_reference(mix: str) -> None:
                           atol=1e-5)
 
 
-def test_flashinfer_is_refused_without_cuda_and_auto_is_torch_on_cpu() -> None:
+def test_flashinfer_is_refused_without_cuda_and_auto_picks_by_cpu_and_dtype() -> None:
     with pytest.raises(ConfigError, match="flashinfer"):
         make_backend("flashinfer", CPU, HQ)
-    assert make_backend("auto", CPU, HQ).name == "torch"
+    with pytest.raises(ConfigError, match="inductor"):
+        make_backend("inductor", torch.device("cuda"), HQ)
+    assert make_backend("auto", CPU, HQ).name == "torch"  # fp32
+    # A bf16 pool: the kernel where SDPA would copy K and V to fp32 (no AMX).
+    assert make_backend("auto", CPU, HQ, torch.bfloat16).name == (
+        "torch" if cpu_has_amx() else "inductor")
     with pytest.raises(ConfigError, match="unknown attention backend"):
         make_backend("fast", CPU, HQ)
 
