@@ -10,6 +10,10 @@ in). The "before" column is the same engine with the `--before` attention backen
 `--before-weights`, measured in the same run. `--rounds N` measures every workload N times,
 the three taking turns going first, and prints medians: on a shared machine one sample each
 leaves the ratios to the machine's drift (10-20 % between consecutive runs here).
+transformers computes in a thread of its own; with it and two engine threads the process
+holds three OpenMP teams, more threads than a 2-core host has, where libgomp puts idle
+workers to sleep at once (`engine.compute_threads`): all three pay for it alike, and a
+worker process, one engine alone, runs faster than these figures.
 
     python -m bench.engine_throughput --prompts 512,2048 --batches 1,8,32
     python -m bench.engine_throughput --before torch --before-weights plain  # CPU weights
@@ -19,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -127,12 +133,13 @@ def hf_decode(model: Any, batch: int, new_tokens: int, salt: int) -> float:
 
 
 async def measure_rows(args: argparse.Namespace, ours: TorchEngine, before: TorchEngine,
-                       hf: Any) -> list[tuple[str, float, float, float]]:
+                       hf: Any, baseline: ThreadPoolExecutor
+                       ) -> list[tuple[str, float, float, float]]:
     """(workload, ours, before, transformers) tokens/s per workload: each the median of
     `args.rounds` rounds, in which the three take turns going first (the machine's speed
     drifts within a run; one sample each leaves a ratio to that drift)."""
     async def on_loop(measure: Callable[..., float], *call: Any) -> float:
-        return measure(*call)  # transformers runs on the loop's thread, as ours are driven
+        return await asyncio.get_running_loop().run_in_executor(baseline, measure, *call)
 
     def prefill(length: int, salt: int) -> list[Awaitable[float]]:
         return [ours_prefill(ours, length, salt), ours_prefill(before, length, salt),
@@ -160,8 +167,12 @@ async def measure_rows(args: argparse.Namespace, ours: TorchEngine, before: Torc
 
 
 async def run(args: argparse.Namespace) -> None:
+    # transformers computes in a thread of its own, on all cores, as each engine does in
+    # its engine thread (the loop's thread computes serially once an engine starts).
+    baseline = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers")
+    in_baseline = functools.partial(asyncio.get_running_loop().run_in_executor, baseline)
     with tempfile.TemporaryDirectory() as tmp:
-        hf = make_model(Path(tmp), args)
+        hf = await in_baseline(make_model, Path(tmp), args)
         params = sum(p.numel() for p in hf.parameters())
         engines = []
         for backend, weights in ((args.attention_backend, args.cpu_weights),
@@ -174,14 +185,15 @@ async def run(args: argparse.Namespace) -> None:
             await engines[-1].start()
         ours, before = engines
         try:
+            threads = await in_baseline(torch.get_num_threads)
             print(f"model: {params / 1e6:.0f} M parameters, {args.dtype}, "
-                  f"{torch.get_num_threads()} threads; attention {args.attention_backend}, "
+                  f"{threads} threads; attention {args.attention_backend}, "
                   f"CPU weights {args.cpu_weights}; before: attention {args.before}, CPU "
                   f"weights {args.before_weights or args.cpu_weights}")
             for engine in (ours, before):
                 await ours_prefill(engine, 64, 999)  # warm-up
-            hf_prefill(hf, 64, 999)
-            rows = await measure_rows(args, ours, before, hf)
+            await in_baseline(hf_prefill, hf, 64, 999)
+            rows = await measure_rows(args, ours, before, hf, baseline)
         finally:
             for engine in engines:
                 await engine.close()
@@ -193,7 +205,7 @@ async def run(args: argparse.Namespace) -> None:
     for name, now, then, theirs in rows:
         print(f"{name:<18} {now:>15.1f} {then:>13.1f} {theirs:>19.1f} "
               f"{now / theirs:>15.2f}x {now / then:>9.2f}x")
-    bandwidth = copy_bandwidth_gbs()
+    bandwidth = await in_baseline(copy_bandwidth_gbs)
     policy = policy_for(torch.device("cpu"), args.torch_dtype, args.cpu_weights)
     held = policy.packed_dtype if policy is not None and policy.packed_dtype else args.torch_dtype
     weight_bytes = params * torch.tensor([], dtype=held).element_size()
@@ -218,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=1024)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--attention-backend", choices=BACKENDS[1:], default="torch")
+    parser.add_argument("--attention-backend", choices=BACKENDS, default="auto")
     parser.add_argument("--before", choices=BACKENDS[1:], default="reference")
     parser.add_argument("--cpu-weights", choices=["packed", "plain"], default="packed")
     parser.add_argument("--before-weights", choices=["packed", "plain"], default=None,

@@ -21,6 +21,7 @@ import torch
 from engine.block_allocator import LockedAllocator
 from engine.block_growth import BlockGrowth
 from engine.bridge import EngineThread
+from engine.compute_threads import serial_torch
 from engine.engine_core import EngineCore, StepTimes, by_priority, choice_blocks, new_sequence
 from engine.grammar import Grammars
 from engine.kv_budget import pool_blocks
@@ -90,8 +91,33 @@ class TorchEngine:
 
     # Lifecycle.
     async def start(self) -> None:
-        model = await asyncio.to_thread(load_model, self.config, self.options, self.device,
-                                        self.max_model_len)
+        """Load the model and set up in the engine thread: the one thread of the process
+        that computes on all cores (`engine.compute_threads`); the loop's thread computes
+        serially from now on."""
+        serial_torch()
+        self._thread = EngineThread(asyncio.get_running_loop(), self._step, self._on_crash,
+                                    name="engine")
+        self._thread.start()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def set_up() -> None:
+            try:
+                self._core = self._set_up()
+            except Exception as exc:
+                self._post(_settle, done, exc)
+            else:
+                self._post(_settle, done, None)
+
+        self._thread.submit(set_up)
+        try:
+            await done
+        except BaseException:
+            await self.close()
+            raise
+
+    def _set_up(self) -> EngineCore:
+        """In the engine thread: the model, the KV pool, compiled kernels, decode graphs."""
+        model = load_model(self.config, self.options, self.device, self.max_model_len)
         self.kv = KvCache(
             num_layers=self.config.num_layers, num_blocks=self.num_blocks,
             block_size=self.options.block_size, num_kv_heads=self.config.num_kv_heads,
@@ -99,6 +125,8 @@ class TorchEngine:
             storage=None if self._kv_buffer is None else kv_storage(self._kv_buffer,
                                                                     self._kv_layout),
         )
+        if model.attention is not None:  # (set by load_model) compiles, once a process
+            model.attention.warm_up(self.kv)
         runner = ModelRunner(model, self.kv, self.allocator, device=self.device,
                              is_prefix_caching=self.options.is_prefix_caching,
                              eos_token_ids=self.eos_token_ids)
@@ -108,13 +136,13 @@ class TorchEngine:
                              max_model_len=self.max_model_len,
                              is_up_front=self.options.kv_reservation == "up-front")
         if runner.graphs is not None:  # before anything else runs on the device
-            await asyncio.to_thread(runner.graphs.capture_all)
-        self._core = EngineCore(runner, growth, self.scheduler, self.grammars,
-                                max_model_len=self.max_model_len, times=self._times,
-                                loop_side=self, post=self._post)
-        self._thread = EngineThread(asyncio.get_running_loop(), self._core.step, self._on_crash,
-                                    name="engine")
-        self._thread.start()
+            runner.graphs.capture_all()
+        return EngineCore(runner, growth, self.scheduler, self.grammars,
+                          max_model_len=self.max_model_len, times=self._times,
+                          loop_side=self, post=self._post)
+
+    def _step(self) -> bool:
+        return self._core.step() if self._core is not None else False
 
     @property
     def num_decode_graphs(self) -> int:
@@ -403,3 +431,12 @@ class TorchEngine:
         for future in [run for _, run in self._prefills.values()] + list(self._reserving):
             if not future.done():
                 future.set_exception(EngineFailure(f"engine thread crashed: {exc!r}"))
+
+
+def _settle(future: asyncio.Future[None], error: Exception | None) -> None:
+    if future.done():  # (its awaiter was cancelled)
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

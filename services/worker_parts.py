@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from nats.aio.client import Client as NatsClient
 
+from engine.compute_threads import serial_executor
 from engine.fake_engine import FakeEngine
 from engine.protocol import Engine
 from engine.sim_link import SimulatedLink
@@ -51,6 +52,8 @@ async def assemble(config: WorkerConfig, worker_id: str, nc: NatsClient,
                    engine: Engine | None = None) -> WorkerParts:
     """Build (or take) the engine and, when it has a KV pool, everything that moves it."""
     if engine is None:  # reads (or writes) model files: off the event loop
+        if config.engine.kind == "torch":  # before a thread but the engine's computes
+            serial_executor(asyncio.get_running_loop())
         engine = await asyncio.to_thread(build_engine, config)
     layout = engine.kv_layout()
     if layout is None:
