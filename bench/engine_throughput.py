@@ -206,6 +206,7 @@ async def run(args: argparse.Namespace) -> None:
         print(f"{name:<18} {now:>15.1f} {then:>13.1f} {theirs:>19.1f} "
               f"{now / theirs:>15.2f}x {now / then:>9.2f}x")
     bandwidth = await in_baseline(copy_bandwidth_gbs)
+    baseline.shutdown()
     policy = policy_for(torch.device("cpu"), args.torch_dtype, args.cpu_weights)
     held = policy.packed_dtype if policy is not None and policy.packed_dtype else args.torch_dtype
     weight_bytes = params * torch.tensor([], dtype=held).element_size()

@@ -391,9 +391,9 @@ def _cumsum(values: list[int]) -> list[int]:
 def auto_backend(device: torch.device, dtype: torch.dtype) -> str:
     """FlashInfer on CUDA when it imports; on a CPU, `inductor` where SDPA would compute in
     another dtype than the pool's (a bf16 pool without AMX: SDPA needs a copy of K and V in
-    fp32 a layer, which the kernel saves), else `torch` (measured, fp32 on a Zen 4 host:
-    the kernel at batch 8 0.91x SDPA, batch 32 1.08x; and a worker that compiles nothing
-    never imports torch's compiler, ~1 s and ~100 MB)."""
+    fp32 a layer, which the kernel saves), else `torch` (an fp32 pool on a Zen 4 host, one
+    engine with and without the kernel in turns: 0.91x at batch 1, 0.93x at 8; and a
+    worker that compiles nothing never imports torch's compiler, ~1 s and ~100 MB)."""
     if device.type == "cuda":
         return "flashinfer" if importlib.util.find_spec("flashinfer") else "torch"
     return "inductor" if compute_dtype(device, dtype) != dtype else "torch"

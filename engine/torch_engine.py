@@ -103,7 +103,7 @@ class TorchEngine:
         def set_up() -> None:
             try:
                 self._core = self._set_up()
-            except Exception as exc:
+            except BaseException as exc:  # (raised to start's caller, not the thread's)
                 self._post(_settle, done, exc)
             else:
                 self._post(_settle, done, None)
@@ -433,7 +433,7 @@ class TorchEngine:
                 future.set_exception(EngineFailure(f"engine thread crashed: {exc!r}"))
 
 
-def _settle(future: asyncio.Future[None], error: Exception | None) -> None:
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
     if future.done():  # (its awaiter was cancelled)
         return
     if error is None:
