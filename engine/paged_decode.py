@@ -97,11 +97,10 @@ class PagedDecode:
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  blocks: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q `[B, Hq, D]`, one query per row; `[B, Hq, D]`."""
-        rows, num_heads, head_dim = q.shape
         with torch.inference_mode():
             queries, blocks, mask = self._inputs(q, blocks, mask, k_pool.shape[2])
             out = type(self)._compiled(queries, k_pool, v_pool, blocks, mask)
-        return out[:rows].reshape(rows, num_heads, head_dim)
+        return out.reshape(q.shape)
 
     @staticmethod
     def _inputs(q: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor, num_kv_heads: int

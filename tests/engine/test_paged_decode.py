@@ -62,8 +62,9 @@ def test_a_bf16_pool_is_computed_in_fp32_and_returned_in_bf16(backend: TorchAtte
 
 
 def test_no_batch_compiles_the_kernel_again(backend: TorchAttention) -> None:
-    """Sizes dynamo would specialize are padded and the kernel is traced without duck
-    sizing, so one build serves every batch (a build takes seconds, mid-step)."""
+    """The batch's sizes are traced as unbacked symbols (no specialization of a size of 1)
+    and without duck sizing, so one build serves every batch (a build takes seconds,
+    mid-step)."""
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for seed, decodes in enumerate(DECODES.values()):
         q, kv, meta = batch(decodes, seed=seed)
