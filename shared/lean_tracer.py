@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import MappingProxyType, TracebackType
 from typing import Any, NamedTuple
@@ -34,22 +34,16 @@ from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.util.types import Attributes, AttributeValue
-
-from shared.trace_context import current_span
 
 log = logging.getLogger(__name__)
 
 _SCALARS = (str, bool, int, float)
 _UNSET = Status(StatusCode.UNSET)
 _RANDOM_TRACE_ID = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)  # W3C level 2; older APIs lack it
-# The SDK's `on_start`s that do nothing (a processor with another is called at each start).
-_NO_OP_STARTS = frozenset((SpanProcessor.on_start, BatchSpanProcessor.on_start,
-                           SimpleSpanProcessor.on_start))
 
 
 class RecordedEvent(NamedTuple):
@@ -61,27 +55,7 @@ class RecordedEvent(NamedTuple):
 
 
 class LeanTracerProvider(TracerProvider):
-    """The SDK's provider, whose tracers make `RecordedSpan`s and hand them to the span
-    processors added to it themselves, in the order they were added (as the SDK's
-    multi-processor does, without its layer), skipping the `on_start`s that do nothing.
-    (A caller's own `active_span_processor` is called as it is.)"""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        chain = kwargs.get("active_span_processor")
-        self._own_chain = chain is None
-        self.span_starts: tuple[Callable[..., None], ...] = () if chain is None \
-            else (chain.on_start,)
-        self.span_ends: tuple[Callable[[Any], None], ...] = () if chain is None \
-            else (chain.on_end,)
-
-    def add_span_processor(self, span_processor: SpanProcessor) -> None:
-        super().add_span_processor(span_processor)
-        if not self._own_chain:
-            return
-        if type(span_processor).on_start not in _NO_OP_STARTS:
-            self.span_starts += (span_processor.on_start,)
-        self.span_ends += (span_processor.on_end,)
+    """The SDK's provider, whose tracers make `RecordedSpan`s."""
 
     def get_tracer(self, instrumenting_module_name: str,
                    instrumenting_library_version: str | None = None,
@@ -92,14 +66,14 @@ class LeanTracerProvider(TracerProvider):
         scope = InstrumentationScope(instrumenting_module_name,
                                      instrumenting_library_version or "", schema_url,
                                      attributes)
-        return LeanTracer(self, scope, self._span_limits)
+        return LeanTracer(self, scope, self._active_span_processor, self._span_limits)
 
 
 class LeanTracer(trace.Tracer):
     """One instrumentation scope's tracer: samples, makes ids, starts `RecordedSpan`s."""
 
-    def __init__(self, provider: LeanTracerProvider, scope: InstrumentationScope,
-                 limits: SpanLimits) -> None:
+    def __init__(self, provider: TracerProvider, scope: InstrumentationScope,
+                 processor: SpanProcessor, limits: SpanLimits) -> None:
         self._sampler = provider.sampler
         self._new_span_id = provider.id_generator.generate_span_id
         self._new_trace_id = provider.id_generator.generate_trace_id
@@ -113,7 +87,7 @@ class LeanTracer(trace.Tracer):
         self._root_flags = TraceFlags(
             TraceFlags.SAMPLED | (_RANDOM_TRACE_ID if self._random_trace_ids else 0)
         ) if every_root else None
-        self._provider = provider
+        self._processor = processor
         self._limits = limits
         self.resource: Resource = provider.resource
         self.scope = scope
@@ -123,7 +97,7 @@ class LeanTracer(trace.Tracer):
                    links: Sequence[Link] | None = (), start_time: int | None = None,
                    record_exception: bool = True, set_status_on_exception: bool = True,
                    ) -> trace.Span:
-        return self.start_child(name, current_span(context).get_span_context(),
+        return self.start_child(name, trace.get_current_span(context).get_span_context(),
                                 context, kind, attributes, links, start_time)
 
     def start_child(self, name: str, parent: SpanContext | None,
@@ -133,10 +107,9 @@ class LeanTracer(trace.Tracer):
                     ) -> trace.Span:
         """`start_span` under `parent` (`context`'s span's, already looked up), a root when
         that is None or invalid."""
-        # The API's `SpanContext` is a tuple: unpacked, its fields cost no property call each.
-        trace_id, _, _, flags, trace_state, valid = parent or trace.INVALID_SPAN_CONTEXT
-        if valid:
-            recording = bool(flags & TraceFlags.SAMPLED)
+        if parent is not None and parent.is_valid:
+            trace_id, flags = parent.trace_id, parent.trace_flags
+            trace_state, recording = parent.trace_state, flags.sampled
         elif self._root_flags is not None:
             parent, trace_id = None, self._new_trace_id()
             flags, trace_state, recording = self._root_flags, None, True
@@ -157,12 +130,10 @@ class LeanTracer(trace.Tracer):
             return trace.NonRecordingSpan(span_context)
         span = RecordedSpan(self, name, span_context, parent, kind, start_time or time.time_ns())
         if attributes:
-            span.dropped_attributes = _store(span._attributes, attributes, self._limits,
-                                             self._limits.max_span_attributes)
+            span.set_attributes(attributes)
         for link in links or ():
             span.add_link(link.context, link.attributes)
-        for on_start in self._provider.span_starts:
-            on_start(span, parent_context=context)
+        self._processor.on_start(span, parent_context=context)  # type: ignore[arg-type]
         return span
 
     @contextmanager
@@ -306,8 +277,7 @@ class RecordedSpan(trace.Span):
             log.warning("Calling end() on an ended span %s", self.name)
             return
         self.end_time = end_time or time.time_ns()
-        for on_end in self._tracer._provider.span_ends:
-            on_end(self)
+        self._tracer._processor.on_end(self)  # type: ignore[arg-type]
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  traceback_: TracebackType | None) -> None:

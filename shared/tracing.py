@@ -3,9 +3,8 @@
 One trace per request: the gateway's span is its root (or, for a client that sent W3C trace
 context, a child of the client's span: `client_context`); its context rides in the headers of
 the NATS messages that hand the request on (into the request stream, each command to a
-worker, the KV commit; W3C `traceparent`, trace context alone unless `OTEL_PROPAGATORS` says
-more: written and read by `trace_context` while W3C trace context is the global propagator,
-as the propagator writes and reads them, else through the propagator), never in a reply, so
+worker, the KV commit; W3C `traceparent`, through OpenTelemetry's global propagator, never
+hand-built; trace context alone unless `OTEL_PROPAGATORS` says more), never in a reply, so
 each service's spans join it. The header blocks are a part of what tracing costs a request.
 Only a sampled request carries context (`inject`), and past the gateway a request's spans
 are made only under a sampled context that arrived with it (`continued_span`, `is_traced`),
@@ -47,10 +46,10 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased, TraceIdRatioBased
-from opentelemetry.trace import Status, StatusCode, TraceFlags
+from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from shared import span_encoding, trace_context
+from shared import span_encoding
 from shared.errors import ConfigError
 from shared.lean_tracer import LeanTracer, LeanTracerProvider
 from shared.logs import get_logger
@@ -150,7 +149,7 @@ class _CurrentSpan:
         self._token: object = None
 
     def __enter__(self) -> trace.Span:
-        self._token = otel_context.attach(trace_context.with_span(self._span))
+        self._token = otel_context.attach(trace.set_span_in_context(self._span))
         return self._span
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
@@ -178,13 +177,13 @@ def within(span: trace.Span | None) -> contextlib.AbstractContextManager[Any]:
     """Make a span from `continued` current for the block without ending it (its owner
     ends it when the work it describes is done, which may span several blocks); nothing
     when None."""
-    return _NO_SPAN if span is None else _Attached(trace_context.with_span(span))
+    return _NO_SPAN if span is None else _Attached(trace.set_span_in_context(span))
 
 
 def is_traced(ctx: otel_context.Context | None = None) -> bool:
     """Whether `ctx`'s span (else the current one) belongs to a sampled trace."""
     return _provider is not None and \
-        trace_context.current_span(ctx).get_span_context().trace_flags.sampled
+        trace.get_current_span(ctx).get_span_context().trace_flags.sampled
 
 
 def recording_span() -> trace.Span | None:
@@ -192,7 +191,7 @@ def recording_span() -> trace.Span | None:
     describes its work on the span it runs under. One attribute read when tracing is off."""
     if _provider is None:
         return None
-    current = trace_context.current_span()
+    current = trace.get_current_span()
     return current if current.is_recording() else None
 
 
@@ -210,8 +209,8 @@ def continued(scope: str, name: str, parent: otel_context.Context | None = None,
     None: a child only of a sampled trace."""
     if _provider is None:
         return None
-    under = trace_context.current_span(parent).get_span_context()
-    if not under.trace_flags & TraceFlags.SAMPLED:
+    under = trace.get_current_span(parent).get_span_context()
+    if not under.trace_flags.sampled:
         return None
     chosen = tracer(scope)
     if isinstance(chosen, LeanTracer):  # the span under `parent` looked up once, not twice
@@ -222,13 +221,8 @@ def continued(scope: str, name: str, parent: otel_context.Context | None = None,
 def inject() -> dict[str, str] | None:
     """Headers carrying the current trace context; None when tracing is off or the
     current trace is not sampled (the receivers then make no span for it)."""
-    if _provider is None:
+    if not is_traced():
         return None
-    span_context = trace_context.current_span().get_span_context()
-    if not span_context.trace_flags & TraceFlags.SAMPLED:
-        return None
-    if _w3c_alone():
-        return trace_context.headers(span_context)
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
     return carrier or None
@@ -238,17 +232,7 @@ def extract(headers: Mapping[str, str] | None) -> otel_context.Context | None:
     """The trace context carried by `headers`, or None (tracing off, or none carried)."""
     if _provider is None or not headers:
         return None
-    if _w3c_alone():
-        found = trace_context.parse(headers)
-        if found is not None:
-            return found
     return propagate.extract(headers)
-
-
-def _w3c_alone() -> bool:
-    """Whether the process propagates W3C trace context alone (`trace_context` then writes
-    and reads the headers)."""
-    return type(propagate.get_global_textmap()) is TraceContextTextMapPropagator
 
 
 def client_context(headers: Mapping[str, str]) -> otel_context.Context | None:
@@ -257,8 +241,6 @@ def client_context(headers: Mapping[str, str]) -> otel_context.Context | None:
     lookup per header name, not a parse). A malformed one is ignored: the trace starts here."""
     if _provider is None:
         return None
-    if _w3c_alone():
-        return extract(headers) if trace_context.TRACEPARENT in headers else None
     propagator = propagate.get_global_textmap()
     if not any(name in headers for name in propagator.fields):
         return None

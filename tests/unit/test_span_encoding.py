@@ -12,14 +12,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as sdk_encode
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import (
-    ReadableSpan,
-    Span,
-    SpanLimits,
-    SpanProcessor,
-    SynchronousMultiSpanProcessor,
-    TracerProvider,
-)
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.id_generator import IdGenerator
@@ -122,45 +115,6 @@ def test_the_lean_tracer_exports_what_the_sdk_tracer_exports() -> None:
     assert {type(s).__name__ for s in lean} == {"RecordedSpan"}
     assert sdk_encode(lean) == sdk_encode(sdk)
     assert ExportTraceServiceRequest.FromString(encode_spans(lean)) == sdk_encode(sdk)
-
-
-class Recording(SpanProcessor):
-    """Says, into `calls`, each span it is handed at its start and end."""
-
-    def __init__(self, name: str, calls: list[tuple[str, str, str]]) -> None:
-        self._name, self._calls = name, calls
-
-    def on_start(self, span: Span, parent_context: otel_context.Context | None = None) -> None:
-        self._calls.append((self._name, "start", span.name))
-
-    def on_end(self, span: ReadableSpan) -> None:
-        self._calls.append((self._name, "end", span.name))
-
-
-def test_the_lean_provider_hands_each_span_to_its_processors_in_their_order() -> None:
-    calls: list[tuple[str, str, str]] = []
-    exporter = InMemorySpanExporter()
-    provider = LeanTracerProvider()
-    tracer = provider.get_tracer("test")  # made before the processors: they get its spans
-    provider.add_span_processor(Recording("a", calls))
-    provider.add_span_processor(SimpleSpanProcessor(exporter))  # its start does nothing
-    provider.add_span_processor(Recording("b", calls))
-    tracer.start_span("s").end()
-    assert calls == [("a", "start", "s"), ("b", "start", "s"), ("a", "end", "s"),
-                     ("b", "end", "s")]
-    assert [s.name for s in exporter.get_finished_spans()] == ["s"]
-    assert len(provider.span_starts) == 2
-
-
-def test_a_callers_own_processor_chain_is_called_as_it_is() -> None:
-    calls: list[tuple[str, str, str]] = []
-    chain = SynchronousMultiSpanProcessor()
-    chain.add_span_processor(Recording("c", calls))
-    provider = LeanTracerProvider(active_span_processor=chain)
-    provider.add_span_processor(Recording("d", calls))  # into the caller's chain
-    provider.get_tracer("test").start_span("s").end()
-    assert calls == [("c", "start", "s"), ("d", "start", "s"), ("c", "end", "s"),
-                     ("d", "end", "s")]
 
 
 @pytest.mark.parametrize("kind", PROVIDERS)
