@@ -10,12 +10,14 @@ in). The "before" column is the same engine with the `--before` attention backen
 `--before-weights`, measured in the same run. `--rounds N` measures every workload N times,
 the three taking turns going first, and prints medians: on a shared machine one sample each
 leaves the ratios to the machine's drift (10-20 % between consecutive runs here).
-transformers computes in a thread of its own; with it and two engine threads the process
-holds three OpenMP teams, more threads than a 2-core host has, where libgomp puts idle
-workers to sleep at once (`engine.compute_threads`): all three pay for it alike, and a
-worker process, one engine alone, runs faster than these figures.
+By default the three share this process, transformers computing in a thread of its own:
+with two engine threads the process holds three OpenMP teams, more threads than a 2-core
+host has, where libgomp puts idle workers to sleep at once (`engine.compute_threads`), and
+each pays a wake-up per operator. `--isolated` runs each in a process of its own, as a worker
+process holds one engine (`bench.engine_processes`): what serving sees.
 
     python -m bench.engine_throughput --prompts 512,2048 --batches 1,8,32
+    python -m bench.engine_throughput --before torch --rounds 3 --isolated
     python -m bench.engine_throughput --before torch --before-weights plain  # CPU weights
 """
 
@@ -132,71 +134,113 @@ def hf_decode(model: Any, batch: int, new_tokens: int, salt: int) -> float:
     return batch * (new_tokens - 1) / (time.perf_counter() - clock.first_token_at)
 
 
-async def measure_rows(args: argparse.Namespace, ours: TorchEngine, before: TorchEngine,
-                       hf: Any, baseline: ThreadPoolExecutor
-                       ) -> list[tuple[str, float, float, float]]:
+# One workload's run by one party (0 ours, 1 the before engine, 2 transformers): workload
+# ("prefill" or "decode"), its arguments (length, or batch and new tokens; then a salt) -> tok/s.
+Measure = Callable[[int, str, tuple[int, ...]], Awaitable[float]]
+Rows = list[tuple[str, float, float, float]]  # workload, ours, before, transformers (tok/s)
+OURS = {"prefill": ours_prefill, "decode": ours_decode}
+THEIRS = {"prefill": hf_prefill, "decode": hf_decode}
+
+
+async def measure_rows(args: argparse.Namespace, measure: Measure) -> Rows:
     """(workload, ours, before, transformers) tokens/s per workload: each the median of
     `args.rounds` rounds, in which the three take turns going first (the machine's speed
     drifts within a run; one sample each leaves a ratio to that drift)."""
-    async def on_loop(measure: Callable[..., float], *call: Any) -> float:
-        return await asyncio.get_running_loop().run_in_executor(baseline, measure, *call)
-
-    def prefill(length: int, salt: int) -> list[Awaitable[float]]:
-        return [ours_prefill(ours, length, salt), ours_prefill(before, length, salt),
-                on_loop(hf_prefill, hf, length, salt)]
-
-    def decode(batch: int, salt: int) -> list[Awaitable[float]]:
-        n = args.decode_tokens
-        return [ours_decode(ours, batch, n, salt), ours_decode(before, batch, n, salt),
-                on_loop(hf_decode, hf, batch, n, salt)]
-
-    workloads: list[tuple[str, Callable[[int, int], list[Awaitable[float]]], int]] = [
-        (f"prefill {length} tok", prefill, length) for length in args.prompts]
-    workloads += [(f"decode batch {batch}", decode, batch) for batch in args.batches]
+    workloads = [(f"prefill {length} tok", "prefill", (length,)) for length in args.prompts]
+    workloads += [(f"decode batch {batch}", "decode", (batch, args.decode_tokens))
+                  for batch in args.batches]
     rows = []
-    for i, (name, measures, size) in enumerate(workloads):
+    for i, (name, workload, sizes) in enumerate(workloads):
         samples: list[list[float]] = [[], [], []]
         for round_ in range(args.rounds):
-            pending = measures(size, i + 100 * round_)
             for k in range(3):
                 which = (round_ + k) % 3
-                samples[which].append(await pending[which])
+                samples[which].append(await measure(which, workload,
+                                                    (*sizes, i + 100 * round_)))
         now, then, theirs = (statistics.median(s) for s in samples)
         rows.append((name, now, then, theirs))
     return rows
 
 
-async def run(args: argparse.Namespace) -> None:
-    # transformers computes in a thread of its own, on all cores, as each engine does in
-    # its engine thread (the loop's thread computes serially once an engine starts).
+def engine_options(args: argparse.Namespace, before: bool) -> dict[str, Any]:
+    """`EngineOptions` (less the model and dtype) of ours, or of the before engine."""
+    return dict(
+        attention_backend=args.before if before else args.attention_backend,
+        cpu_weights=(args.before_weights or args.cpu_weights) if before else args.cpu_weights,
+        num_blocks=args.num_blocks, block_size=16, max_batch_size=64,
+        max_batch_tokens=4096, max_wait_s=0.0, is_prefix_caching=False)
+
+
+async def in_one_process(args: argparse.Namespace, model_dir: Path
+                         ) -> tuple[int, Rows, float]:
+    """Parameters, rows and copy bandwidth (GB/s), the three in this process: transformers
+    in a thread of its own, on all cores, as each engine computes in its engine thread (the
+    loop's thread computes serially once an engine starts)."""
     baseline = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers")
     in_baseline = functools.partial(asyncio.get_running_loop().run_in_executor, baseline)
-    with tempfile.TemporaryDirectory() as tmp:
-        hf = await in_baseline(make_model, Path(tmp), args)
-        params = sum(p.numel() for p in hf.parameters())
+    try:
+        hf = await in_baseline(make_model, model_dir, args)
         engines = []
-        for backend, weights in ((args.attention_backend, args.cpu_weights),
-                                 (args.before, args.before_weights or args.cpu_weights)):
+        for before in (False, True):
             engines.append(TorchEngine(EngineOptions(
-                model_dir=Path(tmp), dtype=args.torch_dtype, attention_backend=backend,
-                cpu_weights=weights, num_blocks=args.num_blocks, block_size=16,
-                max_batch_size=64, max_batch_tokens=4096, max_wait_s=0.0,
-                is_prefix_caching=False)))
+                model_dir=model_dir, dtype=args.torch_dtype, **engine_options(args, before))))
             await engines[-1].start()
-        ours, before = engines
         try:
-            threads = await in_baseline(torch.get_num_threads)
-            print(f"model: {params / 1e6:.0f} M parameters, {args.dtype}, "
-                  f"{threads} threads; attention {args.attention_backend}, "
-                  f"CPU weights {args.cpu_weights}; before: attention {args.before}, CPU "
-                  f"weights {args.before_weights or args.cpu_weights}")
-            for engine in (ours, before):
+            for engine in engines:
                 await ours_prefill(engine, 64, 999)  # warm-up
             await in_baseline(hf_prefill, hf, 64, 999)
-            rows = await measure_rows(args, ours, before, hf, baseline)
+
+            async def measure(which: int, workload: str, call: tuple[int, ...]) -> float:
+                if which == 2:
+                    return await in_baseline(THEIRS[workload], hf, *call)
+                return await OURS[workload](engines[which], *call)
+
+            rows = await measure_rows(args, measure)
         finally:
             for engine in engines:
                 await engine.close()
+        params = sum(p.numel() for p in hf.parameters())
+        return params, rows, await in_baseline(copy_bandwidth_gbs)
+    finally:
+        baseline.shutdown()
+
+
+async def in_own_processes(args: argparse.Namespace, model_dir: Path
+                           ) -> tuple[int, Rows, float]:
+    """Parameters, rows and copy bandwidth (GB/s), each of the three in a process of its
+    own (`--isolated`); this process only makes the model and measures the bandwidth."""
+    from bench.engine_processes import TRANSFORMERS, PartyProcess
+
+    params = sum(p.numel() for p in make_model(model_dir, args).parameters())
+    parties: list[PartyProcess] = []
+    try:
+        for before in (False, True):
+            parties.append(await asyncio.to_thread(
+                PartyProcess, "before" if before else "halfmoon", model_dir,
+                args.torch_dtype, engine_options(args, before)))
+        parties.append(await asyncio.to_thread(PartyProcess, TRANSFORMERS, model_dir,
+                                               args.torch_dtype))
+
+        async def measure(which: int, workload: str, call: tuple[int, ...]) -> float:
+            return await asyncio.to_thread(parties[which].measure, workload, *call)
+
+        rows = await measure_rows(args, measure)
+    finally:
+        for party in parties:
+            party.close()
+    return params, rows, copy_bandwidth_gbs()  # on all cores: this thread computes alone
+
+
+async def run(args: argparse.Namespace) -> None:
+    threads = torch.get_num_threads()  # (before an engine makes this thread serial)
+    with tempfile.TemporaryDirectory() as tmp:
+        setup = in_own_processes if args.isolated else in_one_process
+        params, rows, bandwidth = await setup(args, Path(tmp))
+    print(f"model: {params / 1e6:.0f} M parameters, {args.dtype}, "
+          f"{threads} threads; attention {args.attention_backend}, "
+          f"CPU weights {args.cpu_weights}; before: attention {args.before}, CPU "
+          f"weights {args.before_weights or args.cpu_weights}; "
+          + ("each in a process of its own" if args.isolated else "all in this process"))
     if args.rounds > 1:
         print(f"each figure the median of {args.rounds} rounds (the three measured in a "
               "rotating order)")
@@ -205,8 +249,6 @@ async def run(args: argparse.Namespace) -> None:
     for name, now, then, theirs in rows:
         print(f"{name:<18} {now:>15.1f} {then:>13.1f} {theirs:>19.1f} "
               f"{now / theirs:>15.2f}x {now / then:>9.2f}x")
-    bandwidth = await in_baseline(copy_bandwidth_gbs)
-    baseline.shutdown()
     policy = policy_for(torch.device("cpu"), args.torch_dtype, args.cpu_weights)
     held = policy.packed_dtype if policy is not None and policy.packed_dtype else args.torch_dtype
     weight_bytes = params * torch.tensor([], dtype=held).element_size()
@@ -236,6 +278,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cpu-weights", choices=["packed", "plain"], default="packed")
     parser.add_argument("--before-weights", choices=["packed", "plain"], default=None,
                         help="the before engine's CPU weights (default: --cpu-weights)")
+    parser.add_argument("--isolated", action="store_true",
+                        help="each of the three in a process of its own, as a worker "
+                             "holds one engine (default: all three in this process)")
     args = parser.parse_args(argv)
     args.torch_dtype = getattr(torch, args.dtype)
     asyncio.run(run(args))
