@@ -158,16 +158,27 @@ class PackedPlan:
     mask: torch.Tensor  # [T, Tk]
 
 
+# The fewest sequences a decode step has for `PagedDecode` to run it: one sequence goes
+# through SDPA, whose copies of K and V are small then, where the kernel's call (its guards
+# and C++ wrapper, each layer) cost more (bf16, one engine per process, batch 1: 32.7 and
+# 36.7 tok/s through the kernel against 38.0 and 39.3 through SDPA; level at 2 and 4, the
+# kernel ahead from 8: `bench.engine_throughput --isolated`).
+KERNEL_MIN_SEQUENCES = 2
+
+
 class TorchAttention:
     """One SDPA call per layer, padded or packed (whichever computes fewer scores); with
-    `decode` (the `inductor` backend) a decode step through it (built at `warm_up`, or at
-    the first decode step; dropped where it cannot be built)."""
+    `decode` (the `inductor` backend) a decode step of at least `kernel_min_sequences`
+    through it (built at `warm_up`, or at the first decode step; dropped where it cannot
+    be built)."""
 
-    def __init__(self, device: torch.device, decode: PagedDecode | None = None) -> None:
+    def __init__(self, device: torch.device, decode: PagedDecode | None = None,
+                 kernel_min_sequences: int = KERNEL_MIN_SEQUENCES) -> None:
         self.device = device
         self.name = "torch" if decode is None else "inductor"
         self._decode = decode
         self._is_decode_built = False
+        self._kernel_min_sequences = kernel_min_sequences
 
     @property
     def is_decode_kernel_built(self) -> bool:
@@ -237,7 +248,9 @@ class TorchAttention:
             out = _sdpa(q.to(dtype).transpose(0, 1).unsqueeze(0), k.unsqueeze(0),
                         v.unsqueeze(0), plan.mask)
             return out[0].transpose(0, 1).to(q.dtype)
-        if self._decode is not None and plan.is_dense and plan.query_rows.shape[1] == 1:
+        num_rows, max_query = plan.query_rows.shape
+        if self._decode is not None and plan.is_dense and max_query == 1 \
+                and num_rows >= self._kernel_min_sequences:
             self.warm_up(kv)
             if self._decode is not None:
                 mask = plan.mask if plan.mask is not None else torch.ones(

@@ -30,8 +30,8 @@ DECODES = {
 
 @pytest.fixture(scope="module")
 def backend() -> TorchAttention:
-    backend = make_backend("inductor", CPU, HQ)
-    assert isinstance(backend, TorchAttention)
+    """The kernel for every decode batch, one sequence too (serving leaves that to SDPA)."""
+    backend = TorchAttention(CPU, PagedDecode(HQ), kernel_min_sequences=1)
     _, kv, _ = batch(DECODES["one sequence"], seed=0)
     backend.warm_up(kv)
     assert backend.is_decode_kernel_built  # this machine has the C++ compiler inductor needs
@@ -70,6 +70,27 @@ def test_no_batch_compiles_the_kernel_again(backend: TorchAttention) -> None:
         q, kv, meta = batch(decodes, seed=seed)
         attend(backend, q, kv, meta)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_the_backend_decodes_one_sequence_through_sdpa_and_more_through_the_kernel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = make_backend("inductor", CPU, HQ)
+    assert isinstance(backend, TorchAttention)
+    q, kv, meta = batch(DECODES["one sequence"], seed=3)
+    backend.warm_up(kv)
+    kernel = backend._decode
+    calls: list[int] = []
+
+    def counted(q: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        calls.append(q.shape[0])
+        return kernel(q, *args)  # type: ignore[misc]
+
+    monkeypatch.setattr(backend, "_decode", counted)
+    for decodes in ("one sequence", "one block each"):
+        q, kv, meta = batch(DECODES[decodes], seed=3)
+        expected = attend(ReferenceAttention(CPU), q, kv, meta)
+        assert torch.allclose(attend(backend, q, kv, meta), expected, atol=1e-5)
+    assert calls == [3]  # the three sequences'; the one went through SDPA
 
 
 FALLBACK = """
