@@ -89,30 +89,28 @@ def serve(conn: Connection, name: str, model_dir: Path, dtype: torch.dtype,
 def _serve_transformers(conn: Connection, model_dir: Path, dtype: torch.dtype) -> None:
     from transformers import LlamaForCausalLM
 
-    from bench.engine_throughput import hf_decode, hf_prefill
+    from bench.engine_throughput import THEIRS
 
     model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).eval()
-    hf_prefill(model, 64, 999)  # warm-up
-    workloads = {"prefill": hf_prefill, "decode": hf_decode}
+    THEIRS["prefill"](model, 64, 999)  # warm-up
     conn.send(READY)
     while (command := conn.recv()) is not None:
         workload, args = command
-        conn.send(workloads[workload](model, *args))
+        conn.send(THEIRS[workload](model, *args))
 
 
 async def _serve_engine(conn: Connection, model_dir: Path, dtype: torch.dtype,
                         engine_options: dict[str, Any]) -> None:
-    from bench.engine_throughput import ours_decode, ours_prefill
+    from bench.engine_throughput import OURS
 
     serial_executor(asyncio.get_running_loop())  # as a worker process, before anything runs
     engine = TorchEngine(EngineOptions(model_dir=model_dir, dtype=dtype, **engine_options))
     await engine.start()
     try:
-        await ours_prefill(engine, 64, 999)  # warm-up
-        workloads = {"prefill": ours_prefill, "decode": ours_decode}
+        await OURS["prefill"](engine, 64, 999)  # warm-up
         conn.send(READY)
         while (command := conn.recv()) is not None:  # the engine is idle meanwhile
             workload, args = command
-            conn.send(await workloads[workload](engine, *args))
+            conn.send(await OURS[workload](engine, *args))
     finally:
         await engine.close()
