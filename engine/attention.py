@@ -158,12 +158,12 @@ class PackedPlan:
     mask: torch.Tensor  # [T, Tk]
 
 
-# The fewest sequences a decode step has for `PagedDecode` to run it: one sequence goes
+# The fewest sequences a decode step has for `PagedDecode` to run it: smaller steps go
 # through SDPA, whose copies of K and V are small then, where the kernel's call (its guards
-# and C++ wrapper, each layer) cost more (bf16, one engine per process, batch 1: 32.7 and
-# 36.7 tok/s through the kernel against 38.0 and 39.3 through SDPA; level at 2 and 4, the
-# kernel ahead from 8: `bench.engine_throughput --isolated`).
-KERNEL_MIN_SEQUENCES = 2
+# and C++ wrapper, each layer) costs more. One bf16 engine in a worker-like process, the
+# kernel and SDPA in turns over eight rounds, medians, tok/s: 1 sequence 32.5 against SDPA's
+# 35.6, 2: 60.8 / 63.5, 4: 144.2 / 148.3; 6: 192.3 / 183.2, 8: 223.1 / 211.9.
+KERNEL_MIN_SEQUENCES = 6
 
 
 class TorchAttention:
