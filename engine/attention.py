@@ -10,9 +10,9 @@ call. Every backend reads K/V after the layer has written this step's tokens int
   row; best when every query is short, as in decode) or *packed* (`[1, H, T, Tk]`, all
   sequences end to end under a block-diagonal causal mask; best when one long chunk shares
   the step with many short ones). On a CPU without AMX it computes in fp32.
-* `inductor` (CPU): `torch`, but a decode step (one query per sequence) runs a kernel
-  compiled by inductor that reads the pool's blocks in place (`engine.paged_decode`);
-  plain `torch` where inductor cannot build it.
+* `inductor` (CPU): `torch`, but a decode step (one query per sequence) of at least
+  `KERNEL_MIN_SEQUENCES` sequences runs a kernel compiled by inductor that reads the pool's
+  blocks in place (`engine.paged_decode`); plain `torch` where inductor cannot build it.
 * `flex`: `flex_attention` with a block mask over the packed layout, compiled.
 * `flashinfer`: FlashInfer's paged kernels (CUDA), reading the pool in place.
 * `reference`: a loop over sequences, one call each; the other backends are tested against it.
@@ -404,9 +404,10 @@ def _cumsum(values: list[int]) -> list[int]:
 def auto_backend(device: torch.device, dtype: torch.dtype) -> str:
     """FlashInfer on CUDA when it imports; on a CPU, `inductor` where SDPA would compute in
     another dtype than the pool's (a bf16 pool without AMX: SDPA needs a copy of K and V in
-    fp32 a layer, which the kernel saves), else `torch` (an fp32 pool on a Zen 4 host, one
-    engine with and without the kernel in turns: 0.91x at batch 1, 0.93x at 8; and a
-    worker that compiles nothing never imports torch's compiler, ~1 s and ~100 MB)."""
+    fp32 a layer, which the kernel saves), else `torch` (an fp32 pool on a Zen 4 host,
+    each engine in a process of its own: the kernel 0.90x SDPA at batch 1, 0.94x at 8,
+    1.17x at 32; not worth compiling in every fp32 worker, which otherwise never imports
+    torch's compiler, ~1 s and ~100 MB)."""
     if device.type == "cuda":
         return "flashinfer" if importlib.util.find_spec("flashinfer") else "torch"
     return "inductor" if compute_dtype(device, dtype) != dtype else "torch"

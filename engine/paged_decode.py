@@ -7,7 +7,8 @@ one pass: for each sequence and KV head it reads each key and value from its blo
 upcasts, scores, softmaxes and sums, computing in fp32 whatever the pool's dtype. Profiled
 in the engine (the bench's 254 M Llama, bf16, batch 32, ~140 keys, a Zen 4 host): 3.8 ms a
 layer through SDPA (gather 0.7, copies 2.0, SDPA 1.3), 1.9 through this kernel. For an fp32
-pool it was not faster (`engine.attention.auto_backend`).
+pool it is faster only at large batches (`engine.attention.auto_backend`), and for a few
+sequences SDPA is faster in either dtype (`engine.attention.KERNEL_MIN_SEQUENCES`).
 
 Inductor needs a C++ compiler: where it cannot build the kernel, `compile()` says so and
 the caller keeps SDPA. One kernel serves every batch: the batch's sizes (sequences, blocks,
