@@ -253,9 +253,9 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     attention_backend: Annotated[
         Literal["auto", "torch", "inductor", "flex", "flashinfer", "reference"], about(
             "one attention call per layer (engine/attention.py); inductor: torch with decode "
-            "steps through a kernel compiled at start that reads the paged pool in place "
-            "(CPU); auto: flashinfer on CUDA when it imports, inductor for bf16 on a CPU "
-            "without AMX, else torch; "
+            "steps of six or more sequences through a kernel compiled at start that reads "
+            "the paged pool in place (CPU); auto: flashinfer on CUDA when it imports, "
+            "inductor for bf16 on a CPU without AMX, else torch; "
             "reference: the per-sequence loop the others are tested against")] = "auto"
     # On a CPU without bf16 units: fp32 in oneDNN's layout, twice a bf16 model's weight
     # memory; plain there prefills 2048-token prompts ~10 % faster, decodes a bf16 model
