@@ -10,14 +10,17 @@ in). The "before" column is the same engine with the `--before` attention backen
 `--before-weights`, measured in the same run. `--rounds N` measures every workload N times,
 the three taking turns going first, and prints medians: on a shared machine one sample each
 leaves the ratios to the machine's drift (10-20 % between consecutive runs here).
-By default the three share this process, transformers computing in a thread of its own:
-with two engine threads the process holds three OpenMP teams, more threads than a 2-core
-host has, where libgomp puts idle workers to sleep at once (`engine.compute_threads`), and
-each pays a wake-up per operator. `--isolated` runs each in a process of its own, as a worker
-process holds one engine (`bench.engine_processes`): what serving sees.
+Each of the three runs in a process of its own, as a worker process holds one engine
+(`bench.engine_processes`): what serving sees. `--in-process` runs them all in this process
+instead, transformers computing in a thread of its own: with two engine threads the process
+then holds three OpenMP teams, more threads than a 2-core host has, where libgomp puts idle
+workers to sleep at once (`engine.compute_threads`) and each pays a wake-up per operator,
+which costs the engines (many small operators a step) more than transformers (bf16 decode
+at batch 32 here: ours 369 tok/s in one process against 410 in its own, transformers 200
+against 192).
 
     python -m bench.engine_throughput --prompts 512,2048 --batches 1,8,32
-    python -m bench.engine_throughput --before torch --rounds 3 --isolated
+    python -m bench.engine_throughput --before torch --rounds 3
     python -m bench.engine_throughput --before torch --before-weights plain  # CPU weights
 """
 
@@ -208,7 +211,7 @@ async def in_one_process(args: argparse.Namespace, model_dir: Path
 async def in_own_processes(args: argparse.Namespace, model_dir: Path
                            ) -> tuple[int, Rows, float]:
     """Parameters, rows and copy bandwidth (GB/s), each of the three in a process of its
-    own (`--isolated`); this process only makes the model and measures the bandwidth."""
+    own (the default); this process only makes the model and measures the bandwidth."""
     from bench.engine_processes import TRANSFORMERS, PartyProcess
 
     params = sum(p.numel() for p in make_model(model_dir, args).parameters())
@@ -278,10 +281,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cpu-weights", choices=["packed", "plain"], default="packed")
     parser.add_argument("--before-weights", choices=["packed", "plain"], default=None,
                         help="the before engine's CPU weights (default: --cpu-weights)")
-    parser.add_argument("--isolated", action="store_true",
-                        help="each of the three in a process of its own, as a worker "
-                             "holds one engine (default: all three in this process)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--in-process", action="store_true",
+                       help="all three in this process, transformers in a thread (default: "
+                            "each in a process of its own, as a worker holds one engine)")
+    where.add_argument("--isolated", action="store_true",
+                       help="each in a process of its own: the default, named for older "
+                            "commands")
     args = parser.parse_args(argv)
+    args.isolated = not args.in_process
     args.torch_dtype = getattr(torch, args.dtype)
     asyncio.run(run(args))
 

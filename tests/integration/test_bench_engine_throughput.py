@@ -1,6 +1,6 @@
 """`python -m bench.engine_throughput` on a small model: every workload measured for ours,
-the before engine and transformers, over several rounds, in one process or (`--isolated`)
-each in a process of its own; a party that fails says why."""
+the before engine and transformers, over several rounds, each in a process of its own (the
+default) or all in one (`--in-process`); a party that fails says why."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.parametrize(("flags", "where"), [
-    ([], "all in this process"),
+    (["--in-process"], "all in this process"),
+    ([], "each in a process of its own"),
     (["--isolated"], "each in a process of its own"),
 ])
 async def test_the_engine_bench_reports_medians_of_its_rounds(
