@@ -237,13 +237,13 @@ async def in_own_processes(args: argparse.Namespace, model_dir: Path
 async def run(args: argparse.Namespace) -> None:
     threads = torch.get_num_threads()  # (before an engine makes this thread serial)
     with tempfile.TemporaryDirectory() as tmp:
-        setup = in_own_processes if args.isolated else in_one_process
+        setup = in_one_process if args.in_process else in_own_processes
         params, rows, bandwidth = await setup(args, Path(tmp))
     print(f"model: {params / 1e6:.0f} M parameters, {args.dtype}, "
           f"{threads} threads; attention {args.attention_backend}, "
           f"CPU weights {args.cpu_weights}; before: attention {args.before}, CPU "
           f"weights {args.before_weights or args.cpu_weights}; "
-          + ("each in a process of its own" if args.isolated else "all in this process"))
+          + ("all in this process" if args.in_process else "each in a process of its own"))
     if args.rounds > 1:
         print(f"each figure the median of {args.rounds} rounds (the three measured in a "
               "rotating order)")
@@ -289,7 +289,6 @@ def main(argv: list[str] | None = None) -> None:
                        help="each in a process of its own: the default, named for older "
                             "commands")
     args = parser.parse_args(argv)
-    args.isolated = not args.in_process
     args.torch_dtype = getattr(torch, args.dtype)
     asyncio.run(run(args))
 
