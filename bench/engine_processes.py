@@ -1,5 +1,6 @@
-"""`bench.engine_throughput --isolated`: each party (ours, the before engine, transformers) in
-a process of its own, as a worker process holds one engine.
+"""`bench.engine_throughput`'s default: each party (ours, the before engine, transformers) in
+a process of its own, as a worker process holds one engine (`--in-process` runs all three in
+the bench's process instead).
 
 In one process the three hold three OpenMP teams, more threads than a small host has cores,
 and libgomp then puts each team's idle workers to sleep after every parallel region, so all
