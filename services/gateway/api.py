@@ -20,7 +20,7 @@ from aiohttp import web
 from opentelemetry.trace import SpanKind, StatusCode
 
 from services.gateway.cors import Cors
-from services.gateway.generation import Generator, TextChunk
+from services.gateway.generation import Generator
 from services.gateway.json_bodies import encoder, error_body, event_stream, json_response, worked_on
 from services.gateway.merge import merged
 from services.gateway.model_catalog import ServedModel
@@ -37,6 +37,7 @@ from services.gateway.responses import (
     total_usage,
 )
 from services.gateway.responses_route import ResponsesRoutes
+from services.gateway.text_chunks import TextChunk
 from services.gateway.tokenize_routes import TOKENIZER_ROUTES, TokenizeRoutes
 from services.gateway.tool_calls import ToolUse
 from services.gateway.validation import ParsedRequest

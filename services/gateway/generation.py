@@ -22,8 +22,10 @@ from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
 from services.gateway.merge import merged
+from services.gateway.request_progress import Progress, TokenClock
 from services.gateway.request_stream import RequestStream, StreamTable
 from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.text_chunks import PendingChunk, TextChunk
 from services.gateway.tokenizer import Tokenizer
 from services.gateway.validation import ParsedRequest
 from shared import tracing
@@ -39,9 +41,7 @@ from shared.jetstream_assets import Redeclare, publish_to_stream
 from shared.logs import get_logger
 from shared.messages import (
     AbortRequest,
-    FinishReason,
     GenerateRequest,
-    TokenDelta,
     TokenLogprob,
     choice_id,
 )
@@ -68,20 +68,6 @@ UNQUEUE_WITHIN_S = 1.0
 
 
 @dataclass(frozen=True)
-class TextChunk:
-    """New text of one choice. `token_ids` are the tokens it came from (with `echo`, the
-    first chunk starts with the prompt's), and `logprobs` one entry each when asked."""
-
-    text: str
-    finish_reason: FinishReason | None
-    num_completion_tokens: int
-    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (first placement)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None  # on the first, when asked
-
-
-@dataclass(frozen=True)
 class GeneratorContext:
     nc: NatsClient
     js: JetStreamContext
@@ -98,113 +84,6 @@ class GeneratorContext:
         default_factory=lambda: asyncio.Semaphore(MAX_QUEUEING))
 
 
-class _TokenClock:
-    """TTFT, inter-token latency and end-to-end latency of one request, as the client sees
-    them (tokens leave the gateway as they arrive)."""
-
-    def __init__(self, metrics: GatewayMetrics, *, observes_latency: bool = True) -> None:
-        self.metrics = metrics
-        self.observes_latency = observes_latency
-        self.started_at = time.perf_counter()
-        self.first_at: float | None = None
-        self.last_at: float | None = None
-        self.num_gaps = 0
-        self.gap_sum_s = 0.0
-        self.gap_max_s = 0.0
-
-    def tick(self, num_tokens: int) -> None:
-        now = time.perf_counter()
-        if self.last_at is None:
-            self.first_at = now
-            if self.observes_latency:
-                self.metrics.ttft.observe(now - self.started_at)
-        else:
-            gap_s = now - self.last_at
-            if self.observes_latency:
-                self.metrics.itl.observe(gap_s)
-            self.num_gaps += 1
-            self.gap_sum_s += gap_s
-            self.gap_max_s = max(self.gap_max_s, gap_s)
-        self.metrics.generation_tokens.inc(num_tokens)
-        self.last_at = now
-
-    def finish(self) -> None:
-        if self.last_at is not None and self.observes_latency:
-            self.metrics.e2e.observe(self.last_at - self.started_at)
-
-    def timings(self) -> dict[str, float | None]:
-        """The `RequestEvent` timing fields, so far."""
-        return {
-            "ttft_s": None if self.first_at is None else self.first_at - self.started_at,
-            "e2e_s": time.perf_counter() - self.started_at,
-            "itl_mean_s": self.gap_sum_s / self.num_gaps if self.num_gaps else None,
-            "itl_max_s": self.gap_max_s if self.num_gaps else None,
-        }
-
-
-@dataclass
-class _Progress:
-    """What one request has produced so far, for the stream and its public events."""
-
-    generated: list[int] = field(default_factory=list)
-    num_cached: int = 0
-    finish_reason: FinishReason | None = None
-
-    def workers(self, stream: RequestStream) -> dict[str, str]:
-        placed = stream.placement
-        if placed is None:
-            return {}
-        return {"prefill_worker_id": placed.prefill_worker_id,
-                "decode_worker_id": placed.decode_worker_id}
-
-
-class _Pending:
-    """Tokens (and their logprobs) not yet in a chunk: a token that completes no character
-    yields no text, so its chunk waits for the next one."""
-
-    def __init__(self, parsed: ParsedRequest) -> None:
-        self.wants_logprobs = parsed.sampling.logprobs is not None
-        self.wants_prompt_logprobs = parsed.sampling.prompt_logprobs is not None
-        self.wants_scored_prompt = parsed.prompt_logprobs is not None
-        self.prompt_logprobs: list[TokenLogprob] | None = None
-        self.echo = parsed.echo
-        self.prompt_token_ids = parsed.prompt_token_ids
-        self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprob] | None = [] if self.wants_logprobs else None
-
-    def add_prompt(self, delta: TokenDelta) -> None:
-        """With `echo`: the prompt's tokens (and logprobs, when asked) lead the choice. With
-        `prompt_logprobs`, the prompt's logprobs go with the first chunk."""
-        if self.wants_scored_prompt:
-            self.prompt_logprobs = delta.prompt_logprobs
-        if self.echo is None:
-            return
-        self.token_ids += self.prompt_token_ids
-        if self.logprobs is not None and self.wants_prompt_logprobs:
-            if delta.prompt_logprobs is None:
-                self.logprobs = None  # the engine has none to give (a simulated one)
-            else:
-                self.logprobs += delta.prompt_logprobs
-
-    def add(self, delta: TokenDelta) -> None:
-        self.token_ids += delta.token_ids
-        if self.logprobs is not None:
-            if delta.logprobs is None:
-                self.logprobs = None
-            else:
-                self.logprobs += delta.logprobs
-
-    def take(self, text: str, finish: FinishReason | None, num_completion: int,
-             num_cached: int) -> TextChunk:
-        if self.echo is not None:
-            text, self.echo = self.echo + text, None
-        chunk = TextChunk(text, finish, num_completion, num_cached, self.token_ids,
-                          self.logprobs, self.prompt_logprobs)
-        self.token_ids, self.prompt_logprobs = [], None
-        self.logprobs = [] if self.wants_logprobs and self.logprobs is not None else None
-        return chunk
-
-
 class Generator:
     def __init__(self, context: GeneratorContext) -> None:
         self._ctx = context
@@ -218,8 +97,8 @@ class Generator:
         ids = [choice_id(request_id, j, n) for j in range(n)]
         streams = ctx.table.open_group(request_id, ids)
         # Latencies are the request's: its first choice's; every choice's tokens count.
-        clocks = [_TokenClock(ctx.metrics, observes_latency=j == 0) for j in range(n)]
-        progress = [_Progress() for _ in range(n)]
+        clocks = [TokenClock(ctx.metrics, observes_latency=j == 0) for j in range(n)]
+        progress = [Progress() for _ in range(n)]
         error: HalfmoonError | None = None
         span = trace.get_current_span()  # the request's root span, when tracing
         _describe(span, request_id, parsed)
@@ -275,7 +154,7 @@ class Generator:
             parsed.sampling, n=1, seed=seed))
 
     async def _follow(self, request_id: str, parsed: ParsedRequest, stream: RequestStream,
-                      clock: _TokenClock, progress: _Progress) -> AsyncIterator[TextChunk]:
+                      clock: TokenClock, progress: Progress) -> AsyncIterator[TextChunk]:
         """Token deltas of one choice in order, detokenized and stop-matched, failing over
         lost workers."""
         ctx = self._ctx
@@ -285,7 +164,7 @@ class Generator:
         matcher = StopStringMatcher(parsed.stop,
                                     include_stop=parsed.include_stop_str_in_output)
         generated = progress.generated
-        pending = _Pending(parsed)
+        pending = PendingChunk(parsed)
         scored_prompt: list[TokenLogprob] = []  # pieces of a long prompt's logprobs
         attempt = 0
         while True:
@@ -368,7 +247,7 @@ class Generator:
         stream.queued_seq = await self._publish(request_id, parsed, generated, attempt=attempt)
 
     async def _report_end(self, request_id: str, parsed: ParsedRequest, stream: RequestStream,
-                          clock: _TokenClock, progress: _Progress,
+                          clock: TokenClock, progress: Progress,
                           error: HalfmoonError | None) -> None:
         """The request's last public event: finished (or aborted by its client) or failed."""
         common = {"model": parsed.model, "num_prompt_tokens": len(parsed.prompt_token_ids),

@@ -16,9 +16,9 @@ import uuid
 from typing import Any
 
 from services.gateway.call_arguments import CallStream
-from services.gateway.generation import TextChunk
 from services.gateway.responses import TokenText
 from services.gateway.responses_api import ResponsesRequest
+from services.gateway.text_chunks import TextChunk
 from services.gateway.validation import ParsedRequest
 from shared.errors import HalfmoonError
 from shared.messages import FinishReason

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.call_arguments import CallStream, cut_calls
-from services.gateway.generation import TextChunk
+from services.gateway.text_chunks import TextChunk
 from services.gateway.tokenizer import Tokenizer
 from services.gateway.tool_calls import ToolCall, ToolUse
 from services.gateway.validation import ParsedRequest
