@@ -21,14 +21,16 @@ import asyncio
 import contextlib
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import nats.errors
 import structlog
 
-from engine.protocol import FirstToken, PrefillRequest, PrefillResult
+from engine.protocol import PrefillRequest, PrefillResult
 from services.duty import Duty, Handler
-from services.kv_handoff import HandoffReport, KvStream
+from services.kv_handoff import KvStream
+from services.prefill.kv_targets import KvTargets
+from services.prefill.result_messages import first_token_deltas, first_tokens, kv_committed
 from services.superseded import Mark
 from shared import tracing
 from shared.errors import (
@@ -46,7 +48,6 @@ from shared.messages import (
     DecodeReplacement,
     DispatchReply,
     GenerateRequest,
-    KvCommitted,
     KvLeaseKind,
     KvLeaseRenewal,
     KvTarget,
@@ -54,9 +55,6 @@ from shared.messages import (
     PrefixFetch,
     PrefixFetched,
     PrefixSource,
-    TokenDelta,
-    TokenLogprob,
-    choice_id,
     request_failed,
 )
 from shared.nats_client import dispatch, encode
@@ -89,8 +87,7 @@ class PrefillDuty(Duty):
         super().__init__(worker)
         self.prefix_sharing = worker.prefix_sharing
         self._in_flight: dict[str, _Running] = {}
-        # request id -> (the decode side's KvTarget, when this worker first heard of it)
-        self._targets: dict[str, tuple[asyncio.Future[KvTarget], float]] = {}
+        self._targets = KvTargets()
 
     def _handlers(self) -> list[Handler]:
         s, me = self.subjects, self.worker_id
@@ -137,18 +134,8 @@ class PrefillDuty(Duty):
     async def _on_target(self, target: KvTarget) -> DispatchReply | None:
         self.log.debug("prefill.kv_target", request_id=target.request_id,
                        decode_worker_id=target.decode_worker_id)
-        future = self._target_future(target.request_id)
-        if future.done():  # decode was re-placed: the newest target wins
-            future = asyncio.get_running_loop().create_future()
-            self._targets[target.request_id] = (future, time.monotonic())
-        future.set_result(target)
+        self._targets.receive(target)
         return None
-
-    def _target_future(self, request_id: str) -> asyncio.Future[KvTarget]:
-        if request_id not in self._targets:
-            future = asyncio.get_running_loop().create_future()
-            self._targets[request_id] = (future, time.monotonic())
-        return self._targets[request_id][0]
 
     def abort(self, request_id: str, *, placed_from: Mark | None = None) -> None:
         running = self._in_flight.pop(request_id, None)
@@ -164,16 +151,14 @@ class PrefillDuty(Duty):
     def _forget(self, request_id: str, *, keep_from: Mark | None = None) -> None:
         """Drop the request's KV target (unless it belongs to a placement from `keep_from`
         on) and its engine state."""
-        entry = self._targets.get(request_id)
-        if keep_from is None or entry is None or not _is_target_from(entry[0], keep_from):
-            self._targets.pop(request_id, None)
+        self._targets.forget(request_id, keep_from=keep_from)
         self.engine.release(request_id)
 
     def on_tick(self) -> None:
         # Targets for requests that never came here (the conductor placed them elsewhere).
         cutoff = time.monotonic() - self.config.transfer.kv_wait_timeout_s
-        for request_id, (_, seen_at) in list(self._targets.items()):
-            if seen_at < cutoff and request_id not in self._in_flight:
+        for request_id in self._targets.first_heard_before(cutoff):
+            if request_id not in self._in_flight:
                 self._forget(request_id)
         # Blocks a peer's transfer may have been writing, or was reading.
         for lease in self.leases.expired(LEASE_KINDS):
@@ -187,9 +172,8 @@ class PrefillDuty(Duty):
         """The requests queued or computing here, by the decode worker holding their KV."""
         renewals: dict[str, list[str]] = defaultdict(list)
         for request_id in self._in_flight:
-            future = self._targets.get(request_id, (None, 0.0))[0]
-            if future is not None and future.done() and not future.cancelled():
-                renewals[future.result().decode_worker_id].append(request_id)
+            if (decode_worker_id := self._targets.decode_worker_of(request_id)) is not None:
+                renewals[decode_worker_id].append(request_id)
         return renewals
 
     async def _renew_reservations(self, renewals: dict[str, list[str]]) -> None:
@@ -231,7 +215,7 @@ class PrefillDuty(Duty):
             await self._fail(request, error)
 
     async def _prefill_and_hand_off(self, request: GenerateRequest) -> None:
-        stream = self.handoff.open(request.request_id, self._target_future(request.request_id))
+        stream = self.handoff.open(request.request_id, self._targets.future(request.request_id))
         try:
             await self._prefill_and_stream(request, stream)
         finally:
@@ -254,14 +238,14 @@ class PrefillDuty(Duty):
         self.worker.kv_events.publish_soon()
         sampling = request.sampling
         if sampling.temperature > 0 and sampling.seed is None \
-                and not self._target_future(request.request_id).done():
+                and not self._targets.future(request.request_id).done():
             # A draw no other run repeats goes out once decode has accepted (its target is
             # on its way long before a real prefill ends): a request whose decode side
             # refused is held and placed again, and this run's first token would reach the
             # client while the next run samples its own. Greedy and seeded ones do not wait.
             await self._wait_for_target(request.request_id)
         await self._send_first_token(request, result)
-        if all(first.finish_reason is not None for first in _first_tokens(result)):
+        if all(first.finish_reason is not None for first in first_tokens(result)):
             # Done already: free decode's reservation. Leave the in-flight table first so
             # that our own abort, echoed back to us, cannot cancel this task.
             self._in_flight.pop(request.request_id, None)
@@ -301,8 +285,7 @@ class PrefillDuty(Duty):
                          decode_worker_id=failed.decode_worker_id, action="replacing decode")
         self.leases.grant("prefill_hold", request_id, failed.decode_worker_id,
                           len(result.block_ids), hold_s)
-        fresh: asyncio.Future[KvTarget] = asyncio.get_running_loop().create_future()
-        self._targets[request_id] = (fresh, time.monotonic())
+        fresh = self._targets.fresh(request_id)
         await self._ask_for_decode(DecodeReplacement(
             request=request, prefill_worker_id=self.worker_id,
             failed_decode_worker_id=failed.decode_worker_id, reason=error.message), hold_s)
@@ -343,7 +326,9 @@ class PrefillDuty(Duty):
         """Wait until the KV landed in `target`'s blocks, then tell its decode worker."""
         report = await stream.finish(result, self.config.transfer.kv_wait_timeout_s)
         with tracing.attached(report.trace_context):  # decode's spans follow the transfer's
-            reply = await self._send_commit(request, result, report, target)
+            reply = await dispatch(self.nc, self.subjects.kv_commit(target.decode_worker_id),
+                                   kv_committed(request, result, report, self.worker_id),
+                                   COMMIT_TIMEOUT_S)
         if not reply.is_accepted:
             raise WorkerUnavailable(f"decode worker refused the commit: {reply.reason}")
         if report.num_bytes:
@@ -360,22 +345,6 @@ class PrefillDuty(Duty):
                        kv_wire_bytes=report.wire_bytes, kv_compression=report.compression,
                        transport=report.transport, kv_seconds=round(report.seconds, 6),
                        kv_tail_seconds=round(report.tail_s, 6))
-
-    async def _send_commit(self, request: GenerateRequest, result: PrefillResult,
-                           report: HandoffReport, target: KvTarget) -> DispatchReply:
-        return await dispatch(
-            self.nc, self.subjects.kv_commit(target.decode_worker_id),
-            KvCommitted(
-                request_id=request.request_id, prefill_worker_id=self.worker_id,
-                first_token_id=result.first_token_id,
-                num_prompt_tokens=len(request.prompt_token_ids),
-                num_kv_bytes=report.num_bytes, transport=report.transport,
-                kv_compression=report.compression, num_kv_wire_bytes=report.wire_bytes,
-                first_logprob=_asked_logprob(request, result),
-                **_choices_commit(request, result),
-            ),
-            COMMIT_TIMEOUT_S,
-        )
 
     def _observe_prefill(self, request: GenerateRequest, result: PrefillResult, started: float,
                          layers: list[tuple[int, float]]) -> None:
@@ -399,27 +368,12 @@ class PrefillDuty(Duty):
             span.add_event("layer", {"layer": layer}, timestamp=tracing.unix_ns(at))
 
     async def _send_first_token(self, request: GenerateRequest, result: PrefillResult) -> None:
-        n, asks = request.sampling.n, request.sampling.logprobs is not None
-        items = [TokenDelta(request_id=choice_id(request.request_id, choice, n),
-                            index=request.output_offset, token_ids=[first.token_id],
-                            finish_reason=first.finish_reason,
-                            num_cached_tokens=result.num_cached_tokens,
-                            logprobs=[first.logprob] if asks and first.logprob else None,
-                            prompt_logprobs=result.prompt_logprobs)
-                 for choice, first in enumerate(_first_tokens(result))]
+        items = first_token_deltas(request, result)
         for batch in encoded_batches(self.worker_id, items, self.nc.max_payload):
             await self.nc.publish(request.reply_subject, batch)
 
     async def _wait_for_target(self, request_id: str) -> KvTarget:
-        timeout_s = self.config.transfer.kv_wait_timeout_s
-        try:
-            return await asyncio.wait_for(
-                asyncio.shield(self._target_future(request_id)), timeout_s
-            )
-        except TimeoutError as exc:
-            raise TransferTimeout(
-                f"no KV target from a decode worker within {timeout_s}s"
-            ) from exc
+        return await self._targets.wait(request_id, self.config.transfer.kv_wait_timeout_s)
 
     async def _fail(self, request: GenerateRequest, error: HalfmoonError) -> None:
         failure = request_failed(request.request_id, error, self.worker_id)
@@ -436,34 +390,6 @@ class PrefillDuty(Duty):
 
     async def stop(self) -> None:
         await super().stop()
-        for request_id in list(self._targets):  # targets of requests placed elsewhere
+        for request_id in self._targets:  # targets of requests placed elsewhere
             self._forget(request_id)
 
-
-def _is_target_from(future: asyncio.Future[KvTarget], mark: Mark) -> bool:
-    """Whether a KV target came, from a reservation placed from `mark` or later."""
-    if not future.done() or future.cancelled():
-        return False
-    target = future.result()
-    return target.delivery > 0 and (target.attempt, target.delivery) >= mark
-
-
-def _asked_logprob(request: GenerateRequest, result: PrefillResult) -> TokenLogprob | None:
-    return result.logprob if request.sampling.logprobs is not None else None
-
-
-def _first_tokens(result: PrefillResult) -> list[FirstToken]:
-    """Every choice's first token (one, unless n > 1)."""
-    return [FirstToken(result.first_token_id, result.logprob, result.finish_reason),
-            *result.forks]
-
-
-def _choices_commit(request: GenerateRequest, result: PrefillResult) -> dict[str, Any]:
-    """The `KvCommitted` fields of an n > 1 request: each choice's first token."""
-    if request.sampling.n == 1:
-        return {}
-    firsts = _first_tokens(result)
-    asks = request.sampling.logprobs is not None
-    return {"first_token_ids": [f.token_id for f in firsts],
-            "first_logprobs": [f.logprob for f in firsts if f.logprob] if asks else [],
-            "finished_choices": [j for j, f in enumerate(firsts) if f.finish_reason]}

@@ -222,8 +222,8 @@ async def test_a_kv_target_of_the_placement_an_abort_makes_way_for_outlives_the_
                                        attempt=0, delivery=2))
         duty.abort("r1", placed_from=(0, 2))
         assert duty.num_waiting() == 0  # the earlier run stopped
-        target = duty._target_future("r1")
+        target = duty._targets.future("r1")
         assert target.done() and target.result().decode_worker_id == "d2"
         duty.abort("r1")  # a plain abort drops it
-        assert not duty._target_future("r1").done()
+        assert not duty._targets.future("r1").done()
         duty.abort("r1")
