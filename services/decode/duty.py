@@ -14,9 +14,7 @@ A request's life here:
      per gateway per step (several where one would pass NATS' payload limit:
      `shared.token_batches`). Finished requests leave the batch and free their blocks.
   4. `StreamResume` (from a gateway whose stream stalled, e.g. across a NATS restart): the
-     tokens sent since the index it names go out again (`sent_tokens`). Asked among every
-     decode worker (the gateway never heard where the request went), one held here is
-     announced first (`RequestPlaced`).
+     tokens sent since the index it names go out again (`stream_resume`, `sent_tokens`).
   5. `ShedLoad` (from the planner, when this worker runs more than its share while others
      have room): the running requests with the most tokens still owed leave here; each
      one's gateway hears `moved` after every token sent, and places the rest anew.
@@ -34,22 +32,22 @@ import asyncio
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from engine.protocol import DecodeRequest, PrefillRequest, TokenOutput
 from services.decode import orphans
+from services.decode.held_requests import HeldRequests, Reservation
 from services.decode.orphans import OrphanFinder
 from services.decode.sent_tokens import SentTokens
 from services.decode.spans import DecodeSpans
+from services.decode.stream_resume import StreamResumes
 from services.duty import Duty, Handler
 from services.kv_leases import Lease
 from services.superseded import Mark
 from shared.errors import (
     CapacityExhausted,
-    ErrorCode,
     HalfmoonError,
     InvalidRequest,
     RequestAborted,
@@ -64,9 +62,6 @@ from shared.messages import (
     KvCommitted,
     KvLeaseRenewal,
     KvTarget,
-    RequestFailed,
-    RequestPlaced,
-    ResumePoint,
     ShedLoad,
     StreamResume,
     TokenDelta,
@@ -74,7 +69,6 @@ from shared.messages import (
     WorkerHeartbeat,
     choice_id,
     request_failed,
-    request_of,
 )
 from shared.nats_client import encode
 from shared.token_batches import encoded_batches
@@ -86,15 +80,6 @@ if TYPE_CHECKING:
 RESEND_KEEP_S = 30.0
 
 
-@dataclass
-class Reservation:
-    request: GenerateRequest
-    prefill_worker_id: str
-    block_ids: list[int]
-    readied: asyncio.Task[InvalidRequest | None]  # `DecodeService._ready`
-    commit: KvCommitted | None = None  # the KV is in; joins once readied
-
-
 class DecodeDuty(Duty):
     """The decode role: reservations from conductors, commits from prefill, the step loop."""
 
@@ -102,15 +87,14 @@ class DecodeDuty(Duty):
 
     def __init__(self, worker: WorkerService) -> None:
         super().__init__(worker)
-        self._reservations: dict[str, Reservation] = {}
+        self._held = HeldRequests()
         self._taking: dict[str, bool] = {}  # taking blocks from less urgent ones: aborted?
-        self._local: dict[str, GenerateRequest] = {}  # colocated, until readied
-        self._active: dict[str, GenerateRequest] = {}  # by choice id (`choice_id`)
-        self._choices: dict[str, list[str]] = {}  # n > 1: a request's open choices
         self._spans = DecodeSpans()
         self._sent = SentTokens(keep_s=RESEND_KEEP_S)
         # Prefill workers' liveness: a reservation held for a dead one is freed at once.
         self._prefills = WorkerDirectory(timeout_s=4 * self.config.heartbeat_interval_s)
+        self._resumes = StreamResumes(self.nc, self.worker_id, worker.started_at_s,
+                                      self._held, self._sent, self._prefills, self.log)
         self._last_step_at: float | None = None
         # Held while a step's tokens go out: a shed request's `moved` follows its last batch.
         self._publishing = asyncio.Lock()
@@ -119,7 +103,7 @@ class DecodeDuty(Duty):
         s, me = self.subjects, self.worker_id
         return [(s.decode_reserve(me), DecodeReservation, self._on_reserve),
                 (s.kv_commit(me), KvCommitted, self._on_commit),
-                (s.stream_resume(me), StreamResume, self._on_resume),
+                (s.stream_resume(me), StreamResume, self._resumes.answer),
                 (s.kv_lease_renewal(me), KvLeaseRenewal, self._on_lease_renewal),
                 (s.role_heartbeats("prefill"), WorkerHeartbeat, self._on_prefill_heartbeat),
                 (s.shed_load(me), ShedLoad, self._on_shed)]
@@ -131,22 +115,23 @@ class DecodeDuty(Duty):
 
     @property
     def num_open_requests(self) -> int:
-        return len(self._reservations) + len(self._local) + len(self._active)
+        return self._held.num_open
 
     def num_waiting(self) -> int:
-        return len(self._reservations) + len(self._local)
+        return self._held.num_waiting()
 
     async def _on_reserve(self, message: DecodeReservation) -> DispatchReply:
         request, marks = message.request, self.worker.superseded
         if (superseded := marks.refusal(request, message.delivery)) is not None:
             return self.worker.refusal(superseded)
+        # A reservation is re-pointed; an earlier delivery's run stops: its abort is on its way.
         if marks.replaces(request, message.delivery) \
-                and request.request_id not in self._reservations:  # a reservation is re-pointed
-            self.abort(request.request_id)  # an earlier delivery's run: its abort is on its way
-        if (held := self._attempt_held(request.request_id)) is not None \
+                and request.request_id not in self._held.reservations:
+            self.abort(request.request_id)
+        if (held := self._held.attempt(request.request_id)) is not None \
                 and held < request.attempt:  # the gateway's abort of it was lost
             return self.worker.refusal(f"attempt {held} of the request still runs here")
-        reservation = self._reservations.get(request.request_id)
+        reservation = self._held.reservations.get(request.request_id)
         if self.is_draining and reservation is None:  # one it holds may still be re-pointed
             return self.worker.refusal("worker is draining")
         try:
@@ -162,7 +147,7 @@ class DecodeDuty(Duty):
                 return self.worker.refusal("aborted while blocks were taken for it")
             reservation = Reservation(request, message.prefill_worker_id, block_ids,
                                       self._readying(request))
-            self._reservations[request.request_id] = reservation
+            self._held.reservations[request.request_id] = reservation
         reservation.prefill_worker_id = message.prefill_worker_id
         marks.placed(request.request_id, request.attempt, message.delivery)
         self.log.debug("decode.reserved", request_id=request.request_id,
@@ -206,14 +191,6 @@ class DecodeDuty(Duty):
             return None
         return block_ids
 
-    def _attempt_held(self, request_id: str) -> int | None:
-        """Which attempt of the request this worker holds (reserved, prefilling, decoding)."""
-        if (reservation := self._reservations.get(request_id)) is not None:
-            return reservation.request.attempt
-        choices = self._choices.get(request_id) or [request_id]
-        held = self._local.get(request_id) or self._active.get(choices[0])
-        return None if held is None else held.attempt
-
     def _readying(self, request: GenerateRequest) -> asyncio.Task[InvalidRequest | None]:
         return self.worker.spawn(self._ready(request), f"ready.{request.request_id}")
 
@@ -243,13 +220,13 @@ class DecodeDuty(Duty):
 
     def _prefill_here(self, request: GenerateRequest) -> DispatchReply:
         """Colocated: the engine prefills and decodes; every token comes from the step loop."""
-        request_id = request.request_id
-        if request_id in self._active or request_id in self._choices or request_id in self._local:
+        request_id, held = request.request_id, self._held
+        if request_id in held.active or request_id in held.choices or request_id in held.local:
             return self.worker.accept()
-        self._local[request_id] = request
+        self._held.local[request_id] = request
 
         def generate() -> None:
-            del self._local[request_id]
+            del self._held.local[request_id]
             self.engine.generate(PrefillRequest(request_id, request.prompt_token_ids,
                                                 request.sampling,
                                                 output_offset=request.output_offset,
@@ -258,7 +235,7 @@ class DecodeDuty(Duty):
             self._count_commit("local")
 
         self.worker.spawn(self._when_ready(request, self._ready(request),
-                                           lambda: self._local.get(request_id) is request,
+                                           lambda: self._held.local.get(request_id) is request,
                                            generate), f"local.{request_id}")
         return self.worker.accept()
 
@@ -275,19 +252,19 @@ class DecodeDuty(Duty):
             one = request if n == 1 else msgspec.structs.replace(
                 request, request_id=choice_id(request.request_id, choice, n))
             choices.append(one.request_id)
-            self._active[one.request_id] = one
+            self._held.active[one.request_id] = one
             self._sent.open(one, first_tokens[choice:choice + 1],
                             first_logprobs[choice:choice + 1])
             self._spans.start(one.request_id, self.worker_id, lease)
         if n > 1:
-            self._choices[request.request_id] = choices
+            self._held.choices[request.request_id] = choices
 
     def _count_commit(self, transport: str) -> None:
         self.worker.kv_commits[transport] += 1
         self.metrics.kv_commits.labels(transport).inc()
 
     async def _on_commit(self, message: KvCommitted) -> DispatchReply:
-        reservation = self._reservations.get(message.request_id)
+        reservation = self._held.reservations.get(message.request_id)
         if reservation is None:
             return self.worker.refusal(f"no reservation for {message.request_id}")
         if reservation.commit is not None:
@@ -303,13 +280,13 @@ class DecodeDuty(Duty):
         else:  # the grammar still compiles (or cannot be): join when it is done
             self.worker.spawn(self._when_ready(
                 reservation.request, reservation.readied,
-                lambda: self._reservations.get(message.request_id) is reservation,
+                lambda: self._held.reservations.get(message.request_id) is reservation,
                 lambda: self._join(reservation, message, lease)), f"join.{message.request_id}")
         return self.worker.accept()
 
     def _join(self, reservation: Reservation, message: KvCommitted, lease: Lease | None) -> None:
         request = reservation.request
-        del self._reservations[request.request_id]
+        del self._held.reservations[request.request_id]
         # No KV crossed (the handoff had nothing to move it with): recompute the prompt here.
         self.engine.join(DecodeRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
@@ -331,18 +308,18 @@ class DecodeDuty(Duty):
             if self._last_step_at is not None and outputs:
                 self.metrics.step_seconds.observe(now - self._last_step_at)
             # Consecutive steps only: an idle engine's wait is not a step.
-            self._last_step_at = now if self._active else None
+            self._last_step_at = now if self._held.active else None
             self.metrics.generated_tokens.inc(len(outputs))
             await self._publish_step(outputs)
 
     async def _publish_step(self, outputs: list[TokenOutput]) -> None:
         by_gateway: dict[str, list[TokenDelta]] = defaultdict(list)
         for output in outputs:
-            request = self._active.get(output.request_id)
+            request = self._held.active.get(output.request_id)
             if request is None:
                 continue  # aborted while the step ran
             if output.error is not None:
-                del self._active[output.request_id]
+                del self._held.active[output.request_id]
                 self._sent.drop(output.request_id)
                 self._spans.end(output.request_id, error=output.error.message)
                 await self._fail(request, output.error)
@@ -360,7 +337,7 @@ class DecodeDuty(Duty):
                 prompt_logprobs=output.prompt_logprobs,
             ))
             if output.finish_reason is not None:
-                del self._active[output.request_id]
+                del self._held.active[output.request_id]
         async with self._publishing:
             for subject, items in by_gateway.items():
                 for batch in encoded_batches(self.worker_id, items, self.nc.max_payload):
@@ -374,9 +351,9 @@ class DecodeDuty(Duty):
         """Hand back up to `num_requests` running requests (single-choice ones), those with
         the most tokens still owed: they gain most from a less loaded worker."""
         owed = sorted(((request.sampling.max_tokens - self._sent.num_sent(request_id),
-                        request_id) for request_id, request in self._active.items()
+                        request_id) for request_id, request in self._held.active.items()
                        if request.sampling.n == 1), reverse=True)
-        shed = [self._active[request_id] for _, request_id in owed[:message.num_requests]]
+        shed = [self._held.active[request_id] for _, request_id in owed[:message.num_requests]]
         for request in shed:
             self._spans.end(request.request_id)  # moved on, not failed
             self.abort(request.request_id)
@@ -391,69 +368,6 @@ class DecodeDuty(Duty):
         return DispatchReply(is_accepted=True, worker_id=self.worker_id,
                              reason=f"handed back {len(shed)}")
 
-    async def _on_resume(self, message: StreamResume) -> None:
-        """A gateway may have lost token batches: send them again (it drops duplicates). A
-        stream this worker does not hold at all is handed back (`RequestMoved`), so the
-        gateway places the rest elsewhere instead of waiting on it to its timeout: its run
-        here was stopped (by an abort meant for another placement of it), or never came.
-        Asked among every decode worker (`is_unplaced`), it answers only for what it holds."""
-        if message.is_unplaced:
-            await self._announce(message)
-            return
-        await self._resend(message.reply_subject, message.points)
-        for point in message.points:
-            if not self._holds(point.request_id):
-                self.log.warning("request.not_held", request_id=point.request_id)
-                await self.nc.publish(message.reply_subject, encode(RequestFailed(
-                    request_id=point.request_id, code=ErrorCode.MOVED, worker_id=self.worker_id,
-                    message=f"decode worker {self.worker_id} does not hold the request")))
-
-    async def _resend(self, reply_subject: str, points: list[ResumePoint]) -> None:
-        items = [delta for point in points if (delta := self._sent.resend(point)) is not None]
-        if items:
-            for batch in encoded_batches(self.worker_id, items, self.nc.max_payload):
-                await self.nc.publish(reply_subject, batch)
-            self.log.info("decode.resent", num_requests=len(items),
-                          num_tokens=sum(len(d.token_ids) for d in items))
-
-    async def _announce(self, message: StreamResume) -> None:
-        """The streams of `message` held here, on the attempt the gateway follows: where
-        they run (`RequestPlaced`), then their tokens again."""
-        held = [point for point in message.points
-                if self._held_attempt(point.request_id) == point.attempt]
-        for point in {request_of(point.request_id): point for point in held}.values():
-            await self.nc.publish(message.reply_subject, encode(self._placement(point)))
-        if held:
-            self.log.info("decode.announced", num_streams=len(held))
-        await self._resend(message.reply_subject, held)
-
-    def _held_attempt(self, stream_id: str) -> int | None:
-        """Which attempt of a stream this worker holds (or finished lately), if any."""
-        held = self._attempt_held(request_of(stream_id))
-        if held is None and (sent := self._sent.request(stream_id)) is not None:
-            held = sent.attempt
-        return held
-
-    def _placement(self, point: ResumePoint) -> RequestPlaced:
-        """Where a stream held here runs: on this worker, and on the prefill worker its KV
-        still waits for (else this one: nothing of the request is elsewhere)."""
-        request_id, started_at_s = request_of(point.request_id), self.worker.started_at_s
-        reservation = self._reservations.get(request_id)
-        prefill_id = reservation.prefill_worker_id \
-            if reservation is not None and reservation.commit is None else self.worker_id
-        return RequestPlaced(
-            request_id=request_id, prefill_worker_id=prefill_id,
-            decode_worker_id=self.worker_id, decode_started_at_s=started_at_s,
-            prefill_started_at_s=started_at_s if prefill_id == self.worker_id
-            else self._prefills.started_at_s(prefill_id),
-            attempt=point.attempt)
-
-    def _holds(self, stream_id: str) -> bool:
-        """Whether this worker holds a stream (a choice's, or the request's): reserved,
-        prefilling, decoding, or finished lately (its tokens kept to send again)."""
-        return self._sent.has(stream_id) or stream_id in self._active \
-            or self._attempt_held(request_of(stream_id)) is not None
-
     async def _on_prefill_heartbeat(self, heartbeat: WorkerHeartbeat) -> None:
         self._prefills.observe(heartbeat)
 
@@ -464,18 +378,12 @@ class DecodeDuty(Duty):
                               self.config.transfer.kv_wait_timeout_s)
 
     def abort(self, request_id: str, *, placed_from: Mark | None = None) -> None:
-        for choice in self._choices.pop(request_id, []):
-            self._sent.drop(choice)
-            self._active.pop(choice, None)
-            self._spans.abort(choice)
-        self._sent.drop(request_id)
+        for stream_id in self._held.drop(request_id):
+            self._sent.drop(stream_id)
+            self._spans.abort(stream_id)
         if request_id in self._taking:
             self._taking[request_id] = True
         self.leases.release("decode_reservation", request_id)
-        self._reservations.pop(request_id, None)
-        self._local.pop(request_id, None)
-        self._active.pop(request_id, None)
-        self._spans.abort(request_id)
         self.engine.abort(request_id)
 
     async def _let_orphans_go(self) -> None:
@@ -483,9 +391,9 @@ class DecodeDuty(Duty):
         finder = OrphanFinder(self.nc)
         while True:
             await asyncio.sleep(orphans.CHECK_EVERY_S)
-            asked = dict(self._active)
+            asked = dict(self._held.active)
             for request_id in await finder.find(asked.values()):
-                if self._active.get(request_id) is asked[request_id]:  # not ended meanwhile
+                if self._held.active.get(request_id) is asked[request_id]:  # not ended meanwhile
                     self.log.warning("request.orphaned", request_id=request_id)
                     self.metrics.orphaned_streams.inc()
                     self.abort(request_id)
@@ -494,7 +402,7 @@ class DecodeDuty(Duty):
         self._sent.expire()
         for lease in self.leases.expired(("decode_reservation",),
                                          is_party_lost=self._prefills.is_lost):
-            reservation = self._reservations.get(lease.request_id)
+            reservation = self._held.reservations.get(lease.request_id)
             if reservation is None:
                 continue
             is_lost = self._prefills.is_lost(lease.party)
@@ -518,9 +426,7 @@ class DecodeDuty(Duty):
 
     async def close(self) -> None:
         # Whatever is still open after the drain is failed loudly, never left hanging.
-        requests = [*self._active.values(), *self._local.values(),
-                    *(r.request for r in self._reservations.values())]
-        for request in requests:
+        for request in self._held.requests():
             self.abort(request.request_id)
             if not self.nc.is_closed:
                 await self._fail(request, RequestAborted("decode worker stopped"))
