@@ -19,7 +19,7 @@ LINKED = re.compile(r"\]\(([^)#\s]+)\)")
 
 
 def documents() -> list[Path]:
-    found = {ROOT / "README.md", *ROOT.glob("*/README.md"), *(ROOT / "docs").rglob("*.md"),
+    found = {*ROOT.glob("*.md"), *ROOT.glob("*/README.md"), *(ROOT / "docs").rglob("*.md"),
              *(ROOT / "deploy").rglob("*.md")}
     return sorted(path for path in found if path.is_file())
 
