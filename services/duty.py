@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from services.kv_handoff import KvHandoff
 from services.superseded import Mark
+from shared.errors import ErrorCode
 from shared.heartbeats import WorkerDirectory
-from shared.messages import Message, WorkerRole
+from shared.messages import DispatchReply, Message, WorkerRole
 
 if TYPE_CHECKING:
     from services.worker import WorkerService
@@ -78,6 +79,14 @@ class Duty(abc.ABC):
             loop.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
         self._loops = []
+
+    def refusal_if_ended(self, request_id: str) -> DispatchReply | None:
+        """The refusal of a command for a request its gateway has ended (`Superseded`),
+        coded `aborted`: its sender lets the request go rather than recover it."""
+        if not self.worker.superseded.is_ended(request_id):
+            return None
+        return self.worker.refusal(f"request {request_id} was ended by its gateway",
+                                   code=ErrorCode.ABORTED)
 
     def run_loop(self, coro: Any, name: str) -> None:
         """A loop of this role (the decode steps): owned by the worker, ended by stop()."""

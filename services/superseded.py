@@ -1,4 +1,4 @@
-"""Commands that arrive after their request was placed again, refused.
+"""Commands that arrive after their request was placed again, or ended, refused.
 
 A conductor whose process stands still past the ack wait (SIGSTOP, a paused VM) loses its
 delivery of a request: JetStream delivers it to another conductor, which asks the gateway,
@@ -16,6 +16,13 @@ The other way round too: the abort and the new placement's commands come from di
 senders and subscriptions, so a worker may take the new command first. Such an abort does
 not reach a placement at or after its mark (a command replacing an earlier delivery's run
 here stops that run itself).
+
+An abort by which its gateway ends a request (`AbortRequest.is_ended`: the client has its
+answer or is gone) is remembered too: a command that comes after it (a conductor's, sent
+before it heard; a commit from a prefill worker the abort has not reached yet) is refused as
+aborted, so that nothing runs for no one and a peer does not take the refusal for a fault
+to recover from (another decode worker asked for, a `migrated` event for a request that is
+gone).
 """
 
 from __future__ import annotations
@@ -29,17 +36,25 @@ Mark = tuple[int, int]  # (attempt, delivery)
 
 
 class Superseded:
-    """Per request, the (attempt, delivery) it was last placed again from, and the latest
-    one a command taken here was placed from."""
+    """Per request, the (attempt, delivery) it was last placed again from, the latest one a
+    command taken here was placed from, and whether its gateway ended it."""
 
     def __init__(self, max_requests: int = MAX_REQUESTS) -> None:
         self._max_requests = max_requests
         self._since: dict[str, Mark] = {}  # insertion-ordered
         self._placed: dict[str, Mark] = {}
+        self._ended: dict[str, None] = {}
 
     def note(self, abort: AbortRequest) -> None:
+        if abort.is_ended:
+            self._ended[abort.request_id] = None
+            self._forget_oldest(self._ended)
         if abort.before_delivery > 0:  # else a plain abort: nothing placed again
             self._raise(self._since, abort.request_id, placed_from(abort))
+
+    def is_ended(self, request_id: str) -> bool:
+        """Whether the request's gateway ended it (lately: the oldest are forgotten)."""
+        return request_id in self._ended
 
     def placed(self, request_id: str, attempt: int, delivery: int) -> None:
         """A command placed from `delivery` of `attempt` was taken here."""
@@ -69,8 +84,11 @@ class Superseded:
 
     def _raise(self, marks: dict[str, Mark], request_id: str, mark: Mark) -> None:
         marks[request_id] = max(marks.pop(request_id, mark), mark)
-        if len(marks) > self._max_requests:
-            del marks[next(iter(marks))]
+        self._forget_oldest(marks)
+
+    def _forget_oldest(self, entries: dict[str, object]) -> None:
+        if len(entries) > self._max_requests:
+            del entries[next(iter(entries))]
 
 
 def placed_from(abort: AbortRequest) -> Mark:

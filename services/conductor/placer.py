@@ -24,7 +24,14 @@ from services.conductor.placement import PendingWork, PrefixView, prefix_view
 from services.conductor.prefix_index import PrefixIndex
 from shared import tracing
 from shared.config import ConductorConfig
-from shared.errors import ErrorCode, HalfmoonError, NoHealthyWorker, Shortage, WorkerUnavailable
+from shared.errors import (
+    ErrorCode,
+    HalfmoonError,
+    NoHealthyWorker,
+    RequestAborted,
+    Shortage,
+    WorkerUnavailable,
+)
 from shared.heartbeats import WorkerDirectory
 from shared.logs import get_logger
 from shared.messages import DispatchReply, GenerateRequest, PrefillTask, WorkerHeartbeat
@@ -77,7 +84,8 @@ class Placer:
         """Place the request: each attempt's commands sent at once, accepted sides kept
         (`progress` may hold some already); none sent once `is_current` says the request is
         no longer this conductor's (raises `Lapsed`). Raises the `HalfmoonError` that made
-        placement impossible."""
+        placement impossible: `RequestAborted` at once when a worker refused it as ended by
+        its gateway (it heard the abort before this conductor did)."""
         progress = progress or assignment.Progress()
         prefix = self.prefix_view(request)
         error: HalfmoonError = WorkerUnavailable("no placement attempted")
@@ -101,6 +109,8 @@ class Placer:
             if not is_current():
                 raise Lapsed
             error = await self._send(chosen, progress) or error
+            if isinstance(error, RequestAborted):  # no worker will take it: it is gone
+                raise error
             if not is_current():  # its replies came late: the sides it would abort may now
                 raise Lapsed  # run the next delivery (on the same workers)
             for worker_id in progress.take_given_up():  # what this delivery placed there
@@ -180,4 +190,6 @@ def _refusal_error(worker_id: str, reply: DispatchReply | HalfmoonError) -> Half
     log.info("placement.refused", worker_id=worker_id, reason=reason)
     if isinstance(reply, DispatchReply) and reply.code == ErrorCode.CAPACITY_EXHAUSTED:
         return Shortage(f"{worker_id} refused: {reason}")  # its blocks or queue will free
+    if isinstance(reply, DispatchReply) and reply.code == ErrorCode.ABORTED:
+        return RequestAborted(f"{worker_id} refused: {reason}")  # its gateway ended it
     return WorkerUnavailable(f"{worker_id} refused: {reason}")

@@ -43,7 +43,7 @@ from services.conductor.prefix_index import PrefixIndex
 from services.conductor.room_lines import RoomLines, Waiter
 from shared import tracing
 from shared.config import ConductorConfig
-from shared.errors import HalfmoonError, Shortage, SloViolation
+from shared.errors import HalfmoonError, RequestAborted, Shortage, SloViolation
 from shared.heartbeats import WorkerDirectory
 from shared.jetstream_assets import read_registry
 from shared.messages import (
@@ -80,10 +80,10 @@ class ConductorService(Service):
         self.placer = Placer(config, self.subjects, self.workers, self.prefix_index,
                              self.model_loader, self.metrics, self.outbox.dispatch,
                              self.outbox.abort)
-        self.decode_replacer = DecodeReplacer(self.workers, self.placer, self.outbox,
-                                              self.instance_id)
         self.room_lines = RoomLines()  # requests waiting for room, by model
         self.abandoned = Abandoned(self.room_lines, self.metrics.abandoned)
+        self.decode_replacer = DecodeReplacer(self.workers, self.placer, self.outbox,
+                                              self.abandoned, self.instance_id)
         self.redeliveries = redelivery.Redeliveries(self.metrics, self.outbox.abort,
                                                     self.outbox.tell_gateway)
         # Gauges read at scrape time, not kept up to date on every heartbeat.
@@ -194,6 +194,12 @@ class ConductorService(Service):
                                        delivery=msg.metadata.num_delivered)
         except Lapsed:
             self._let_go(request)
+            return None
+        except RequestAborted as exc:  # a worker heard its gateway end it before we did
+            for worker_id in set(progress.kept.values()):  # sides that took it meanwhile
+                await self.outbox.abort(request.request_id, exc.message, worker_id,
+                                        attempt=request.attempt)
+            await self.abandoned.drop(request, msg, schedule)
             return None
         except HalfmoonError as exc:
             if in_hand.is_lapsed():  # its abort, hold or refusal is the next delivery's

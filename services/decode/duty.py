@@ -124,6 +124,8 @@ class DecodeDuty(Duty):
         request, marks = message.request, self.worker.superseded
         if (superseded := marks.refusal(request, message.delivery)) is not None:
             return self.worker.refusal(superseded)
+        if (ended := self.refusal_if_ended(request.request_id)) is not None:
+            return ended
         # A reservation is re-pointed; an earlier delivery's run stops: its abort is on its way.
         if marks.replaces(request, message.delivery) \
                 and request.request_id not in self._held.reservations:
@@ -265,8 +267,9 @@ class DecodeDuty(Duty):
 
     async def _on_commit(self, message: KvCommitted) -> DispatchReply:
         reservation = self._held.reservations.get(message.request_id)
-        if reservation is None:
-            return self.worker.refusal(f"no reservation for {message.request_id}")
+        if reservation is None:  # the prefill worker may not have heard of an end yet
+            return self.refusal_if_ended(message.request_id) or \
+                self.worker.refusal(f"no reservation for {message.request_id}")
         if reservation.commit is not None:
             return self.worker.accept()  # a repeated commit (its first reply was lost)
         reservation.commit = message

@@ -102,6 +102,8 @@ class PrefillDuty(Duty):
         request, marks = task.request, self.worker.superseded
         if (superseded := marks.refusal(request, task.delivery)) is not None:
             return self.worker.refusal(superseded)
+        if (ended := self.refusal_if_ended(request.request_id)) is not None:
+            return ended
         if self.is_draining:
             return self.worker.refusal("worker is draining")
         if marks.replaces(request, task.delivery):  # stop the earlier delivery's run now
@@ -200,6 +202,8 @@ class PrefillDuty(Duty):
             if self._is_mine(request.request_id):  # shutdown, not an abort
                 await self._fail(request, RequestAborted("prefill worker stopped"))
             raise
+        except RequestAborted as exc:  # a peer heard its gateway end it: nothing to tell
+            self.log.debug("prefill.ended", request_id=request.request_id, reason=exc.message)
         except HalfmoonError as exc:
             error = exc
         except Exception as exc:
@@ -311,6 +315,8 @@ class PrefillDuty(Duty):
                                        max(deadline - time.monotonic(), pause_s))
                 if reply.is_accepted:
                     return
+                if reply.code == ErrorCode.ABORTED:  # ended: no decode worker wanted
+                    raise RequestAborted(reply.reason)
                 reason = reply.reason
             except WorkerUnavailable as exc:
                 reason = exc.message
@@ -329,6 +335,8 @@ class PrefillDuty(Duty):
             reply = await dispatch(self.nc, self.subjects.kv_commit(target.decode_worker_id),
                                    kv_committed(request, result, report, self.worker_id),
                                    COMMIT_TIMEOUT_S)
+        if reply.code == ErrorCode.ABORTED:  # its gateway ended it: the abort is on its way
+            raise RequestAborted(reply.reason)
         if not reply.is_accepted:
             raise WorkerUnavailable(f"decode worker refused the commit: {reply.reason}")
         if report.num_bytes:

@@ -88,3 +88,12 @@ def test_a_later_delivery_of_the_same_attempt_replaces_a_run_taken_here() -> Non
     assert not is_replaced((0, 0), 0, 2)  # a run naming no delivery
     assert not is_replaced((0, 1), 0, 0)
     assert not is_replaced(None, 0, 2)
+
+
+def test_a_request_its_gateway_ended_is_remembered_and_the_oldest_forgotten() -> None:
+    superseded = Superseded(max_requests=2)
+    superseded.note(AbortRequest(request_id="r0", reason="placed elsewhere"))
+    assert not superseded.is_ended("r0")  # a plain abort ends nothing
+    for request_id in ("r1", "r2", "r3"):
+        superseded.note(AbortRequest(request_id=request_id, reason="gateway", is_ended=True))
+    assert [superseded.is_ended(r) for r in ("r1", "r2", "r3")] == [False, True, True]
