@@ -21,7 +21,9 @@ LINKED = re.compile(r"\]\(([^)#\s]+)\)")
 def documents() -> list[Path]:
     found = {*ROOT.glob("*.md"), *ROOT.glob("*/README.md"), *(ROOT / "docs").rglob("*.md"),
              *(ROOT / "deploy").rglob("*.md")}
-    return sorted(path for path in found if path.is_file())
+    # Not a tool's own folder (`.pytest_cache/README.md`): only what the repository holds.
+    return sorted(path for path in found if path.is_file()
+                  and not any(part.startswith(".") for part in path.relative_to(ROOT).parts))
 
 
 def named_paths(text: str) -> set[str]:
