@@ -27,7 +27,7 @@ from services.kv_handoff import KvHandoff
 from services.superseded import Mark
 from shared.errors import ErrorCode
 from shared.heartbeats import WorkerDirectory
-from shared.messages import DispatchReply, Message, WorkerRole
+from shared.messages import DispatchReply, GenerateRequest, Message, WorkerRole
 
 if TYPE_CHECKING:
     from services.worker import WorkerService
@@ -79,6 +79,13 @@ class Duty(abc.ABC):
             loop.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
         self._loops = []
+
+    def refusal_if_stale(self, request: GenerateRequest, delivery: int) -> DispatchReply | None:
+        """The refusal of a placement's command (a task, a reservation) that comes after its
+        request was placed again from a later delivery, or ended (`Superseded`)."""
+        if (superseded := self.worker.superseded.refusal(request, delivery)) is not None:
+            return self.worker.refusal(superseded)
+        return self.refusal_if_ended(request.request_id)
 
     def refusal_if_ended(self, request_id: str) -> DispatchReply | None:
         """The refusal of a command for a request its gateway has ended (`Superseded`),

@@ -122,10 +122,8 @@ class DecodeDuty(Duty):
 
     async def _on_reserve(self, message: DecodeReservation) -> DispatchReply:
         request, marks = message.request, self.worker.superseded
-        if (superseded := marks.refusal(request, message.delivery)) is not None:
-            return self.worker.refusal(superseded)
-        if (ended := self.refusal_if_ended(request.request_id)) is not None:
-            return ended
+        if (stale := self.refusal_if_stale(request, message.delivery)) is not None:
+            return stale
         # A reservation is re-pointed; an earlier delivery's run stops: its abort is on its way.
         if marks.replaces(request, message.delivery) \
                 and request.request_id not in self._held.reservations:

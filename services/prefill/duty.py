@@ -100,10 +100,8 @@ class PrefillDuty(Duty):
 
     async def _on_task(self, task: PrefillTask) -> DispatchReply:
         request, marks = task.request, self.worker.superseded
-        if (superseded := marks.refusal(request, task.delivery)) is not None:
-            return self.worker.refusal(superseded)
-        if (ended := self.refusal_if_ended(request.request_id)) is not None:
-            return ended
+        if (stale := self.refusal_if_stale(request, task.delivery)) is not None:
+            return stale
         if self.is_draining:
             return self.worker.refusal("worker is draining")
         if marks.replaces(request, task.delivery):  # stop the earlier delivery's run now
