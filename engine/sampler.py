@@ -51,6 +51,12 @@ class Draw:
     matcher: Matcher | None = None  # the grammar the next token must keep to
     remaining: int = 1 << 30  # output tokens the budget still allows, this one included
 
+    @property
+    def budget(self) -> int:
+        """The request's whole output budget: a continuation's `max_tokens` is what was left
+        of it, its earlier output already in `token_ids`."""
+        return self.remaining + len(self.token_ids) - self.output_start
+
     def generator(self, device: torch.device) -> torch.Generator | None:
         if self.seed is None:
             return None
@@ -121,7 +127,7 @@ def apply_controls(logits: torch.Tensor, draw: Draw, eos_token_ids: Collection[i
     min_tokens, bias, then the penalties."""
     p = draw.sampling
     if draw.matcher is not None:
-        draw.matcher.mask(logits, draw.remaining, p.max_tokens)
+        draw.matcher.mask(logits, draw.remaining, draw.budget)
     for banned in _bans(logits, draw, eos_token_ids):
         _mask_unless_empty(logits, banned)
     if p.logit_bias:
