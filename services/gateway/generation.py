@@ -56,8 +56,6 @@ log = get_logger(__name__)
 # `DecodeReservation`: a worker id, a few numbers) and the headers it travels with.
 _COMMAND_WRAPPING_BYTES = 4096
 
-# Continuations per request after lost workers; past this the client gets the error.
-MAX_FAILOVERS = 2
 # Requests being queued (published into the request stream, its acknowledgement awaited) at
 # once; the rest wait their turn. A burst of thousands, all waiting, kept this process so busy
 # that acknowledgements already in its socket were read after their 2 s wait had run out, and
@@ -171,9 +169,9 @@ class Generator:
             try:
                 delta = await stream.next(ctx.timeout_s)
             except WorkerLost as exc:
-                attempt += 1
-                if attempt > MAX_FAILOVERS:
+                if not progress.may_continue_after(exc):
                     raise
+                attempt += 1
                 await self._place_again(request_id, parsed, stream, exc, generated,
                                         attempt=attempt)
                 scored_prompt = []  # the new attempt sends its own

@@ -8,8 +8,14 @@ import time
 from dataclasses import dataclass, field
 
 from services.gateway.request_stream import RequestStream
+from shared.errors import RequestMoved, WorkerLost
 from shared.messages import FinishReason
 from shared.metrics import GatewayMetrics
+
+# Continuations per request after lost workers; past this the client gets the error.
+MAX_FAILOVERS = 2
+# Continuations after the request was handed back to be placed again.
+MAX_MOVES = 8
 
 
 class TokenClock:
@@ -63,6 +69,20 @@ class Progress:
     generated: list[int] = field(default_factory=list)
     num_cached: int = 0
     finish_reason: FinishReason | None = None
+    num_lost: int = 0  # continuations after a worker was lost
+    num_moved: int = 0  # and after the request was handed back
+
+    def may_continue_after(self, exc: WorkerLost) -> bool:
+        """Count the interruption; whether the request goes on elsewhere. A request that
+        kills every worker it lands on takes down at most `MAX_FAILOVERS` more. Being
+        handed back (`RequestMoved`: load shed, a stream its worker no longer holds, a
+        conductor lost while placing it) is nothing the request may have caused, so it has
+        a limit of its own, against a request passed back and forth forever."""
+        if isinstance(exc, RequestMoved):
+            self.num_moved += 1
+            return self.num_moved <= MAX_MOVES
+        self.num_lost += 1
+        return self.num_lost <= MAX_FAILOVERS
 
     def workers(self, stream: RequestStream) -> dict[str, str]:
         placed = stream.placement
