@@ -24,11 +24,11 @@ from engine.block_growth import BlockGrowth
 from engine.grammar import Grammars
 from engine.kv_cache import KvCache
 from engine.model_runner import ModelRunner, Sampled
-from engine.prefill_cost import PrefillCostFit
 from engine.protocol import FirstToken, PrefillResult, TokenOutput
 from engine.sampler import Pick, base_seed
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.step_cost import StepCostFit
 from engine.stopping import finish_reason
 from shared.errors import HalfmoonError
 from shared.messages import FinishReason, SamplingParams, choice_id, request_of
@@ -59,7 +59,8 @@ class StepTimes:
         self.decode_step_s = 0.0
         self.busy_s = 0.0
         self.num_prompt_computed = 0
-        self.prefill_cost = PrefillCostFit()
+        self.prefill_cost = StepCostFit()  # by prompt tokens
+        self.decode_cost = StepCostFit()  # by sequences
 
     def observe(self, is_prefill: bool, num_tokens: int, elapsed_s: float) -> None:
         self.busy_s += elapsed_s
@@ -70,6 +71,7 @@ class StepTimes:
             old = self.prefill_tokens_per_s
             self.prefill_tokens_per_s = rate if old == 0 else 0.8 * old + 0.2 * rate
         else:
+            self.decode_cost.observe(num_tokens, elapsed_s)  # a token per sequence
             old = self.decode_step_s
             self.decode_step_s = elapsed_s if old == 0 else 0.8 * old + 0.2 * elapsed_s
 

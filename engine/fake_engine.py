@@ -296,6 +296,7 @@ class FakeEngine:
             max_batch_size=self.max_batch_size,
             num_waiting_tokens=self._num_waiting_tokens,
             decode_step_s=self.token_delay_s,
+            decode_overhead_s=self.token_delay_s,  # a step takes as long at any batch
             prefill_overhead_s=self.prefill_delay_s,
             prefill_s_per_token=self.prefill_s_per_token,
         )

@@ -106,6 +106,8 @@ class EngineStats:
     prefill_tokens_per_s: float = 0.0  # measured (moving average); 0 before any prefill
     num_waiting_tokens: int = 0  # prompt tokens not yet computed
     decode_step_s: float = 0.0  # measured (moving average); 0 before any decode step
+    decode_overhead_s: float = 0.0  # fitted T_decode(b) = overhead + s_per_sequence * b
+    decode_s_per_sequence: float = 0.0
     prefill_overhead_s: float = 0.0  # fitted T_prefill(n) = overhead + s_per_token * n
     prefill_s_per_token: float = 0.0
     busy_s: float = 0.0  # wall time spent in model steps since start (utilization: its rate)

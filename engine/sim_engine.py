@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 from engine.block_ledger import BlockLedger
 from engine.fake_engine import FakeSequence, PrefillJob, new_sequence, refuse_unserved
-from engine.prefill_cost import PrefillCostFit
 from engine.protocol import (
     DecodeRequest,
     EngineStats,
@@ -42,6 +41,7 @@ from engine.protocol import (
     TokenOutput,
 )
 from engine.sim_cost import SimProfile
+from engine.step_cost import StepCostFit
 from shared.errors import CapacityExhausted, EngineFailure, InvalidRequest
 from shared.messages import KvPoolLayout, SamplingParams
 
@@ -85,7 +85,8 @@ class SimEngine:
         self._local: dict[str, bool] = {}  # prefilled here to decode here: emit first token?
         self._outputs: asyncio.Queue[list[TokenOutput]] = asyncio.Queue()
         self._has_work = asyncio.Event()
-        self._prefill_cost = PrefillCostFit()
+        self._prefill_cost = StepCostFit()
+        self._decode_cost = StepCostFit()
         self._decode_step_s = 0.0
         self._task: asyncio.Task[None] | None = None
         self._is_closed = False
@@ -291,6 +292,7 @@ class SimEngine:
         batch = list(self._running.values())[: self.max_batch_size]
         duration_s = self.profile.decode_s(sequence.context_len for sequence in batch)
         wall_s = await self._run(duration_s, [])
+        self._decode_cost.observe(len(batch), wall_s)
         old = self._decode_step_s
         self._decode_step_s = wall_s if old == 0 else 0.8 * old + 0.2 * wall_s
         outputs = [self._decode_one(sequence) for sequence in batch
@@ -329,6 +331,7 @@ class SimEngine:
 
     def stats(self) -> EngineStats:
         overhead_s, s_per_token = self._prefill_cost.coefficients()
+        decode_overhead_s, s_per_sequence = self._decode_cost.coefficients()
         return EngineStats(
             num_running=len(self._running),
             num_waiting=len(self._waiting),
@@ -337,6 +340,8 @@ class SimEngine:
             max_batch_size=self.max_batch_size,
             num_waiting_tokens=self._num_waiting_tokens,
             decode_step_s=self._decode_step_s,
+            decode_overhead_s=decode_overhead_s,
+            decode_s_per_sequence=s_per_sequence,
             prefill_overhead_s=overhead_s,
             prefill_s_per_token=s_per_token,
             prefill_tokens_per_s=1 / s_per_token if s_per_token else 0.0,

@@ -351,6 +351,7 @@ class TorchEngine:
 
     def stats(self) -> EngineStats:
         overhead, per_token = self._times.prefill_cost.coefficients()
+        decode_overhead, per_sequence = self._times.decode_cost.coefficients()
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_free_blocks=self.allocator.num_available,
@@ -359,6 +360,7 @@ class TorchEngine:
             prefill_tokens_per_s=self._times.prefill_tokens_per_s,
             num_waiting_tokens=sum(s.num_uncomputed for s in list(self.scheduler.waiting)),
             decode_step_s=self._times.decode_step_s,
+            decode_overhead_s=decode_overhead, decode_s_per_sequence=per_sequence,
             prefill_overhead_s=overhead, prefill_s_per_token=per_token,
             busy_s=self._times.busy_s, num_prompt_tokens_computed=self._times.num_prompt_computed,
             num_preemptions=self._core.growth.num_preemptions if self._core is not None else 0,

@@ -457,6 +457,11 @@ class WorkerHeartbeat(Message, frozen=True, kw_only=True):
     # `num_waiting_tokens` by priority: a request waits behind its own and the more urgent
     # (empty: none waits, or a worker from before priorities: behind all of them).
     num_waiting_tokens_by_priority: dict[int, int] = msgspec.field(default_factory=dict)
+    # Fitted decode step cost, overhead + s_per_sequence * batch (both 0 until fitted, or
+    # from a worker before the fit): what a step takes at the batch a request would join,
+    # where `decode_step_s` is what the last steps took at whatever batch they ran.
+    decode_overhead_s: float = 0.0
+    decode_s_per_sequence: float = 0.0
 
 
 class RoleChange(Message, frozen=True, kw_only=True):

@@ -263,7 +263,14 @@ def admit(request: GenerateRequest, chosen: Plan, pending: Mapping[str, PendingW
     ttft_s = predicted_ttft_s(prefill, uncached_tokens(request, prefill, prefix, source) + queued,
                               rules.default_prefill_tokens_per_s, transfer_s,
                               priority=request.priority)
-    check_slo(ttft_s, predicted_tbt_s(chosen.decode), rules.slo)
+    decode = chosen.decode
+    is_idle = (decode.num_running == 0 and decode.num_waiting == 0
+               and pending.get(decode.worker_id, PendingWork()).num_requests == 0)
+    # An idle decode worker takes a request whatever its step estimate: alone, the
+    # request's steps are the fastest that worker has, and running them measures them
+    # again. (An estimate left from a busier or contended time, never measured again while
+    # every request was refused, refused every request for good.)
+    check_slo(ttft_s, 0.0 if is_idle else predicted_tbt_s(decode), rules.slo)
 
 
 def with_sent(pending: PendingWork | None, send: Send) -> PendingWork:

@@ -3,11 +3,13 @@
 Mooncake's estimate: TTFT = T_load + T_transfer + T_queue + T_prefill(prompt, cached prefix),
 T_load the measured time to load the model on a worker that must load it first. Each
 worker fits its prefill cost from measured steps, T(n) = overhead + s_per_token * n
-(`engine/prefill_cost.py`), and reports it with its queued prompt tokens in every heartbeat; so
+(`engine/step_cost.py`), and reports it with its queued prompt tokens in every heartbeat; so
     T_queue   = s_per_token * queued tokens
     T_prefill = overhead + s_per_token * uncached prompt tokens
     T_transfer = the time to fetch a cached prefix from another worker, when one is fetched.
 Without a fit it falls back to the measured rate, then to `default_tokens_per_s`.
+TBT, for decode, the same way: each worker fits its decode step, T(b) = overhead +
+s_per_sequence * b over the batches it ran, and a request's TBT is T(running + 1).
 
 Prefix reuse across workers (the seed's reuse benefit): fetching a prefix another worker
 holds saves computing its tokens and costs moving its KV,
@@ -87,8 +89,12 @@ def reuse_benefit_s(worker: WorkerHeartbeat, num_tokens: int, num_bytes: int,
 
 
 def predicted_tbt_s(worker: WorkerHeartbeat, extra_requests: int = 1) -> float:
-    """A decode step's time once this request joins: the measured step time, grown in
-    proportion to the batch (a conservative, memory-bound-free assumption)."""
+    """A decode step's time once this request joins: the worker's fitted step cost at
+    that batch. From a worker without the fit, the measured step time grown in proportion
+    to the batch (a conservative, memory-bound-free assumption)."""
+    batch = worker.num_running + extra_requests
+    if worker.decode_overhead_s > 0.0 or worker.decode_s_per_sequence > 0.0:
+        return worker.decode_overhead_s + worker.decode_s_per_sequence * batch
     if worker.decode_step_s == 0.0:
         return 0.0
     running = max(1, worker.num_running)

@@ -282,12 +282,19 @@ async def test_predicted_ttft_over_the_slo_is_rejected_early_with_retry_after(
         await stack.wait_blocks_free()
 
 
-async def test_predicted_tbt_over_the_slo_is_rejected(nats_url: str) -> None:
+async def test_predicted_tbt_over_the_slo_is_rejected_once_the_decode_worker_is_busy(
+        nats_url: str) -> None:
+    """Steps of 50 ms at any batch against a 20 ms SLO: the idle worker takes a request (alone,
+    its steps are the fastest that worker has, and running them measures them again); while
+    that one runs, the next is refused."""
     async with Stack(nats_url, worker={"fake_token_delay_s": 0.05},
                      conductor_options={"tbt_slo_ms": 20.0}) as stack:
+        first = asyncio.create_task(stack.post("/v1/completions", {**GOOD, "max_tokens": 40}))
+        await eventually(lambda: stack.decodes[0].engine.stats().num_running == 1)
         status, body = await stack.post("/v1/completions", GOOD)
         assert status == 429
         assert "between tokens" in body["error"]["message"]
+        assert (await first)[0] == 200
 
 
 SDK_BAD_REQUESTS = [

@@ -172,6 +172,26 @@ def test_admission_rejects_what_cannot_meet_the_ttft_slo() -> None:
         assignment.admit(REQUEST, chosen, {}, None, Rules(slo=Slo(ttft_s=0.1)))
 
 
+def test_admission_refuses_a_slow_decode_step_only_on_a_worker_that_is_not_idle() -> None:
+    """Steps of 50 ms against a 20 ms SLO: an idle worker still takes a request (an estimate
+    never measured again while every request was refused would refuse them all for good);
+    one with a request running, waiting for its KV or just sent, does not."""
+    slow = msgspec.structs.replace(worker("d1", "decode"), decode_step_s=0.05,
+                                   decode_overhead_s=0.05)
+    rules = Rules(slo=Slo(tbt_s=0.02))
+    chosen = assignment.plan(REQUEST, view(worker("p1"), slow), Progress(), Rules(),
+                             prefix=None, turn=0)
+    assignment.admit(REQUEST, chosen, {}, None, rules)
+    with pytest.raises(SloViolation, match="between tokens"):
+        assignment.admit(REQUEST, chosen, {"d1": PendingWork(num_requests=1)}, None, rules)
+    for busy in (msgspec.structs.replace(slow, num_running=1),
+                 msgspec.structs.replace(slow, num_waiting=1)):
+        chosen = assignment.plan(REQUEST, view(worker("p1"), busy), Progress(), Rules(),
+                                 prefix=None, turn=0)
+        with pytest.raises(SloViolation, match="between tokens"):
+            assignment.admit(REQUEST, chosen, {}, None, rules)
+
+
 def test_admission_counts_only_the_queue_ahead_of_a_more_urgent_request() -> None:
     """4,000 prompt tokens queued at priority 0: a request at 0 waits behind them (a TTFT
     over 40 s), one at -1 behind none, as the engine's queue orders them."""

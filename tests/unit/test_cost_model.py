@@ -59,6 +59,21 @@ def test_tbt_grows_with_the_batch_it_joins() -> None:
     assert predicted_tbt_s(worker("d", "decode")) == 0.0  # nothing measured yet
 
 
+def test_tbt_is_the_fitted_step_at_the_batch_joined_even_on_an_idle_worker() -> None:
+    # Its last steps ran 6 sequences in 0.158 s: idle now, one request's steps take the
+    # fit's 0.008 + 0.025 s, not the last steps' time (which, doubled, rejected every
+    # request while no step ran to measure it again).
+    idle = msgspec.structs.replace(worker("d", "decode"), decode_step_s=0.158,
+                                   decode_overhead_s=0.008, decode_s_per_sequence=0.025)
+    assert predicted_tbt_s(idle) == pytest.approx(0.033)
+    busy = msgspec.structs.replace(idle, num_running=5)
+    assert predicted_tbt_s(busy) == pytest.approx(0.008 + 0.025 * 6)
+    slo = Slo(ttft_s=None, tbt_s=0.1)
+    check_slo(0.0, predicted_tbt_s(idle), slo)
+    with pytest.raises(CapacityExhausted, match="between tokens"):
+        check_slo(0.0, predicted_tbt_s(busy), slo)
+
+
 def test_seed_score_of_an_ideal_and_a_worst_worker() -> None:
     best = seed_score(worker("a"), load=0.0, max_queue=10, fastest=1.0, decode_zone="")
     worst = seed_score(msgspec.structs.replace(worker("b", waiting=10), zone="far",
