@@ -463,6 +463,12 @@ class WorkerHeartbeat(Message, frozen=True, kw_only=True):
     decode_overhead_s: float = 0.0
     decode_s_per_sequence: float = 0.0
 
+    def fitted_decode_step_s(self, batch: int) -> float | None:
+        """The fitted decode step at `batch` sequences; None where the worker reports no fit."""
+        if self.decode_overhead_s == 0.0 and self.decode_s_per_sequence == 0.0:
+            return None
+        return self.decode_overhead_s + self.decode_s_per_sequence * batch
+
 
 class RoleChange(Message, frozen=True, kw_only=True):
     """Command to one worker (request/reply, `Subjects.role_change`), from an operator or a

@@ -92,13 +92,23 @@ def predicted_tbt_s(worker: WorkerHeartbeat, extra_requests: int = 1) -> float:
     """A decode step's time once this request joins: the worker's fitted step cost at
     that batch. From a worker without the fit, the measured step time grown in proportion
     to the batch (a conservative, memory-bound-free assumption)."""
-    batch = worker.num_running + extra_requests
-    if worker.decode_overhead_s > 0.0 or worker.decode_s_per_sequence > 0.0:
-        return worker.decode_overhead_s + worker.decode_s_per_sequence * batch
+    fitted = worker.fitted_decode_step_s(worker.num_running + extra_requests)
+    if fitted is not None:
+        return fitted
     if worker.decode_step_s == 0.0:
         return 0.0
     running = max(1, worker.num_running)
     return worker.decode_step_s * (running + extra_requests) / running
+
+
+def decode_step_now_s(worker: WorkerHeartbeat) -> float:
+    """A decode step's time at the batch the worker runs now: its fit there (none when
+    idle: the steps it last ran, at another batch, are no load now); from a worker without
+    the fit, the last steps' measured time."""
+    fitted = worker.fitted_decode_step_s(worker.num_running)
+    if fitted is None:
+        return worker.decode_step_s
+    return fitted if worker.num_running else 0.0
 
 
 def seed_score(worker: WorkerHeartbeat, *, load: float, max_queue: int, fastest: float,

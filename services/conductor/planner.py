@@ -5,7 +5,8 @@ against the SLOs. Pure (heartbeats and a clock in, at most one decision's moves 
 Pressure of a role, 1.0 = at its SLO, each worker's from its heartbeat, averaged per role:
     prefill  the predicted TTFT of a new request there (its queued prompt tokens on its
              fitted prefill cost, as placement predicts it) over `--ttft-slo-ms`
-    decode   the largest of its measured decode step over `--tbt-slo-ms`, the used share of
+    decode   the largest of its decode step at the batch it runs now (its fitted cost; none
+             when idle) over `--tbt-slo-ms`, the used share of
              its KV pool and its batch's occupancy (requests running, over its batch size):
              a pool or a batch filling up are the other ways decode runs out. Reservations
              waiting for their prefill are not counted as load (they are a prefill backlog,
@@ -53,7 +54,7 @@ from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from services.conductor.cost_model import predicted_ttft_s
+from services.conductor.cost_model import decode_step_now_s, predicted_ttft_s
 from shared.messages import WorkerHeartbeat, WorkerRole
 
 
@@ -114,7 +115,7 @@ def decode_pressure(worker: WorkerHeartbeat, rules: PlannerRules) -> float:
 
 
 def decode_compute_pressure(worker: WorkerHeartbeat, rules: PlannerRules) -> float:
-    step = worker.decode_step_s / rules.tbt_slo_s if rules.tbt_slo_s else 0.0
+    step = decode_step_now_s(worker) / rules.tbt_slo_s if rules.tbt_slo_s else 0.0
     # Running sequences only: a decode worker's waiting requests are reservations whose
     # prefill is queued (a prefill backlog, not decode load; their KV counts in the pool).
     return max(step, worker.num_running / max(1, worker.max_batch_size))

@@ -123,6 +123,15 @@ def test_below_the_high_mark_a_filling_pool_alone_moves_no_worker() -> None:
     workers = [*prefill, worker("d", "decode", used_blocks=59, decode_step_s=0.06)]
     (move,) = decide_over(Planner(RULES), workers, 3)
     assert move.to_role == "decode"
+    # Not once the worker is idle, where it fits its steps (0.02 + 0.02 a sequence): the
+    # steps it last ran, at a batch of two, are no load now.
+    fitted = {"decode_overhead_s": 0.02, "decode_s_per_sequence": 0.02}
+    workers = [*prefill, worker("d", "decode", used_blocks=59, decode_step_s=0.06, **fitted)]
+    assert decide_over(Planner(RULES), workers, 3) == []
+    workers = [*prefill, worker("d", "decode", used_blocks=59, decode_step_s=0.06,
+                                num_running=2, **fitted)]
+    (move,) = decide_over(Planner(RULES), workers, 3)
+    assert move.to_role == "decode"
 
 
 def test_below_the_high_mark_workers_move_while_the_role_stays_the_more_pressed() -> None:
