@@ -138,7 +138,8 @@ class Grammars:
         compiled = self.compile(spec)
         vocab = self._vocab
         assert vocab is not None  # read with the compiler
-        closer = JsonCloser(vocab) if spec.kind in ("json_object", "json_schema") else None
+        closer = JsonCloser(vocab, trailing=len(spec.end.encode())) \
+            if spec.kind in ("json_object", "json_schema") else None
         matcher = Matcher(xgr.GrammarMatcher(compiled), vocab, closer)
         for token_id in accepted:
             matcher.accept(token_id)
@@ -227,15 +228,17 @@ class JsonCloser:
     closing it, steers to the allowed token that leaves the least open.
 
     The estimate (closing characters still owed: a quote for an open string, a value for a
-    pending key or element, a bracket per open container) is a lower bound; the margin,
-    a quarter of the budget, covers what a schema adds (required keys still to write)."""
+    pending key or element, a bracket per open container; then what the grammar wants after
+    the JSON, `trailing`: a tool call's end tag) is a lower bound; the margin, a quarter of
+    the budget, covers what a schema adds (required keys still to write)."""
 
     MARGIN = 6
     MARGIN_SHARE = 4  # of the budget
 
-    def __init__(self, vocab: GrammarVocab) -> None:
+    def __init__(self, vocab: GrammarVocab, trailing: int = 0) -> None:
         self.vocab = vocab
         self.state = JsonState()
+        self.trailing = trailing
 
     def advance(self, token_id: int) -> None:
         self.state = self.state.after(self.vocab.token_bytes[token_id])
@@ -244,7 +247,8 @@ class JsonCloser:
         vocab = self.vocab
         if len(vocab.banned):
             logits[vocab.banned.to(logits.device)] = float("-inf")
-        if remaining > self.state.owed() + max(self.MARGIN, budget // self.MARGIN_SHARE):
+        if remaining > (self.state.owed() + self.trailing
+                        + max(self.MARGIN, budget // self.MARGIN_SHARE)):
             return
         candidates = vocab.short.to(logits.device)
         allowed = candidates[torch.isfinite(logits[candidates])]
