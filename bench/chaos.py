@@ -182,10 +182,12 @@ class Cluster:
 
     @property
     def worker_flags(self) -> list[str]:
+        """The workers' flags (`halfmoon up`'s too, with `--up-flags` after them)."""
         if self.args.engine == "torch":
-            return ["--engine", "torch", "--log-level", "warning"]
+            return ["--engine", "torch", "--log-level", "warning", *self.args.up_flags]
         return ["--engine", "fake", "--fake-token-delay-s", str(self.args.token_delay_s),
-                "--fake-prefill-delay-s", "0.02", "--log-level", "warning"]
+                "--fake-prefill-delay-s", "0.02", "--log-level", "warning",
+                *self.args.up_flags]
 
     async def launch(self) -> None:
         raise NotImplementedError
@@ -530,6 +532,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the workers' engine (torch: the built-in model; --launch up)")
     parser.add_argument("--long-prompts", action="store_true",
                         help="prompts of 40 to 450 words instead of a few")
+    parser.add_argument("--up-flags", type=str.split, default=[],
+                        help="more `halfmoon up` flags, in one string (--launch up)")
     args = parser.parse_args(argv)
     if args.engine == "torch" and args.launch != "up":
         parser.error("--engine torch runs with --launch up (its gateways need the model)")
