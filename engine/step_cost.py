@@ -13,6 +13,8 @@ from __future__ import annotations
 
 
 class StepCostFit:
+    """T(n) = overhead_s + s_per_unit * n over recent (n, seconds) steps."""
+
     def __init__(self, decay: float = 0.95) -> None:
         self.decay = decay
         self._w = self._n = self._nn = self._t = self._nt = 0.0
