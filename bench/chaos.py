@@ -183,11 +183,10 @@ class Cluster:
     @property
     def worker_flags(self) -> list[str]:
         """The workers' flags (`halfmoon up`'s too, with `--up-flags` after them)."""
-        if self.args.engine == "torch":
-            return ["--engine", "torch", "--log-level", "warning", *self.args.up_flags]
-        return ["--engine", "fake", "--fake-token-delay-s", str(self.args.token_delay_s),
-                "--fake-prefill-delay-s", "0.02", "--log-level", "warning",
-                *self.args.up_flags]
+        engine = ["--engine", "torch"] if self.args.engine == "torch" else [
+            "--engine", "fake", "--fake-token-delay-s", str(self.args.token_delay_s),
+            "--fake-prefill-delay-s", "0.02"]
+        return [*engine, "--log-level", "warning", *self.args.up_flags]
 
     async def launch(self) -> None:
         raise NotImplementedError
@@ -537,6 +536,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.engine == "torch" and args.launch != "up":
         parser.error("--engine torch runs with --launch up (its gateways need the model)")
+    if args.up_flags and args.launch != "up":
+        parser.error("--up-flags are `halfmoon up`'s: they run with --launch up")
     unknown = set(args.scenarios) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenarios {sorted(unknown)}; known: {', '.join(SCENARIOS)}")

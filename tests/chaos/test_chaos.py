@@ -75,6 +75,8 @@ async def test_long_prompts_on_the_torch_engine_survive(scenario: str) -> None:
 def test_torch_chaos_runs_under_halfmoon_up_only() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--engine", "torch", "--launch", "processes"])
+    with pytest.raises(SystemExit):
+        parse_args(["--up-flags", "--num-blocks 72", "--launch", "processes"])
     long = make_prompts(parse_args(["--long-prompts", "--requests", "4"]))
     assert long == make_prompts(parse_args(["--long-prompts", "--requests", "4"]))
     assert all(40 <= len(p.split()) - 3 <= 450 for p in long)
