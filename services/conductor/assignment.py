@@ -263,14 +263,22 @@ def admit(request: GenerateRequest, chosen: Plan, pending: Mapping[str, PendingW
     ttft_s = predicted_ttft_s(prefill, uncached_tokens(request, prefill, prefix, source) + queued,
                               rules.default_prefill_tokens_per_s, transfer_s,
                               priority=request.priority)
+    # An idle worker takes the request whatever an estimate that nothing will correct: a
+    # prefill worker's that no prefill measured (the default rate), a decode worker's step
+    # (alone, the request gets the fastest steps that worker has). Running it measures the
+    # worker. (Otherwise such an estimate, measured never or in a busier or contended
+    # moment, refused every request for good.)
+    if _is_idle(prefill, pending) and not (prefill.prefill_s_per_token
+                                           or prefill.prefill_tokens_per_s):
+        ttft_s = 0.0
     decode = chosen.decode
-    is_idle = (decode.num_running == 0 and decode.num_waiting == 0
-               and pending.get(decode.worker_id, PendingWork()).num_requests == 0)
-    # An idle decode worker takes a request whatever its step estimate: alone, the
-    # request's steps are the fastest that worker has, and running them measures them
-    # again. (An estimate left from a busier or contended time, never measured again while
-    # every request was refused, refused every request for good.)
-    check_slo(ttft_s, 0.0 if is_idle else predicted_tbt_s(decode), rules.slo)
+    check_slo(ttft_s, 0.0 if _is_idle(decode, pending) else predicted_tbt_s(decode), rules.slo)
+
+
+def _is_idle(worker: WorkerHeartbeat, pending: Mapping[str, PendingWork]) -> bool:
+    """Nothing running, waiting or on its way there."""
+    return (worker.num_running == 0 and worker.num_waiting == 0
+            and pending.get(worker.worker_id, PendingWork()).num_requests == 0)
 
 
 def with_sent(pending: PendingWork | None, send: Send) -> PendingWork:

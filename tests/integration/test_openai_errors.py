@@ -267,8 +267,9 @@ async def test_a_dead_worker_with_no_replacement_ends_in_503(nats_url: str) -> N
 async def test_predicted_ttft_over_the_slo_is_rejected_early_with_retry_after(
     nats_url: str,
 ) -> None:
-    conductor = {"ttft_slo_ms": 50.0, "default_prefill_tokens_per_s": 100.0}
-    async with Stack(nats_url, conductor_options=conductor) as stack:
+    conductor = {"ttft_slo_ms": 50.0}
+    async with Stack(nats_url, worker={"fake_prefill_s_per_token": 0.01},
+                     conductor_options=conductor) as stack:
         async with aiohttp.ClientSession() as session, session.post(
             f"{stack.gateway.url}/v1/completions",
             json={**GOOD, "prompt": "x" * 40},

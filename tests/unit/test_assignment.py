@@ -172,6 +172,26 @@ def test_admission_rejects_what_cannot_meet_the_ttft_slo() -> None:
         assignment.admit(REQUEST, chosen, {}, None, Rules(slo=Slo(ttft_s=0.1)))
 
 
+def test_a_prefill_worker_that_measured_nothing_yet_takes_a_request_when_idle() -> None:
+    """The default rate (2,000 tokens/s) puts 40 tokens at 20 ms, over a 10 ms SLO: a worker
+    that prefilled nothing yet takes the request while idle (its prefill measures it, where
+    a guess would refuse every such request for good), not once it has work; a worker that
+    measured itself that slow is refused even idle (early rejection)."""
+    rules = Rules(slo=Slo(ttft_s=0.01))
+    unmeasured = worker("p1")
+    assert (unmeasured.prefill_s_per_token, unmeasured.prefill_tokens_per_s) == (0.0, 0.0)
+    chosen = assignment.plan(REQUEST, view(unmeasured, worker("d1", "decode")), Progress(),
+                             Rules(), prefix=None, turn=0)
+    assignment.admit(REQUEST, chosen, {}, None, rules)
+    with pytest.raises(SloViolation, match="TTFT"):
+        assignment.admit(REQUEST, chosen, {"p1": PendingWork(num_requests=1)}, None, rules)
+    measured = msgspec.structs.replace(unmeasured, prefill_s_per_token=0.0005)
+    chosen = assignment.plan(REQUEST, view(measured, worker("d1", "decode")), Progress(),
+                             Rules(), prefix=None, turn=0)
+    with pytest.raises(SloViolation, match="TTFT"):
+        assignment.admit(REQUEST, chosen, {}, None, rules)
+
+
 def test_admission_refuses_a_slow_decode_step_only_on_a_worker_that_is_not_idle() -> None:
     """Steps of 50 ms against a 20 ms SLO: an idle worker still takes a request (an estimate
     never measured again while every request was refused would refuse them all for good);
