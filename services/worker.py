@@ -20,20 +20,16 @@ reservations wait for that queue, and the switch is wanted exactly then.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import time
 import uuid
 from collections import Counter
 from typing import ClassVar
 
-import nats.errors
-import nats.js.errors
-from nats.js.kv import KeyValue
-
 from engine.protocol import Engine
 from services.decode.duty import DecodeDuty
 from services.duty import Duty
+from services.heartbeat_sender import HeartbeatSender
 from services.kv_events import KvEventPublisher
 from services.kv_handoff import KvHandoff, NoKvHandoff
 from services.kv_leases import LeaseTable
@@ -46,10 +42,6 @@ from shared import tracing
 from shared.config import WorkerConfig
 from shared.errors import ConfigError
 from shared.heartbeats import WorkerDirectory
-from shared.jetstream_assets import (
-    Redeclare,
-    ensure_bucket,
-)
 from shared.messages import (
     AbortRequest,
     DispatchReply,
@@ -59,12 +51,9 @@ from shared.messages import (
     WorkerRole,
 )
 from shared.metrics import CounterAtScrape, ElasticWorkerMetrics
-from shared.nats_client import encode
 from shared.service import Service, ServiceState
 from transfer_engine.engine import TransferEngine
 
-# Registry entries outlive a few missed heartbeats, then the bucket drops them.
-REGISTRY_TTL_HEARTBEATS = 10
 ROLES: tuple[WorkerRole, ...] = ("prefill", "decode")  # RoleChange's own type checks it
 
 
@@ -90,7 +79,6 @@ class WorkerService(Service):
         # last while it finishes its work.
         self._duties: dict[WorkerRole, Duty] = {}
         self._switching = asyncio.Lock()  # role changes and duties' retirements in turn
-        self._registry: KeyValue | None = None
         self._is_engine_started = False
         self.kv_commits: Counter[str] = Counter()  # requests joined (decode), by KV transport
         # Assembled at start (`worker_parts`).
@@ -101,10 +89,10 @@ class WorkerService(Service):
         self.leases = LeaseTable(self.worker_id, self.metrics, self._publish_lease_event)
         # Requests placed again since: their earlier placements' late commands are refused.
         self.superseded = Superseded()
-        self._registry_put: asyncio.Task[None] | None = None
-        # The registry bucket found gone (deleted, or lost with a server's store): declared
-        # again.
-        self._redeclare_registry = Redeclare(self._open_registry, "the worker registry")
+        self.heartbeats = HeartbeatSender(
+            self.worker_id, self.subjects, config.heartbeat_interval_s, config.js_replicas,
+            build=self.heartbeat, roles=lambda: dict.fromkeys([self.role, *self._duties]),
+            nc=lambda: self.nc, spawn=self.spawn)
         self.kv_events = KvEventPublisher(
             self.worker_id, config.engine.block_size, self.subjects,
             cache=lambda: self.engine.prefix_cache, nc=lambda: self.nc, spawn=self.spawn,
@@ -160,7 +148,7 @@ class WorkerService(Service):
         self._shelf = models_on_disk(self.config)
         await register_device_kv(parts)
         self._read_gauges_at_scrape()
-        await self._open_registry()
+        await self.heartbeats.open_registry()
         await self.kv_events.declare()
         await self.kv_events.publish()  # the whole cache: a reset
         self._duties[self._role] = self.duty_types[self._role](self)
@@ -169,9 +157,8 @@ class WorkerService(Service):
         await self.serve(self.subjects.abort, AbortRequest, self._on_abort)
         await self.serve(self.subjects.role_change(self.worker_id), RoleChange,
                          self._on_role_change)
-        await self._heartbeat()
-        if self._registry_put is not None:  # registered before start() returns
-            await self._registry_put
+        await self.heartbeats.send()
+        await self.heartbeats.registered()  # before start() returns
         self.spawn(self._heartbeat_loop(), "heartbeat")
 
     def _read_gauges_at_scrape(self) -> None:
@@ -236,7 +223,7 @@ class WorkerService(Service):
                 self._role = command.role
             self.metrics.role_changes.labels(old.role, new.role).inc()
             self._show_role()
-            await self._heartbeat()
+            await self.heartbeats.send()
             self.log.info("role.changed", from_role=old.role, to_role=new.role,
                           reason=command.reason, requested_by=command.requested_by,
                           is_old_role_idle=old.is_idle())
@@ -265,7 +252,7 @@ class WorkerService(Service):
                 "halfmoon.worker": self.worker_id, "halfmoon.from_model": self.config.model,
                 "halfmoon.to_model": command.model, "halfmoon.to_role": command.role,
                 "halfmoon.reason": command.reason}):
-            await self._heartbeat()  # draining: nothing new is sent here
+            await self.heartbeats.send()  # draining: nothing new is sent here
             await self.wait_until(lambda: all(d.is_idle() for d in self._duties.values()),
                                   interval_s=0.05)
         self.metrics.model_changes.labels(self.config.model, command.model).inc()
@@ -294,42 +281,7 @@ class WorkerService(Service):
             for duty in list(self._duties.values()):
                 duty.on_tick()
             self.kv_events.publish_soon()  # never holds up the heartbeat
-            await self._heartbeat()
-
-    async def _heartbeat(self) -> None:
-        """Publish the heartbeat and keep it as this worker's registry entry, from which a
-        new conductor or gateway builds its view before the next heartbeat arrives."""
-        payload = encode(self.heartbeat())
-        # Also on the subject of a role it is leaving, while it finishes the work it took
-        # there: a decode worker holding KV for this worker's queued prefills hears prefill
-        # heartbeats only, and took a worker moved to decode for lost four intervals later,
-        # dropping those reservations (the requests were placed and prefilled again).
-        for role in dict.fromkeys([self.role, *self._duties]):
-            await self.nc.publish(self.subjects.heartbeat(role, self.worker_id), payload)
-        if self._registry is not None and self._registry_put is None:
-            # Beside the heartbeat, never before the next one: while the bucket's leader
-            # moves (a NATS node lost) a put waits seconds, and heartbeats held up behind it
-            # made every conductor judge every worker lost at once. A put still in flight
-            # skips this one; the next heartbeat puts a fresher entry.
-            self._registry_put = self.spawn(self._put_registry(payload), "registry-put")
-
-    async def _put_registry(self, payload: bytes) -> None:
-        try:
-            if self._registry is not None:
-                await self._registry.put(self.worker_id, payload)
-        except (nats.errors.Error, nats.js.errors.Error) as exc:
-            self.log.warning("registry.put_failed", error=repr(exc))
-            if isinstance(exc, nats.js.errors.NoStreamResponseError):
-                await self._redeclare_registry()  # the bucket may be gone
-        finally:
-            self._registry_put = None
-
-    async def _open_registry(self) -> None:
-        self._registry = await ensure_bucket(
-            self.nc.jetstream(), self.subjects.workers_bucket,
-            ttl_s=max(5.0, REGISTRY_TTL_HEARTBEATS * self.config.heartbeat_interval_s),
-            replicas=self.config.js_replicas,
-        )
+            await self.heartbeats.send()
 
     def heartbeat(self) -> WorkerHeartbeat:
         stats = self.engine.stats()
@@ -364,7 +316,7 @@ class WorkerService(Service):
     async def _stop_intake(self) -> None:
         for duty in self._duties.values():
             duty.stop_intake()
-        await self._heartbeat()
+        await self.heartbeats.send()
 
     async def _drain(self) -> None:
         await self.wait_until(lambda: all(d.is_idle() for d in self._duties.values()))
@@ -378,9 +330,7 @@ class WorkerService(Service):
             await self.engine.close()
         if self.transfer is not None:
             await self.transfer.close()
-        if self._registry is not None:
-            with contextlib.suppress(Exception):  # briefly: NATS may be gone at shutdown
-                await asyncio.wait_for(self._registry.delete(self.worker_id), 1.0)
+        await self.heartbeats.deregister()
 
 
 class PrefillService(WorkerService):

@@ -238,6 +238,7 @@ class PrefillDuty(Duty):
         ))
         self._observe_prefill(request, result, started, layers)
         self.worker.kv_events.publish_soon()
+        self.worker.heartbeats.soon()  # its tokens no longer wait here (`heartbeat_sender`)
         sampling = request.sampling
         if sampling.temperature > 0 and sampling.seed is None \
                 and not self._targets.future(request.request_id).done():

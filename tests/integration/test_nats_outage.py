@@ -218,7 +218,7 @@ async def test_a_stalled_registry_put_holds_up_no_heartbeat(nats_url: str) -> No
     async with Stack(nats_url) as stack:
         decode = stack.decodes[0]
         bucket = _StalledBucket()
-        decode._registry = bucket  # type: ignore[assignment]
+        decode.heartbeats._registry = bucket  # type: ignore[assignment]
         beats: list[float] = []
 
         async def count(_msg: object) -> None:

@@ -283,6 +283,23 @@ async def test_predicted_ttft_over_the_slo_is_rejected_early_with_retry_after(
         await stack.wait_blocks_free()
 
 
+async def test_prompts_sent_one_after_another_are_not_refused_for_those_computed_before(
+        nats_url: str) -> None:
+    """60 ms a prompt against a 100 ms SLO, heartbeats 2 s apart: the conductor counted
+    every prompt sent since the last heartbeat as still queued (120 ms for the second), and
+    refused all but the first until the next heartbeat. A prefill worker heartbeats soon
+    after each prefill now (`services/heartbeat_sender.py`)."""
+    timeout = {"heartbeat_timeout_s": 5.0}
+    async with Stack(nats_url, worker={"fake_prefill_s_per_token": 0.001,
+                                       "heartbeat_interval_s": 2.0},
+                     conductor_options={"ttft_slo_ms": 100.0, **timeout},
+                     gateway_options=timeout) as stack:
+        for _ in range(6):
+            status, body = await stack.post("/v1/completions", {**GOOD, "prompt": "x" * 60})
+            assert status == 200, body
+        assert stack.conductor.rejections["slo"] == 0
+
+
 async def test_predicted_tbt_over_the_slo_is_rejected_once_the_decode_worker_is_busy(
         nats_url: str) -> None:
     """Steps of 50 ms at any batch against a 20 ms SLO: the idle worker takes a request (alone,

@@ -52,11 +52,14 @@ class FreezingDecode(DecodeService):
         super().__init__(*args, **kwargs)
         self.is_frozen = False
         self.resumed = asyncio.Event()
+        send = self.heartbeats.send
 
-    async def _heartbeat(self) -> None:
-        if self.is_frozen:
-            await self.resumed.wait()
-        await super()._heartbeat()
+        async def send_unless_frozen(*, is_registered: bool = True) -> None:
+            if self.is_frozen:
+                await self.resumed.wait()
+            await send(is_registered=is_registered)
+
+        self.heartbeats.send = send_unless_frozen  # type: ignore[method-assign]
 
 
 async def test_a_request_whose_decode_worker_froze_mid_handoff_completes_elsewhere(
