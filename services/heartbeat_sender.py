@@ -6,9 +6,10 @@ Conductors count what they sent a worker since its last heartbeat as its pending
 top of the queue that heartbeat reported, and clear it at the next one. A prefill that ends
 long before that next heartbeat (0.5 s by default) left its tokens counted as queued: a
 client sending long prompts one after another was refused with a predicted TTFT that added
-up prompts computed long ago. So an ended prefill asks for a heartbeat soon (`soon`), at most
-one per `EARLY_GAP_S` (calls coalesce): the next placement sees the queue as it is, and a
-fresh worker's first measured step cost with it.
+up prompts computed long ago. So a prefill that leaves its worker's queue empty asks for a
+heartbeat soon (`soon`), at most one per `EARLY_GAP_S` (calls coalesce): the next placement
+sees the queue as it is, and a fresh worker's first measured step cost with it. A worker
+with a queue sends none early: its heartbeats' queue is what is pending there.
 """
 
 from __future__ import annotations

@@ -238,7 +238,8 @@ class PrefillDuty(Duty):
         ))
         self._observe_prefill(request, result, started, layers)
         self.worker.kv_events.publish_soon()
-        self.worker.heartbeats.soon()  # its tokens no longer wait here (`heartbeat_sender`)
+        if self.engine.stats().num_waiting_tokens == 0:  # the queue drained: say so now,
+            self.worker.heartbeats.soon()  # not as queued till the next heartbeat
         sampling = request.sampling
         if sampling.temperature > 0 and sampling.seed is None \
                 and not self._targets.future(request.request_id).done():
