@@ -31,7 +31,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.chaos import SCENARIOS, UpCluster, inject
+from bench.chaos_cluster import SCENARIOS, UpCluster, inject
 from bench.control_path import MODEL
 
 FAULTS = [s for s in SCENARIOS if s not in ("none", "kill-gateway")]
