@@ -202,44 +202,53 @@ class ConductorService(Service):
             await self.abandoned.drop(request, msg, schedule)
             return None
         except HalfmoonError as exc:
-            if in_hand.is_lapsed():  # its abort, hold or refusal is the next delivery's
-                self._let_go(request)
-                return None
-            age_s = holding.age_s(request, msg)
-            ttft_slo_s = self.placer.rules.slo.ttft_s
-            wait_s = holding.wait_of(request, self.config)
-            hold_s = holding.hold_s(exc, self.config, ttft_slo_s, wait_s)
-            # Short of room or of a worker, it waits to try again in this delivery: the sides
-            # that accepted drop it. Not when a side was given up (a command unanswered, on
-            # its way): that worker refuses the rest of this delivery, so the next one waits.
-            if holding.waits_in_line(exc) and not self.room_lines.is_closed and \
-                    age_s < hold_s and not progress.num_given_up:
-                for worker_id in set(progress.kept.values()):
-                    await self.outbox.abort(request.request_id, exc.message, worker_id,
-                                            attempt=request.attempt)
-                if schedule is not None:
-                    schedule.add_event("no_room" if isinstance(exc, Shortage) else "no_worker",
-                                       {"halfmoon.reason": exc.message})
-                return holding.line_of(request.model, exc), hold_s
-            # Whatever it sent is dropped, and refused until its next delivery.
-            if progress.num_sent:
-                await self.outbox.abort(request.request_id, exc.message,
-                                        attempt=request.attempt,
-                                        before_delivery=msg.metadata.num_delivered + 1)
-            tracing.failed(schedule, exc)
-            delay_s = holding.retry_delay_s(exc, self.config, ttft_slo_s, wait_s=wait_s,
-                                            age_s=age_s, num_delivered=msg.metadata.num_delivered)
-            if delay_s is not None:
-                self.log.info("request.held", reason=exc.message)
-                self.redeliveries.held.note(request.request_id)
-                await msg.nak(delay=delay_s)  # JetStream delivers it again then
-                return None
-            await self._reject(request, exc)
+            return await self._unplaced(request, msg, in_hand, progress, exc, schedule)
         except Exception as exc:
             tracing.failed(schedule, exc)
             self.log.error("request.place_failed", request_id=request.request_id, exc_info=exc)
             await msg.nak(delay=0.5)
             return None
+        await msg.ack()
+        return None
+
+    async def _unplaced(self, request: GenerateRequest, msg: Msg, in_hand: InHand,
+                        progress: assignment.Progress, exc: HalfmoonError,
+                        schedule: Span | None) -> tuple[str, float] | None:
+        """A delivery placement failed on: its line and hold when it may wait in this
+        delivery for room or a worker; else held for a later delivery (nak) or refused."""
+        if in_hand.is_lapsed():  # its abort, hold or refusal is the next delivery's
+            self._let_go(request)
+            return None
+        age_s = holding.age_s(request, msg)
+        ttft_slo_s = self.placer.rules.slo.ttft_s
+        wait_s = holding.wait_of(request, self.config)
+        hold_s = holding.hold_s(exc, self.config, ttft_slo_s, wait_s)
+        # Short of room or of a worker, it waits to try again in this delivery: the sides
+        # that accepted drop it. Not when a side was given up (a command unanswered, on
+        # its way): that worker refuses the rest of this delivery, so the next one waits.
+        if holding.waits_in_line(exc) and not self.room_lines.is_closed and \
+                age_s < hold_s and not progress.num_given_up:
+            for worker_id in set(progress.kept.values()):
+                await self.outbox.abort(request.request_id, exc.message, worker_id,
+                                        attempt=request.attempt)
+            if schedule is not None:
+                schedule.add_event("no_room" if isinstance(exc, Shortage) else "no_worker",
+                                   {"halfmoon.reason": exc.message})
+            return holding.line_of(request.model, exc), hold_s
+        # Whatever it sent is dropped, and refused until its next delivery.
+        if progress.num_sent:
+            await self.outbox.abort(request.request_id, exc.message,
+                                    attempt=request.attempt,
+                                    before_delivery=msg.metadata.num_delivered + 1)
+        tracing.failed(schedule, exc)
+        delay_s = holding.retry_delay_s(exc, self.config, ttft_slo_s, wait_s=wait_s,
+                                        age_s=age_s, num_delivered=msg.metadata.num_delivered)
+        if delay_s is not None:
+            self.log.info("request.held", reason=exc.message)
+            self.redeliveries.held.note(request.request_id)
+            await msg.nak(delay=delay_s)  # JetStream delivers it again then
+            return None
+        await self._reject(request, exc)
         await msg.ack()
         return None
 
