@@ -110,6 +110,7 @@ class EngineStats:
     decode_s_per_sequence: float = 0.0
     prefill_overhead_s: float = 0.0  # fitted T_prefill(n) = overhead + s_per_token * n
     prefill_s_per_token: float = 0.0
+    prefill_fit_age_s: float = 0.0  # since the prefill fit's last step; 0: none yet, or fixed
     busy_s: float = 0.0  # wall time spent in model steps since start (utilization: its rate)
     num_prompt_tokens_computed: int = 0  # since start (prefix-cache hits not included)
     num_preemptions: int = 0  # running sequences whose blocks were taken, since start

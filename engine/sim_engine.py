@@ -344,6 +344,7 @@ class SimEngine:
             decode_s_per_sequence=s_per_sequence,
             prefill_overhead_s=overhead_s,
             prefill_s_per_token=s_per_token,
+            prefill_fit_age_s=self._prefill_cost.age_s(),
             prefill_tokens_per_s=1 / s_per_token if s_per_token else 0.0,
             busy_s=self.busy_s,
         )

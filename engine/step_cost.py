@@ -11,12 +11,17 @@ an idle worker whose last steps ran a large batch is not that slow for one reque
 
 from __future__ import annotations
 
+import time
+
 # A step that takes more than this many times the fit's prediction for its size (within the
 # sizes seen, once the fit rests on a few steps) counts as this many: one step spanning a
 # paused process or a stalled machine (seconds where tens of ms were due) otherwise raised
 # the fit so far that admission refused every request for good (no step ran to lower it).
 # A worker that got slower for real is still learned: each step pulls the fit up to this
-# factor, so a few steps follow any change.
+# factor, so a few steps follow any change. A step this many times *faster* than predicted
+# starts the fit over from it: the steps before ran in other conditions (a worker's first
+# seconds, every process of a host warming up at once, fitted 1 s + 0.8 ms a token where a
+# warm step takes 0.06 ms a token), and averaging them away took dozens of steps.
 OUTLIER_FACTOR = 4.0
 MIN_WEIGHT = 3.0  # steps (decayed) before outliers are judged
 # Sizes spread less than this (coefficient of variation) fit a rate through the origin: a
@@ -30,12 +35,21 @@ class StepCostFit:
 
     def __init__(self, decay: float = 0.95) -> None:
         self.decay = decay
+        self.observed_at_s: float | None = None  # monotonic; None before any step
+        self._restart()
+
+    def _restart(self) -> None:
         self._w = self._n = self._nn = self._t = self._nt = 0.0
         self._max_size = 0
 
     def observe(self, size: int, seconds: float) -> None:
+        self.observed_at_s = time.monotonic()
         if self._w >= MIN_WEIGHT and size <= self._max_size:
-            seconds = min(seconds, OUTLIER_FACTOR * self.predict(size))
+            predicted = self.predict(size)
+            if seconds * OUTLIER_FACTOR < predicted:
+                self._restart()
+            else:
+                seconds = min(seconds, OUTLIER_FACTOR * predicted)
         self._max_size = max(self._max_size, size)
         d = self.decay
         n = float(size)
@@ -44,6 +58,10 @@ class StepCostFit:
         self._nn = d * self._nn + n * n
         self._t = d * self._t + seconds
         self._nt = d * self._nt + n * seconds
+
+    def age_s(self) -> float:
+        """Seconds since the last step observed (0 before any: nothing to be old)."""
+        return 0.0 if self.observed_at_s is None else time.monotonic() - self.observed_at_s
 
     def predict(self, size: int) -> float:
         overhead, per_unit = self.coefficients()

@@ -362,6 +362,7 @@ class TorchEngine:
             decode_step_s=self._times.decode_step_s,
             decode_overhead_s=decode_overhead, decode_s_per_sequence=per_sequence,
             prefill_overhead_s=overhead, prefill_s_per_token=per_token,
+            prefill_fit_age_s=self._times.prefill_cost.age_s(),
             busy_s=self._times.busy_s, num_prompt_tokens_computed=self._times.num_prompt_computed,
             num_preemptions=self._core.growth.num_preemptions if self._core is not None else 0,
             max_model_len=self.max_model_len,

@@ -297,6 +297,7 @@ class WorkerService(Service):
             num_waiting_tokens=stats.num_waiting_tokens, decode_step_s=stats.decode_step_s,
             max_queue=self.config.max_queue, prefill_overhead_s=stats.prefill_overhead_s,
             prefill_s_per_token=stats.prefill_s_per_token,
+            prefill_fit_age_s=stats.prefill_fit_age_s,
             decode_overhead_s=stats.decode_overhead_s,
             decode_s_per_sequence=stats.decode_s_per_sequence,
             local_prefill_max_tokens=self.config.local_prefill_max_tokens

@@ -462,6 +462,9 @@ class WorkerHeartbeat(Message, frozen=True, kw_only=True):
     # where `decode_step_s` is what the last steps took at whatever batch they ran.
     decode_overhead_s: float = 0.0
     decode_s_per_sequence: float = 0.0
+    # Seconds since the prefill fit's last step (0: none yet, a fixed cost, or a worker from
+    # before it): an idle worker's old fit may come from other conditions (`admit`).
+    prefill_fit_age_s: float = 0.0
 
     def fitted_decode_step_s(self, batch: int) -> float | None:
         """The fitted decode step at `batch` sequences; None where the worker reports no fit."""

@@ -192,6 +192,27 @@ def test_a_prefill_worker_that_measured_nothing_yet_takes_a_request_when_idle() 
         assignment.admit(REQUEST, chosen, {}, None, rules)
 
 
+def test_an_idle_prefill_worker_whose_fit_no_step_renewed_takes_a_request() -> None:
+    """A fit measured while every process of the host warmed up (1 s + 0.8 ms a token)
+    refused every request on a fresh cluster for good; once no step has renewed it for
+    `STALE_FIT_S`, the idle worker takes one, and that step measures it again. Not while it
+    has work, nor while its fit is fresh."""
+    rules = Rules(slo=Slo(ttft_s=0.01))
+    fresh = msgspec.structs.replace(worker("p1"), prefill_overhead_s=1.0,
+                                    prefill_s_per_token=0.0008, prefill_fit_age_s=0.5)
+    for fit_age_s, is_admitted in ((0.5, False), (assignment.STALE_FIT_S + 0.5, True)):
+        idle = msgspec.structs.replace(fresh, prefill_fit_age_s=fit_age_s)
+        chosen = assignment.plan(REQUEST, view(idle, worker("d1", "decode")), Progress(),
+                                 Rules(), prefix=None, turn=0)
+        if is_admitted:
+            assignment.admit(REQUEST, chosen, {}, None, rules)
+        else:
+            with pytest.raises(SloViolation, match="TTFT"):
+                assignment.admit(REQUEST, chosen, {}, None, rules)
+        with pytest.raises(SloViolation, match="TTFT"):
+            assignment.admit(REQUEST, chosen, {"p1": PendingWork(num_requests=1)}, None, rules)
+
+
 def test_admission_refuses_a_slow_decode_step_only_on_a_worker_that_is_not_idle() -> None:
     """Steps of 50 ms against a 20 ms SLO: an idle worker still takes a request (an estimate
     never measured again while every request was refused would refuse them all for good);

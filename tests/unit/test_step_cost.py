@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engine.step_cost import StepCostFit
@@ -83,3 +85,22 @@ def test_a_line_crossing_zero_time_at_a_positive_size_fits_through_the_origin() 
     overhead, per_token = fit.coefficients()
     assert overhead == 0.0
     assert per_token == pytest.approx(0.21 / 1100, rel=0.01)
+
+
+def test_a_step_far_faster_than_predicted_starts_the_fit_over() -> None:
+    """The first seconds of a host whose every process warmed up at once: prompts at 1 ms
+    a token; then a warm step at 0.06 ms a token is what the worker does from now on."""
+    fit = StepCostFit()
+    for size in (400, 800, 1200, 1600):
+        fit.observe(size, 0.001 * size)
+    fit.observe(1000, 0.06)
+    assert fit.predict(1000) == pytest.approx(0.06)
+
+
+
+def test_the_fit_tells_its_age() -> None:
+    fit = StepCostFit()
+    assert fit.age_s() == 0.0  # nothing to be old
+    fit.observe(100, 0.01)
+    fit.observed_at_s = time.monotonic() - 7.0
+    assert fit.age_s() == pytest.approx(7.0, abs=0.5)
